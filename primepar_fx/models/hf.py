@@ -1,0 +1,154 @@
+"""Tiny Hugging Face ``transformers`` models for tests, and model-spec resolution for command lines.
+
+``transformers`` is an optional dependency (``pip install primepar-fx[hf]``) and is
+imported lazily inside :func:`build_hf_tiny`; nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+HF_FAMILIES = ("gpt2", "llama", "opt", "bloom")
+
+TINY_VOCAB = 128
+TINY_HIDDEN = 64
+TINY_LAYERS = 2
+TINY_HEADS = 4
+TINY_MAX_POSITIONS = 64
+_SPECIAL_TOKENS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+
+
+def _import_transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "Hugging Face models need the optional 'transformers' dependency; "
+            "install it with `pip install primepar-fx[hf]`"
+        ) from exc
+    return transformers
+
+
+def _tiny_config(transformers: Any, family: str) -> Any:
+    common = {"vocab_size": TINY_VOCAB, "use_cache": False, **_SPECIAL_TOKENS}
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            n_embd=TINY_HIDDEN, n_layer=TINY_LAYERS, n_head=TINY_HEADS, n_inner=4 * TINY_HIDDEN,
+            n_positions=TINY_MAX_POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common,
+        )  # fmt: skip
+    if family == "llama":
+        return transformers.LlamaConfig(
+            hidden_size=TINY_HIDDEN, num_hidden_layers=TINY_LAYERS, num_attention_heads=TINY_HEADS,
+            num_key_value_heads=TINY_HEADS // 2, intermediate_size=2 * TINY_HIDDEN,
+            max_position_embeddings=TINY_MAX_POSITIONS, attention_dropout=0.0, **common,
+        )  # fmt: skip
+    if family == "opt":
+        return transformers.OPTConfig(
+            hidden_size=TINY_HIDDEN, num_hidden_layers=TINY_LAYERS, num_attention_heads=TINY_HEADS,
+            ffn_dim=4 * TINY_HIDDEN, word_embed_proj_dim=TINY_HIDDEN, max_position_embeddings=TINY_MAX_POSITIONS,
+            dropout=0.0, attention_dropout=0.0, layerdrop=0.0, **common,
+        )  # fmt: skip
+    return transformers.BloomConfig(
+        hidden_size=TINY_HIDDEN, n_layer=TINY_LAYERS, n_head=TINY_HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+        attn_implementation="eager", **common,
+    )  # fmt: skip
+
+
+_MODEL_CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "opt": "OPTForCausalLM",
+    "bloom": "BloomForCausalLM",
+}
+
+
+def build_hf_tiny(family: str, *, seed: int = 0) -> nn.Module:
+    """A randomly initialised tiny causal LM of ``family`` (one of gpt2, llama, opt, bloom).
+
+    Hidden 64, 2 layers, 4 heads, vocab 128, at most 64 positions, ``use_cache=False``,
+    in ``train()`` mode with every dropout probability at 0.0 so runs are deterministic.
+    Weights come from ``seed`` without disturbing the caller's global RNG state.
+    """
+    if family not in HF_FAMILIES:
+        raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {HF_FAMILIES}")
+    transformers = _import_transformers()
+    config = _tiny_config(transformers, family)
+    model_cls = getattr(transformers, _MODEL_CLASSES[family])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    model.train()
+    logger.debug("built tiny %s (%d parameters)", model_cls.__name__, sum(p.numel() for p in model.parameters()))
+    return model
+
+
+def hf_example_inputs(
+    model: nn.Module, batch: int, seq: int, *, seed: int = 0
+) -> tuple[tuple[()], dict[str, torch.Tensor]]:
+    """``((), {"input_ids": ids, "labels": ids})`` with token ids drawn from a seeded generator."""
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq > limit:
+        raise ValueError(f"seq={seq} exceeds the model's max_position_embeddings={limit}")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
+    return (), {"input_ids": ids, "labels": ids}
+
+
+def _resolve_callable(spec: str) -> Callable[..., Any]:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"model spec {spec!r} must look like 'package.module:callable'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"model spec {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"model spec {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
+    if not callable(target):
+        raise ValueError(f"model spec {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable")
+    return target
+
+
+def load_model_spec(spec: str, **kwargs: Any) -> nn.Module:
+    """Resolve ``spec`` to a model.
+
+    ``spec`` is either a zoo name (``"gpt2"``, ``"llama2-70b"`` ...; ``kwargs`` go to
+    :func:`primepar_fx.models.build`, e.g. ``device="meta"``) or ``"package.module:callable"``,
+    which is imported and called with ``kwargs``.
+    """
+    from primepar_fx.models import build
+    from primepar_fx.models.zoo import ZOO
+
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+    if spec in ZOO:
+        return build(spec, **kwargs)
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown model {spec!r}: expected a zoo name ({', '.join(sorted(ZOO))}) "
+            "or an importable 'package.module:callable'"
+        )
+    model = _resolve_callable(spec)(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model spec {spec!r} returned a {type(model).__name__}, expected a torch.nn.Module")
+    return model

@@ -1,0 +1,180 @@
+"""Communication derived from the DSIs: ring senders (paper Table 1), collectives and their groups.
+
+Nothing here is tabulated. For every tensor an operator touches we list its *uses* ``(phase, step)`` in training
+order; between two consecutive uses, a device that needs a slice it does not hold receives it from the device that
+held it (:func:`transfers`). For P(S x S) this reproduces Table 1, including the last-step dW shift and the
+Backward W shift that restores the Forward-start layout. A result tensor whose summed-over dims are split leaves
+partial sums on the devices that hold the same result slice; they form the groups of an all-reduce
+(:func:`collectives`), whose *group indicator* is the set of digits those dims depend on.
+
+Tensor names: ``in{k}`` / ``out{j}`` are the op's inputs and outputs, ``d_in{k}`` / ``d_out{j}`` their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from primepar_fx.partition.dsi import PHASES, OpPartition, Phase, TensorSlice
+from primepar_fx.rules.spec import OpDims, TensorMap
+
+Use = tuple[Phase, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTensor:
+    name: str
+    tmap: TensorMap
+    result: bool
+
+
+def phase_tensors(op: OpDims) -> dict[Phase, tuple[PhaseTensor, ...]]:
+    """The tensors each phase reads and produces.
+
+    Forward reads the inputs and produces the outputs. Backward (data gradient) produces ``d_in`` of every
+    input that is neither a parameter nor gradient-free; Gradient produces ``d_in`` of the parameters. A matrix
+    product's Backward reads ``d_out`` and W, its Gradient ``d_out`` and I (paper Eq. 1); other ops read ``d_out``
+    and their stashed inputs in both.
+    """
+    ins = [(k, m) for k, m in enumerate(op.inputs) if m is not None]
+    fwd = [PhaseTensor(f"in{k}", m, False) for k, m in ins] + [
+        PhaseTensor(f"out{j}", m, True) for j, m in enumerate(op.outputs)
+    ]
+    d_out = [PhaseTensor(f"d_out{j}", m, False) for j, m in enumerate(op.outputs)]
+    grads = [(k, m) for k, m in ins if k not in op.no_grad]
+    if op.matmul is not None and op.matmul_operands is not None:
+        i_idx, w_idx = op.matmul_operands
+        bwd_read = [PhaseTensor(f"in{w_idx}", op.inputs[w_idx], False)]  # type: ignore[arg-type]
+        grad_read = [PhaseTensor(f"in{i_idx}", op.inputs[i_idx], False)]  # type: ignore[arg-type]
+    else:
+        bwd_read = grad_read = [PhaseTensor(f"in{k}", m, False) for k, m in ins]
+    bwd = d_out + bwd_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k not in op.weights]
+    grd = d_out + grad_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k in op.weights]
+    return {Phase.FORWARD: tuple(fwd), Phase.BACKWARD: tuple(bwd), Phase.GRADIENT: tuple(grd)}
+
+
+def tensor_uses(part: OpPartition) -> dict[str, tuple[TensorMap, list[Use]]]:
+    """Each tensor's uses in training order (Forward, Backward, Gradient, each over its steps)."""
+    out: dict[str, tuple[TensorMap, list[Use]]] = {}
+    for phase, tensors in phase_tensors(part.op).items():
+        for pt in tensors:
+            uses = out.setdefault(pt.name, (pt.tmap, []))[1]
+            uses.extend((phase, t) for t in range(part.steps))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One ring step: between uses ``src`` and ``dst`` of ``tensor``, rank ``k`` receives from ``senders[k]``.
+
+    It overlaps the compute of ``src``; ``wrap`` marks the shift of a parameter back to its Forward-start layout.
+    """
+
+    tensor: str
+    src: Use
+    dst: Use
+    senders: tuple[int, ...]
+    wrap: bool = False
+
+    @property
+    def moves(self) -> int:
+        return sum(1 for k, s in enumerate(self.senders) if s != k)
+
+
+def _holder(part: OpPartition, slices: dict[int, TensorSlice], want: TensorSlice, me: int) -> int:
+    """The rank that holds ``want``: ``me`` if possible, else the one differing from me in the fewest digits."""
+    if slices[me] == want:
+        return me
+    mine = part.mesh.coords(me)
+    best = None
+    for k, s in slices.items():
+        if s == want:
+            dist = sum(a != b for a, b in zip(mine, part.mesh.coords(k)))
+            if best is None or dist < best[0]:
+                best = (dist, k)
+    if best is None:
+        raise AssertionError(f"no device holds slice {want} of {part.seq}")
+    return best[1]
+
+
+def _slices_at(part: OpPartition, tmap: TensorMap, use: Use) -> dict[int, TensorSlice]:
+    return {k: part.tensor_slice(use[0], tmap, c, use[1]) for k, c in enumerate(part.mesh.devices())}
+
+
+def transfers(part: OpPartition) -> list[Transfer]:
+    """Every point-to-point shift the partition needs, derived from consecutive uses of each tensor."""
+    out: list[Transfer] = []
+    weights = {f"in{k}" for k in part.op.weights} | {f"d_in{k}" for k in part.op.weights}
+    for name, (tmap, uses) in tensor_uses(part).items():
+        pairs = list(zip(uses, uses[1:]))
+        if name in weights and name.startswith("in"):
+            pairs.append((uses[-1], uses[0]))  # a parameter returns to its Forward-start layout
+        for src, dst in pairs:
+            have, want = _slices_at(part, tmap, src), _slices_at(part, tmap, dst)
+            senders = tuple(_holder(part, have, want[k], k) for k in range(part.mesh.size))
+            if any(s != k for k, s in enumerate(senders)):
+                out.append(Transfer(name, src, dst, senders, wrap=(dst == uses[0] and src == uses[-1])))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """An all-reduce of a phase's result over the devices that differ only in ``digits``."""
+
+    phase: Phase
+    tensor: str
+    dims: frozenset[str]
+    digits: tuple[int, ...]
+    kind: str = "all-reduce"
+
+
+def collectives(part: OpPartition) -> list[Collective]:
+    """Collectives left by split summed-over dims (and split statistics dims), per phase and result tensor."""
+    out = []
+    for phase, tensors in phase_tensors(part.op).items():
+        for pt in tensors:
+            if not pt.result:
+                continue
+            summed = set(part.op.summed_dims(pt.tmap))
+            if phase is not Phase.GRADIENT:
+                summed |= set(part.op.stats) & set(part.op.dims_of(pt.tmap))
+            hits = [(e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if getattr(e, "dim", None) in summed]
+            split = frozenset(d for d, _ in hits)
+            digits = tuple(sorted(p for _, p in hits))
+            if digits:
+                out.append(Collective(phase, pt.name, split, digits))
+    return out
+
+
+def replicated_tensors(part: OpPartition, phase: Phase = Phase.FORWARD, t: int = 0) -> dict[str, int]:
+    """How many devices hold each slice of each tensor at ``(phase, t)`` (1 = never replicated)."""
+    out = {}
+    for pt in phase_tensors(part.op)[phase]:
+        slices = _slices_at(part, pt.tmap, (phase, t))
+        counts: dict[TensorSlice, int] = {}
+        for s in slices.values():
+            counts[s] = counts.get(s, 0) + 1
+        out[pt.name] = max(counts.values())
+    return out
+
+
+def alignments(part: OpPartition) -> dict[str, bool]:
+    """The paper's phase alignments (Feature 3) for a matrix product, checked on every device."""
+    op = part.op
+    if op.matmul_operands is None:
+        return {}
+    i_idx, w_idx = op.matmul_operands
+    last = part.steps - 1
+    i_map, w_map, o_map = op.inputs[i_idx], op.inputs[w_idx], op.outputs[0]
+
+    def same(a: TensorMap, ua: tuple[Phase, int], b: TensorMap, ub: tuple[Phase, int]) -> bool:
+        return all(
+            part.tensor_slice(ua[0], a, c, ua[1]) == part.tensor_slice(ub[0], b, c, ub[1]) for c in part.mesh.devices()
+        )
+
+    f, b, g = PHASES
+    return {
+        "I: Forward end = Gradient start": same(i_map, (f, last), i_map, (g, 0)),  # type: ignore[arg-type]
+        "W: Forward end = Backward start": same(w_map, (f, last), w_map, (b, 0)),  # type: ignore[arg-type]
+        "dO: Backward end = Gradient start": same(o_map, (b, last), o_map, (g, 0)),
+        "dW: Gradient end = W Forward start": same(w_map, (g, last), w_map, (f, 0)),  # type: ignore[arg-type]
+    }

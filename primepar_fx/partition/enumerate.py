@@ -1,0 +1,89 @@
+"""Enumerate the legal partition sequences of an operator on a device mesh.
+
+A sequence is legal when it uses every digit of the device ID exactly once, splits only splittable dims, puts
+P(S x S) only on a matrix product whose M, N and K may be split (at most once), and cuts every concrete size into
+equal parts. Symbolic sizes (``B``, ``S``) are checked against ``values`` when given and assumed divisible otherwise.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import sympy
+
+from primepar_fx.partition.dsi import OpPartition
+from primepar_fx.partition.mesh import DeviceMesh
+from primepar_fx.partition.seq import Element, PartitionSeq, Prime, Replicate, Split
+from primepar_fx.rules.spec import OpDims
+
+
+def _fits(size: sympy.Expr, parts: int, values: dict[sympy.Symbol, int] | None) -> bool:
+    expr = sympy.sympify(size)
+    if values:
+        expr = expr.subs(values)
+    if expr.is_Integer:
+        return int(expr) % parts == 0
+    return True
+
+
+def prime_sizes_at(mesh: DeviceMesh, pos: int) -> list[tuple[int, int]]:
+    """``(S, digits used)`` for every P(S x S) that can start at digit ``pos``."""
+    out, rows, used = [], 1, 0
+    while pos + used + 1 < len(mesh.digits) and mesh.digits[pos + used] == mesh.digits[pos + used + 1]:
+        rows *= mesh.digits[pos + used]
+        used += 2
+        out.append((rows, used))
+    return out
+
+
+def enumerate_sequences(
+    op: OpDims,
+    mesh: DeviceMesh,
+    *,
+    values: dict[sympy.Symbol, int] | None = None,
+    allow_prime: bool = True,
+    allow_replicate: bool = True,
+) -> list[PartitionSeq]:
+    """All legal partition sequences of ``op`` on ``mesh``, in a deterministic order."""
+    splittable = [d for d in op.dims if d not in op.no_split]
+    prime_ok = (
+        allow_prime and op.matmul is not None and all(d not in op.no_split for d in op.matmul)
+    )
+    out: list[PartitionSeq] = []
+    parts = {d: 1 for d in op.dims}
+
+    def rec(pos: int, acc: list[Element], used_prime: bool) -> None:
+        if pos == len(mesh.digits):
+            out.append(PartitionSeq(tuple(acc)))
+            return
+        radix = mesh.digits[pos]
+        for d in splittable:
+            if _fits(op.size(d), parts[d] * radix, values):
+                parts[d] *= radix
+                rec(pos + 1, [*acc, Split(d)], used_prime)
+                parts[d] //= radix
+        if prime_ok and not used_prime:
+            for s, used in prime_sizes_at(mesh, pos):
+                if all(_fits(op.size(d), parts[d] * s, values) for d in op.matmul):  # type: ignore[union-attr]
+                    for d in op.matmul:  # type: ignore[union-attr]
+                        parts[d] *= s
+                    rec(pos + used, [*acc, Prime(s)], True)
+                    for d in op.matmul:  # type: ignore[union-attr]
+                        parts[d] //= s
+        if allow_replicate:
+            rec(pos + 1, [*acc, Replicate()], used_prime)
+
+    rec(0, [], False)
+    return out
+
+
+def count_sequences(op: OpDims, mesh: DeviceMesh, **kw: object) -> int:
+    return len(enumerate_sequences(op, mesh, **kw))  # type: ignore[arg-type]
+
+
+def bind_all(op: OpDims, mesh: DeviceMesh, seqs: list[PartitionSeq]) -> list[OpPartition]:
+    return [OpPartition(op, s, mesh) for s in seqs]
+
+
+def world_devices(mesh: DeviceMesh) -> int:
+    return prod(mesh.digits)

@@ -1,0 +1,89 @@
+"""Device IDs as mixed-radix digit vectors (paper §3.1, generalised beyond 2^n devices).
+
+A world of N devices is described by its *digits*: radices ``(r1, ..., rn)`` with ``r1 * ... * rn = N``. The
+device with rank ``k`` has ID ``D = (d1, ..., dn)``, ``0 <= di < ri``, with ``d1`` the most significant digit, so
+ranks that share a node share the leading digits. The paper's binary IDs are the case ``ri = 2``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from math import prod
+
+
+def prime_factors(n: int) -> list[int]:
+    """Prime factors of ``n`` in ascending order (with repeats)."""
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        out.append(n)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMesh:
+    """The digits of the device ID. ``digits[0]`` is the most significant (it spans nodes first)."""
+
+    digits: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.digits, tuple) or not all(isinstance(d, int) for d in self.digits):
+            raise ValueError(f"digits must be a tuple of ints, got {self.digits!r}")
+        if any(d < 2 for d in self.digits):
+            raise ValueError(f"every digit needs a radix of at least 2, got {self.digits}")
+
+    @classmethod
+    def for_world_size(cls, world_size: int, devices_per_node: int | None = None) -> DeviceMesh:
+        """Prime-factor digits, largest first; with ``devices_per_node`` the node digits come first."""
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        if devices_per_node is None or devices_per_node >= world_size:
+            return cls(tuple(sorted(prime_factors(world_size), reverse=True)))
+        if world_size % devices_per_node:
+            raise ValueError(f"world size {world_size} is not a multiple of {devices_per_node} devices per node")
+        nodes = world_size // devices_per_node
+        return cls(
+            tuple(sorted(prime_factors(nodes), reverse=True)) + tuple(sorted(prime_factors(devices_per_node), reverse=True))
+        )
+
+    @property
+    def size(self) -> int:
+        return prod(self.digits)
+
+    def __len__(self) -> int:
+        return len(self.digits)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside a world of {self.size}")
+        out = []
+        for radix in reversed(self.digits):
+            out.append(rank % radix)
+            rank //= radix
+        return tuple(reversed(out))
+
+    def rank(self, coords: tuple[int, ...]) -> int:
+        if len(coords) != len(self.digits) or any(not 0 <= c < r for c, r in zip(coords, self.digits)):
+            raise ValueError(f"{coords} is not a device ID for digits {self.digits}")
+        k = 0
+        for c, radix in zip(coords, self.digits):
+            k = k * radix + c
+        return k
+
+    def devices(self) -> Iterator[tuple[int, ...]]:
+        """All device IDs in rank order."""
+        return itertools.product(*(range(r) for r in self.digits))
+
+    def groups(self, positions: tuple[int, ...]) -> list[list[int]]:
+        """Rank groups of a group indicator: devices that differ only in the digits at ``positions``."""
+        fixed = [i for i in range(len(self.digits)) if i not in positions]
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for rank, coords in enumerate(self.devices()):
+            buckets.setdefault(tuple(coords[i] for i in fixed), []).append(rank)
+        return list(buckets.values())

@@ -1,0 +1,4 @@
+"""Graph passes (GraphModule -> GraphModule): sharding, collectives and ring operators.
+
+Not built yet: reserved for the runtime issue.
+"""

@@ -1,0 +1,292 @@
+"""The partition algebra: DSIs, derived ring senders and collectives, executed numerically.
+
+The executor below runs a linear operator ``O[B,M,K] = I[B,M,N] . W[N,K]`` through Forward, Backward and Gradient
+on simulated devices. Blocks move only through the transfers that :func:`transfers` derived from the DSIs, and
+partial sums are combined only over the groups :func:`collectives` derived. The results must equal the
+single-device products exactly (integer-valued float64 data).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import sympy
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from primepar_fx.partition import (
+    DeviceMesh,
+    OpPartition,
+    PartitionError,
+    PartitionSeq,
+    Phase,
+    Prime,
+    Replicate,
+    Split,
+    alignments,
+    collectives,
+    enumerate_sequences,
+    replicated_tensors,
+    transfers,
+)
+from primepar_fx.rules.spec import OpDims
+
+F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
+
+
+def linear_dims(b: int, m: int, n: int, k: int) -> OpDims:
+    return OpDims(
+        "matmul",
+        ("B", "M", "N", "K"),
+        tuple(sympy.Integer(v) for v in (b, m, n, k)),
+        inputs=((("B",), ("M",), ("N",)), (("N",), ("K",))),
+        outputs=((("B",), ("M",), ("K",)),),
+        matmul=("M", "N", "K"),
+        matmul_operands=(0, 1),
+        weights=frozenset({1}),
+    )
+
+
+def block(full: np.ndarray, tslice) -> np.ndarray:
+    idx = []
+    for size, group in zip(full.shape, tslice):
+        ((i, p),) = group
+        step = size // p
+        idx.append(slice(i * step, (i + 1) * step))
+    return full[tuple(idx)]
+
+
+def execute(part: OpPartition, rng: np.random.Generator) -> None:
+    """Run all three phases of the linear op on simulated devices and check every result block."""
+    op = part.op
+    b, m, n, k = (int(s) for s in op.sizes)
+    I, W, dO = (rng.integers(-3, 4, size=s).astype(np.float64) for s in ((b, m, n), (n, k), (b, m, k)))
+    truth = {"out0": np.einsum("bmn,nk->bmk", I, W), "d_in0": np.einsum("bmk,nk->bmn", dO, W)}
+    truth["d_in1"] = np.einsum("bmn,bmk->nk", I, dO)
+    fulls = {"in0": I, "in1": W, "d_out0": dO}
+    maps = {"in0": op.inputs[0], "in1": op.inputs[1], "out0": op.outputs[0], "d_out0": op.outputs[0]}
+    maps["d_in0"], maps["d_in1"] = op.inputs[0], op.inputs[1]
+    devices = list(part.mesh.devices())
+    moves = transfers(part)
+    colls = collectives(part)
+    held = {name: [block(fulls[name], part.tensor_slice(F if name != "d_out0" else Bk, maps[name], c)) for c in devices]
+            for name in fulls}
+    product = {
+        F: ("out0", "in0", "in1", lambda a, w, _: np.einsum("bmn,nk->bmk", a, w)),
+        Bk: ("d_in0", "d_out0", "in1", lambda g, w, _: np.einsum("bmk,nk->bmn", g, w)),
+        G: ("d_in1", "in0", "d_out0", lambda a, g, _: np.einsum("bmn,bmk->nk", a, g)),
+    }
+    for phase in (F, Bk, G):
+        res, x, y, fn = product[phase]
+        acc = [np.zeros(block(truth[res], part.tensor_slice(phase, maps[res], c, 0)).shape) for c in devices]
+        held[res] = acc
+        for t in range(part.steps):
+            for r, c in enumerate(devices):
+                assert np.array_equal(held[x][r], block(fulls.get(x, truth.get(x)), part.tensor_slice(phase, maps[x], c, t)))
+                acc[r] = acc[r] + fn(held[x][r], held[y][r], t)
+            for tr in moves:
+                if tr.src == (phase, t):
+                    held[tr.tensor] = [held[tr.tensor][s] for s in tr.senders]
+            acc = held[res]
+        for coll in (cl for cl in colls if cl.phase is phase and cl.tensor == res):
+            for group in part.mesh.groups(coll.digits):
+                total = sum(acc[r] for r in group)
+                for r in group:
+                    acc[r] = total
+        last = part.steps - 1
+        for r, c in enumerate(devices):
+            want = block(truth[res], part.tensor_slice(phase, maps[res], c, last))
+            assert np.array_equal(acc[r], want), f"{part.seq}: {res} wrong on device {c}"
+    # after a full iteration the weight is back in its Forward-start layout
+    for r, c in enumerate(devices):
+        assert np.array_equal(held["in1"][r], block(W, part.tensor_slice(F, maps["in1"], c, 0)))
+
+
+# --------------------------------------------------------------------------------------- unit tests
+def test_device_ids_are_mixed_radix_with_the_first_digit_most_significant() -> None:
+    mesh = DeviceMesh((3, 2, 2))
+    assert mesh.size == 12
+    assert [mesh.coords(k) for k in (0, 1, 2, 4, 11)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (2, 1, 1)]
+    assert all(mesh.rank(mesh.coords(k)) == k for k in range(12))
+    assert mesh.groups((2,)) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+
+
+def test_world_sizes_factor_into_digits_with_node_digits_first() -> None:
+    assert DeviceMesh.for_world_size(8).digits == (2, 2, 2)
+    assert DeviceMesh.for_world_size(12).digits == (3, 2, 2)
+    assert DeviceMesh.for_world_size(24, devices_per_node=8).digits == (3, 2, 2, 2)
+    assert DeviceMesh.for_world_size(1).digits == ()
+
+
+def test_partition_text_round_trips() -> None:
+    for text in ("B,P2x2,N", "K,R", "P3x3", "-"):
+        assert str(PartitionSeq.parse(text)) == text
+    assert PartitionSeq.parse("B,P2x2").elements == (Split("B"), Prime(2))
+    with pytest.raises(ValueError, match="square"):
+        PartitionSeq.parse("P2x3")
+    with pytest.raises(ValueError, match="at most one"):
+        PartitionSeq.parse("P2x2,P2x2")
+
+
+def test_split_dsis_follow_algorithm_1() -> None:
+    part = OpPartition(linear_dims(4, 4, 4, 4), PartitionSeq.parse("B,N"), DeviceMesh((2, 2)))
+    got = {c: part.dsis(F, c) for c in part.mesh.devices()}
+    assert got == {(d1, d2): {"B": d1, "M": 0, "N": d2, "K": 0} for d1, d2 in itertools.product((0, 1), (0, 1))}
+    nested = OpPartition(linear_dims(4, 4, 4, 4), PartitionSeq.parse("K,K"), DeviceMesh((2, 2)))
+    assert [nested.dsis(F, c)["K"] for c in nested.mesh.devices()] == [0, 1, 2, 3]
+
+
+def test_prime_2x2_dsis_match_eq_4_to_6() -> None:
+    part = OpPartition(linear_dims(1, 2, 2, 2), PartitionSeq.parse("P2x2"), DeviceMesh((2, 2)))
+    for (r, c), t in itertools.product(part.mesh.devices(), range(2)):
+        delta = int(t == 1)
+        assert part.dsis(F, (r, c), t) == {"B": 0, "M": r, "N": (r + c + t) % 2, "K": c}
+        assert part.dsis(Bk, (r, c), t) == {"B": 0, "M": r, "N": (r + c - 1) % 2, "K": (c + t) % 2}
+        assert part.dsis(G, (r, c), t) == {"B": 0, "M": (r + t) % 2, "N": (r + c - 1 + delta) % 2, "K": (c - 1 + delta) % 2}
+
+
+def test_prime_on_binary_digits_reads_rows_and_columns_interleaved() -> None:
+    part = OpPartition(linear_dims(1, 4, 4, 4), PartitionSeq.parse("P4x4"), DeviceMesh((2, 2, 2, 2)))
+    assert part.row_col((1, 0, 1, 1)) == (3, 1)
+    assert part.row_col((0, 1, 1, 0)) == (1, 2)
+
+
+def relative_senders(part: OpPartition) -> dict[tuple[str, Phase, int], set[tuple[int, int]]]:
+    s = part.steps
+    out: dict[tuple[str, Phase, int], set[tuple[int, int]]] = {}
+    for tr in transfers(part):
+        for k, src in enumerate(tr.senders):
+            r, c = part.row_col(part.mesh.coords(k))
+            rs, cs = part.row_col(part.mesh.coords(src))
+            out.setdefault((tr.tensor, tr.src[0], tr.src[1]), set()).add(((rs - r) % s, (cs - c) % s))
+    return out
+
+
+@pytest.mark.parametrize("s", [2, 3, 4, 5])
+def test_derived_ring_senders_reproduce_table_1(s: int) -> None:
+    part = OpPartition(linear_dims(1, s, s, s), PartitionSeq.parse(f"P{s}x{s}"), DeviceMesh((s, s)))
+    got = relative_senders(part)
+    want: dict[tuple[str, Phase, int], set[tuple[int, int]]] = {}
+    for t in range(s - 1):
+        want[("in0", F, t)] = {(0, 1)}  # I from (r, c+1)
+        want[("in1", F, t)] = {(1, 0)}  # W from (r+1, c)
+        want[("d_out0", Bk, t)] = {(0, 1)}  # dO from (r, c+1)
+        want[("in1", Bk, t)] = {(s - 1, 1)}  # W from (r-1, c+1)
+    want[("in1", Bk, s - 1)] = {(0, 1)}  # W back to its Forward-start layout, from (r, c+1)
+    for t in range(s - 2):
+        want[("in0", G, t)] = {(1, s - 1)}  # I from (r+1, c-1)
+        want[("d_out0", G, t)] = {(1, 0)}  # dO from (r+1, c)
+    want[("in0", G, s - 2)] = {(1, 0)}  # I from (r+1, c)
+    want[("d_out0", G, s - 2)] = {(1, 1)}  # dO from (r+1, c+1)
+    want[("d_in1", G, s - 2)] = {(0, 1)}  # the partial dW from (r, c+1), added at the last step
+    assert got == want
+
+
+@pytest.mark.parametrize("s", [2, 3, 4])
+def test_prime_needs_no_collective_replicates_nothing_and_aligns_phases(s: int) -> None:
+    part = OpPartition(linear_dims(1, s, s, s), PartitionSeq.parse(f"P{s}x{s}"), DeviceMesh((s, s)))
+    assert collectives(part) == []
+    for phase, t in itertools.product((F, Bk, G), range(s)):
+        assert set(replicated_tensors(part, phase, t).values()) == {1}
+    assert all(alignments(part).values())
+
+
+def test_megatron_column_then_row_collectives_are_derived() -> None:
+    mesh = DeviceMesh((2, 2))
+    col = collectives(OpPartition(linear_dims(4, 4, 4, 4), PartitionSeq.parse("B,K"), mesh))
+    assert {(c.phase, c.tensor, c.dims, c.digits) for c in col} == {
+        (Bk, "d_in0", frozenset({"K"}), (1,)),
+        (G, "d_in1", frozenset({"B"}), (0,)),
+    }
+    row = collectives(OpPartition(linear_dims(4, 4, 4, 4), PartitionSeq.parse("B,N"), mesh))
+    assert {(c.phase, c.tensor, c.digits) for c in row} == {(F, "out0", (1,)), (G, "d_in1", (0,))}
+
+
+def test_illegal_partitions_name_the_dim() -> None:
+    op = linear_dims(4, 4, 4, 4)
+    with pytest.raises(PartitionError, match="no dim 'Q'"):
+        OpPartition(op, PartitionSeq.parse("Q,B"), DeviceMesh((2, 2)))
+    with pytest.raises(PartitionError, match="spreads over 2 devices but the world has 4"):
+        OpPartition(op, PartitionSeq.parse("B"), DeviceMesh((2, 2)))
+    with pytest.raises(PartitionError, match="equal digits"):
+        OpPartition(op, PartitionSeq.parse("P2x2"), DeviceMesh((2, 3)))
+    part = OpPartition(linear_dims(4, 3, 4, 4), PartitionSeq.parse("M,B"), DeviceMesh((2, 2)))
+    with pytest.raises(PartitionError, match="dim 'M' of size 3"):
+        part.check_divisible()
+
+
+def test_enumeration_counts_are_exact_on_two_and_four_devices() -> None:
+    op = linear_dims(4, 4, 4, 4)
+    assert [str(s) for s in enumerate_sequences(op, DeviceMesh((2,)))] == ["B", "M", "N", "K", "R"]
+    seqs = {str(s) for s in enumerate_sequences(op, DeviceMesh((2, 2)))}
+    assert len(seqs) == 5 * 5 + 1 and "P2x2" in seqs
+    odd = linear_dims(4, 3, 4, 4)  # M = 3 cannot be halved, so neither Split(M) nor P2x2
+    assert {str(s) for s in enumerate_sequences(odd, DeviceMesh((2,)))} == {"B", "N", "K", "R"}
+    assert "P2x2" not in {str(s) for s in enumerate_sequences(odd, DeviceMesh((2, 2)))}
+    no_m = OpDims(**{**{f: getattr(op, f) for f in op.__slots__ if f != "no_split"}, "no_split": frozenset({"N"})})
+    assert all("N" not in str(s) and "P" not in str(s) for s in enumerate_sequences(no_m, DeviceMesh((2, 2))))
+
+
+def test_enumeration_respects_symbolic_sizes_at_given_values() -> None:
+    b = sympy.Symbol("B", positive=True, integer=True)
+    op = OpDims("pointwise", ("B", "D"), (b, sympy.Integer(4)), inputs=((("B",), ("D",)),), outputs=((("B",), ("D",)),))
+    assert {str(s) for s in enumerate_sequences(op, DeviceMesh((3,)))} == {"B", "R"}
+    assert {str(s) for s in enumerate_sequences(op, DeviceMesh((3,)), values={b: 4})} == {"R"}
+
+
+# ---------------------------------------------------------------------------------- property tests
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=st.integers(2, 8), bm=st.integers(1, 2), bn=st.integers(1, 2), bk=st.integers(1, 2), seed=st.integers(0, 99))
+def test_prime_executes_exactly_for_any_s(s: int, bm: int, bn: int, bk: int, seed: int) -> None:
+    part = OpPartition(linear_dims(2, s * bm, s * bn, s * bk), PartitionSeq.parse(f"P{s}x{s}"), DeviceMesh((s, s)))
+    execute(part, np.random.default_rng(seed))
+    assert all(alignments(part).values())
+    for phase, t in itertools.product((F, Bk, G), range(s)):
+        assert set(replicated_tensors(part, phase, t).values()) == {1}
+
+
+@st.composite
+def mesh_and_sequence(draw: st.DrawFn) -> tuple[OpPartition, int]:
+    digits = tuple(draw(st.lists(st.sampled_from([2, 2, 2, 3]), min_size=1, max_size=6)))
+    while np.prod(digits) > 64:
+        digits = digits[:-1]
+    mesh = DeviceMesh(digits)
+    op = linear_dims(*(draw(st.sampled_from([6, 12, 24, 48])) for _ in range(4)))
+    seqs = enumerate_sequences(op, mesh, allow_replicate=draw(st.booleans()))
+    assume(seqs)  # small dims cannot always absorb every digit without Replicate
+    return OpPartition(op, draw(st.sampled_from(seqs)), mesh), draw(st.integers(0, 99))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mesh_and_sequence())
+def test_random_sequences_cover_every_sub_operator_once_and_collectives_group_shared_slices(case) -> None:
+    part, seed = case
+    op = part.op
+    replicas = int(np.prod([part.mesh.digits[p] for p in part.replicate_digits])) if part.replicate_digits else 1
+    space = list(itertools.product(*(range(part.parts[d]) for d in op.dims)))
+    colls = collectives(part)
+    for phase in (F, Bk, G):
+        seen: dict[tuple[int, ...], int] = {}
+        for c, t in itertools.product(part.mesh.devices(), range(part.steps)):
+            key = tuple(part.dsis(phase, c, t)[d] for d in op.dims)
+            seen[key] = seen.get(key, 0) + 1
+        assert seen == {key: replicas for key in space}, f"{part.seq} on {part.mesh.digits}: {phase}"
+        result = {F: "out0", Bk: "d_in0", G: "d_in1"}[phase]
+        tmap = {F: op.outputs[0], Bk: op.inputs[0], G: op.inputs[1]}[phase]
+        by_slice: dict[object, list[int]] = {}
+        for k, c in enumerate(part.mesh.devices()):
+            by_slice.setdefault(part.tensor_slice(phase, tmap, c, part.steps - 1), []).append(k)
+        digits = [cl.digits for cl in colls if cl.phase is phase and cl.tensor == result]
+        group_digits = tuple(sorted((digits[0] if digits else ()) + part.replicate_digits))
+        assert sorted(by_slice.values()) == sorted(part.mesh.groups(group_digits))
+    if not part.replicate_digits:
+        execute(part, np.random.default_rng(seed))
+
+
+def test_replicated_digits_compute_the_same_thing() -> None:
+    part = OpPartition(linear_dims(4, 4, 4, 4), PartitionSeq((Split("K"), Replicate())), DeviceMesh((2, 2)))
+    assert part.replicate_digits == (1,)
+    assert replicated_tensors(part)["in1"] == 2
+    assert {(c.phase, c.digits) for c in collectives(part)} == {(Bk, (0,))}
