@@ -1,0 +1,31 @@
+"""primepar_fx: a torch.fx compiler that partitions transformer training across devices with PrimePar.
+
+Pipeline: capture (torch.export) -> symbolic shapes (B, S) -> op dimension rules -> partition space (DSIs)
+-> cost model -> search -> plan -> graph passes -> per-rank runtime.
+"""
+
+from primepar_fx.api import analyze
+from primepar_fx.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.graph import OpGraph, OpNode, build_graph
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
+from primepar_fx.rules.registry import MissingRuleError, register_rule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Captured",
+    "DeviceMesh",
+    "MissingRuleError",
+    "OpGraph",
+    "OpNode",
+    "OpPartition",
+    "PartitionSeq",
+    "Prime",
+    "Replicate",
+    "ShapeSpecializationError",
+    "Split",
+    "analyze",
+    "build_graph",
+    "capture",
+    "register_rule",
+]

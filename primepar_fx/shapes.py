@@ -12,6 +12,7 @@ expression into a number for a concrete batch and sequence length.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from torch import fx
 from primepar_fx.rules.spec import Shape
 
 if TYPE_CHECKING:
-    from primepar_fx.capture import Captured
+    from primepar_fx.capture import Captured, ShapeSpecializationError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ META_DTYPES = "primepar_dtypes"
 META_SYMVALUE = "primepar_symvalue"
 
 SymbolMap = Mapping[sympy.Symbol, sympy.Symbol]
+
+_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 # --------------------------------------------------------------------------------------------- conversions
@@ -83,7 +87,7 @@ def annotate(captured: Captured) -> None:
         ShapeSpecializationError: a shape mentions a symbol other than ``B``/``S``, or the ShapeEnv replaced
             the batch or sequence symbol by a constant.
     """
-    from primepar_fx.capture import ShapeSpecializationError  # capture imports this module
+    from primepar_fx.capture import ShapeSpecializationError  # runtime import: capture imports this module
 
     symbol_map = dict(captured.symbol_map)
     shape_env = None
@@ -125,7 +129,7 @@ def _shape_env_of(val: Any) -> Any:
     return None
 
 
-def _check_replacements(captured: Captured, shape_env: Any, error: type[ValueError]) -> None:
+def _check_replacements(captured: Captured, shape_env: Any, error: type[ShapeSpecializationError]) -> None:
     """Raise if the ShapeEnv pinned an input symbol of the batch or sequence dim to a constant."""
     sizes = {captured.example_batch: "batch", captured.example_seq: "seq"}
     inverse = {v: k for k, v in captured.symbol_map.items()}
@@ -143,7 +147,9 @@ def _check_replacements(captured: Captured, shape_env: Any, error: type[ValueErr
         raise error(
             f"the {dim} dim ({sources}) was specialised to the constant {target}{where}: the model's code fixed "
             f"it while tracing. Compute sizes from the input (x.shape[i] or -1 in view/reshape) instead of "
-            "hard-coding them, and avoid Python branches on the batch or sequence length."
+            "hard-coding them, and avoid Python branches on the batch or sequence length.",
+            dims=(dim,) if dim in ("batch", "seq") else (),
+            location=str(sloc) if sloc is not None else None,
         )
 
 
@@ -154,18 +160,26 @@ def _op_name(node: fx.Node) -> str:
 
 
 def source_line(node: fx.Node) -> str | None:
-    """The model source line a node came from: the last frame of ``node.meta["stack_trace"]``."""
+    """The model source line a node came from: the innermost frame of ``node.meta["stack_trace"]`` outside torch.
+
+    Falls back to the innermost frame when every frame is inside torch.
+    """
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
     lines = trace.rstrip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        match = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', lines[i])
+    frames = []
+    for i, line in enumerate(lines):
+        match = _FRAME.match(line)
         if match:
-            code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].lstrip().startswith("File") else ""
-            loc = f"{match.group(1)}:{match.group(2)} in {match.group(3)}"
-            return f"{loc}: {code}" if code else loc
-    return lines[-1].strip()
+            following = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            code = "" if _FRAME.match(lines[i + 1] if i + 1 < len(lines) else "") else following
+            frames.append((match.group(1), f"{match.group(1)}:{match.group(2)} in {match.group(3)}", code))
+    if not frames:
+        return lines[-1].strip()
+    outside = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    _, loc, code = (outside or frames)[-1]
+    return f"{loc}: {code}" if code else loc
 
 
 def _where(node: fx.Node) -> str:

@@ -71,8 +71,10 @@ def execute(part: OpPartition, rng: np.random.Generator) -> None:
     devices = list(part.mesh.devices())
     moves = transfers(part)
     colls = collectives(part)
-    held = {name: [block(fulls[name], part.tensor_slice(F if name != "d_out0" else Bk, maps[name], c)) for c in devices]
-            for name in fulls}
+    held = {
+        name: [block(fulls[name], part.tensor_slice(F if name != "d_out0" else Bk, maps[name], c)) for c in devices]
+        for name in fulls
+    }
     product = {
         F: ("out0", "in0", "in1", lambda a, w, _: np.einsum("bmn,nk->bmk", a, w)),
         Bk: ("d_in0", "d_out0", "in1", lambda g, w, _: np.einsum("bmk,nk->bmn", g, w)),
@@ -84,7 +86,9 @@ def execute(part: OpPartition, rng: np.random.Generator) -> None:
         held[res] = acc
         for t in range(part.steps):
             for r, c in enumerate(devices):
-                assert np.array_equal(held[x][r], block(fulls.get(x, truth.get(x)), part.tensor_slice(phase, maps[x], c, t)))
+                assert np.array_equal(
+                    held[x][r], block(fulls.get(x, truth.get(x)), part.tensor_slice(phase, maps[x], c, t))
+                )
                 acc[r] = acc[r] + fn(held[x][r], held[y][r], t)
             for tr in moves:
                 if tr.src == (phase, t):
@@ -144,7 +148,12 @@ def test_prime_2x2_dsis_match_eq_4_to_6() -> None:
         delta = int(t == 1)
         assert part.dsis(F, (r, c), t) == {"B": 0, "M": r, "N": (r + c + t) % 2, "K": c}
         assert part.dsis(Bk, (r, c), t) == {"B": 0, "M": r, "N": (r + c - 1) % 2, "K": (c + t) % 2}
-        assert part.dsis(G, (r, c), t) == {"B": 0, "M": (r + t) % 2, "N": (r + c - 1 + delta) % 2, "K": (c - 1 + delta) % 2}
+        assert part.dsis(G, (r, c), t) == {
+            "B": 0,
+            "M": (r + t) % 2,
+            "N": (r + c - 1 + delta) % 2,
+            "K": (c - 1 + delta) % 2,
+        }
 
 
 def test_prime_on_binary_digits_reads_rows_and_columns_interleaved() -> None:

@@ -297,6 +297,7 @@ class Decoder(nn.Module):
             self.to_empty(device=target)
             self._tie_weights()
             self.init_weights(seed)
+        logger.debug("built %s: %d parameters on %s", config.name, config.param_count(), target)
 
     def _create_modules(self, dtype: torch.dtype | None) -> None:
         config = self.config

@@ -137,7 +137,9 @@ def collectives(part: OpPartition) -> list[Collective]:
             summed = set(part.op.summed_dims(pt.tmap))
             if phase is not Phase.GRADIENT:
                 summed |= set(part.op.stats) & set(part.op.dims_of(pt.tmap))
-            hits = [(e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if getattr(e, "dim", None) in summed]
+            hits = [
+                (e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if getattr(e, "dim", None) in summed
+            ]
             split = frozenset(d for d, _ in hits)
             digits = tuple(sorted(p for _, p in hits))
             if digits:

@@ -115,7 +115,9 @@ class OpPartition:
         if not pos:
             raise PartitionError(f"{self.seq} has no P(S x S)")
         radices = [self.mesh.digits[p] for p in pos]
-        return _mixed([coords[p] for p in pos[0::2]], radices[0::2]), _mixed([coords[p] for p in pos[1::2]], radices[1::2])
+        return _mixed([coords[p] for p in pos[0::2]], radices[0::2]), _mixed(
+            [coords[p] for p in pos[1::2]], radices[1::2]
+        )
 
     # ------------------------------------------------------------------------------------- DSIs
     def dsis(self, phase: Phase, coords: tuple[int, ...], t: int = 0) -> dict[str, int]:
@@ -148,7 +150,9 @@ class OpPartition:
     def local_shape(self, tmap: TensorMap) -> tuple[sympy.Expr, ...]:
         """The shape of the block of a tensor that one device holds at one step."""
         return tuple(
-            sympy.Integer(1) if not group else prod((self.op.size(d) / self.parts[d] for d in group), start=sympy.Integer(1))
+            sympy.Integer(1)
+            if not group
+            else prod((self.op.size(d) / self.parts[d] for d in group), start=sympy.Integer(1))
             for group in tmap
         )
 

@@ -46,9 +46,7 @@ def enumerate_sequences(
 ) -> list[PartitionSeq]:
     """All legal partition sequences of ``op`` on ``mesh``, in a deterministic order."""
     splittable = [d for d in op.dims if d not in op.no_split]
-    prime_ok = (
-        allow_prime and op.matmul is not None and all(d not in op.no_split for d in op.matmul)
-    )
+    prime_ok = allow_prime and op.matmul is not None and all(d not in op.no_split for d in op.matmul)
     out: list[PartitionSeq] = []
     parts = {d: 1 for d in op.dims}
 

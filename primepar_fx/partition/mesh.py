@@ -49,7 +49,8 @@ class DeviceMesh:
             raise ValueError(f"world size {world_size} is not a multiple of {devices_per_node} devices per node")
         nodes = world_size // devices_per_node
         return cls(
-            tuple(sorted(prime_factors(nodes), reverse=True)) + tuple(sorted(prime_factors(devices_per_node), reverse=True))
+            tuple(sorted(prime_factors(nodes), reverse=True))
+            + tuple(sorted(prime_factors(devices_per_node), reverse=True))
         )
 
     @property

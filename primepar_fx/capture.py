@@ -1,0 +1,381 @@
+"""Capture a model as one ATen graph with a symbolic batch and sequence length.
+
+:func:`capture` runs ``torch.export.export`` (non-strict) with ``Dim("batch")`` on dim ``batch_dim`` and
+``Dim("seq", max=...)`` on dim ``seq_dim`` of every tensor input. The graph is left at the ATen level export
+produces, *not* decomposed, so ``aten.linear``, ``aten.scaled_dot_product_attention`` and ``aten.layer_norm``
+stay single nodes. Export names its size symbols by hash (``s72`` ...); :class:`Captured` maps them onto
+:data:`~primepar_fx.shapes.B` and :data:`~primepar_fx.shapes.S` through the first tensor user input's shape.
+
+When the model's code pins the batch or sequence length (a hard-coded ``.view(B, 32, ...)``, a Python branch on
+the length), export fails with a constraint violation; :func:`capture` re-raises it as
+:class:`ShapeSpecializationError`, naming the dim and the model source line that caused it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import logging
+import os
+import re
+import sys
+import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import nn
+from torch.export import Dim, ExportedProgram
+from torch.utils import _pytree as pytree
+
+from primepar_fx.shapes import B, S
+
+log = logging.getLogger(__name__)
+
+_SYMBOLIC_SHAPES_LOGGER = "torch.fx.experimental.symbolic_shapes"
+_DIM_NAMES = ("batch", "seq")
+
+
+class ShapeSpecializationError(ValueError):
+    """The batch or sequence length could not stay symbolic: the model's code fixed or constrained it.
+
+    Attributes:
+        dims: the dims concerned (``"batch"``, ``"seq"``).
+        location: the model source line responsible, when it is known.
+    """
+
+    def __init__(self, message: str, *, dims: tuple[str, ...] = (), location: str | None = None) -> None:
+        super().__init__(message)
+        self.dims = dims
+        self.location = location
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """An exported model, its ATen graph and how its symbols and placeholders map to ours.
+
+    Attributes:
+        program: the ``torch.export.ExportedProgram``.
+        gm: ``program.graph_module``, ATen-level and not decomposed.
+        symbol_map: export's size symbols -> :data:`~primepar_fx.shapes.B` / :data:`~primepar_fx.shapes.S`.
+        params: placeholder name -> parameter FQN.
+        buffers: placeholder name -> buffer FQN (persistent, non-persistent and lifted tensor constants).
+        user_inputs: placeholder names of the user inputs, in graph order.
+        example_batch: the batch size of the example inputs.
+        example_seq: the sequence length of the example inputs.
+        model_name: a name for logs and reports.
+    """
+
+    program: ExportedProgram
+    gm: torch.fx.GraphModule
+    symbol_map: dict[sympy.Symbol, sympy.Symbol]
+    params: dict[str, str]
+    buffers: dict[str, str]
+    user_inputs: tuple[str, ...]
+    example_batch: int
+    example_seq: int
+    model_name: str
+
+
+# ------------------------------------------------------------------------------------------------ capture
+def capture(
+    model: nn.Module,
+    example_args: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    batch_dim: int = 0,
+    seq_dim: int = 1,
+    seq_max: int | None = None,
+    name: str | None = None,
+) -> Captured:
+    """Export ``model`` with a symbolic batch (dim ``batch_dim``) and sequence length (dim ``seq_dim``).
+
+    The model keeps its current train/eval mode. ``seq_max`` defaults to ``model.config.max_position_embeddings``
+    or ``model.config.max_seq`` when the model has one. A model on the ``meta`` device is captured with its
+    example inputs moved to ``meta``.
+
+    Raises:
+        ValueError: unusable example inputs (no tensor, a batch or sequence of 1, equal batch and sequence sizes).
+        ShapeSpecializationError: the model's code pinned or constrained the batch or sequence length.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"capture() expects a torch.nn.Module, got {type(model).__name__}")
+    if batch_dim == seq_dim or batch_dim < 0 or seq_dim < 0:
+        raise ValueError(f"batch_dim ({batch_dim}) and seq_dim ({seq_dim}) must be distinct non-negative dims")
+    args = tuple(example_args)
+    kwargs = dict(example_kwargs or {})
+    model_name = name or _model_name(model)
+    if _on_meta(model):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    batch, seq = _example_sizes(args, kwargs, batch_dim, seq_dim)
+    if seq_max is None:
+        seq_max = _config_seq_max(model)
+    if seq_max is not None and seq > seq_max:
+        raise ValueError(f"the example sequence length {seq} exceeds seq_max={seq_max}")
+
+    batch_d = Dim("batch")
+    seq_d = Dim("seq", max=seq_max) if seq_max is not None else Dim("seq")
+
+    def spec(t: torch.Tensor) -> dict[int, Any] | None:
+        dims = {d: v for d, v in ((batch_dim, batch_d), (seq_dim, seq_d)) if t.dim() > d}
+        return dims or None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    dynamic_shapes = {
+        key: pytree.tree_map(lambda v: spec(v) if isinstance(v, torch.Tensor) else None, value)
+        for key, value in bound.items()
+    }
+    log.info("exporting %s (batch=%d, seq=%d, seq_max=%s)", model_name, batch, seq, seq_max)
+    with _record_shape_events() as events:
+        try:
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        except Exception as exc:
+            if _is_constraint_violation(exc):
+                raise _specialization_error(str(exc), events, {"batch": batch, "seq": seq}) from exc
+            raise
+
+    sig = program.graph_signature
+    buffers = dict(sig.inputs_to_buffers)
+    buffers.update(sig.inputs_to_lifted_tensor_constants)
+    captured = Captured(
+        program=program,
+        gm=program.graph_module,
+        symbol_map=_symbol_map(program, batch_dim, seq_dim),
+        params=dict(sig.inputs_to_parameters),
+        buffers=buffers,
+        user_inputs=tuple(sig.user_inputs),
+        example_batch=batch,
+        example_seq=seq,
+        model_name=model_name,
+    )
+    log.info("captured %s: %d nodes", model_name, len(captured.gm.graph.nodes))
+    return captured
+
+
+def _model_name(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    for attr in ("name", "model_type"):
+        value = getattr(config, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return type(model).__name__
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _config_seq_max(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "max_seq"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _example_sizes(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int, seq_dim: int) -> tuple[int, int]:
+    """The example batch and sequence sizes, validated: every tensor agrees, both >= 2, and distinct."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise ValueError("capture() needs at least one tensor among the example inputs; none was given")
+    sizes = {}
+    for label, dim in (("batch", batch_dim), ("seq", seq_dim)):
+        found = {int(t.shape[dim]) for t in tensors if t.dim() > dim}
+        if not found:
+            raise ValueError(f"no example input tensor has a {label} dim (dim {dim}); shapes: {_shapes(tensors)}")
+        if len(found) > 1:
+            raise ValueError(
+                f"example inputs disagree on the {label} size (dim {dim}): {sorted(found)}; shapes: {_shapes(tensors)}"
+            )
+        sizes[label] = found.pop()
+    batch, seq = sizes["batch"], sizes["seq"]
+    for label, size, sym in (("batch", batch, "B"), ("seq", seq, "S")):
+        if size < 2:
+            raise ValueError(
+                f"example {label} size is {size}: torch.export treats size-1 dims as static, so {sym} would be "
+                f"specialised to {size}. Use an example {label} size >= 2 (e.g. batch=2, seq=16)."
+            )
+    if batch == seq:
+        raise ValueError(
+            f"example batch and seq sizes are both {batch}; use distinct sizes (e.g. batch=2, seq=16) so that "
+            "B and S can be told apart in the captured shapes"
+        )
+    return batch, seq
+
+
+def _shapes(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
+
+
+def _symbol_map(program: ExportedProgram, batch_dim: int, seq_dim: int) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Map export's symbols to B and S through the first user input with both a batch and a sequence dim."""
+    user_inputs = set(program.graph_signature.user_inputs)
+    for node in program.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or node.name not in user_inputs or not isinstance(val, torch.Tensor):
+            continue
+        if val.dim() <= max(batch_dim, seq_dim):
+            continue
+        mapping: dict[sympy.Symbol, sympy.Symbol] = {}
+        for label, dim, ours in (("batch", batch_dim, B), ("seq", seq_dim, S)):
+            size = val.shape[dim]
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if not isinstance(expr, sympy.Symbol):
+                raise ShapeSpecializationError(
+                    f"the {label} dim of input {node.name} came out of export as {size}, not a plain symbol; "
+                    "the model's code fixed or derived it while tracing",
+                    dims=(label,),
+                )
+            mapping[expr] = ours
+        if len(mapping) != 2:
+            raise ShapeSpecializationError(
+                f"the batch and seq dims of input {node.name} share the symbol {next(iter(mapping))}: "
+                "the model's code made them equal",
+                dims=_DIM_NAMES,
+            )
+        return mapping
+    raise ValueError(f"no user input has both a batch dim ({batch_dim}) and a seq dim ({seq_dim}) after export")
+
+
+# ------------------------------------------------------------------------------------ specialisation errors
+@dataclass(frozen=True, slots=True)
+class _ShapeEvent:
+    """One ShapeEnv event logged while tracing: a new symbol, a guard or a replacement."""
+
+    kind: str  # "symbol", "guard" or "replacement"
+    text: str  # the symbol, the guard expression or "sym = target"
+    value: str  # the example value of a new symbol or the replacement target ("" for a guard)
+    location: str | None  # the innermost model frame (outside torch and the standard library)
+
+
+_SKIP_PREFIXES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    sysconfig.get_paths()["stdlib"] + os.sep,
+    os.path.abspath(__file__),
+)
+
+
+def _model_frame() -> str | None:
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not os.path.abspath(filename).startswith(_SKIP_PREFIXES) and not filename.startswith("<frozen"):
+            code = linecache.getline(filename, frame.f_lineno).strip()
+            loc = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+            return f"{loc}: {code}" if code else loc
+        frame = frame.f_back
+    return None
+
+
+@contextmanager
+def _record_shape_events() -> Iterator[list[_ShapeEvent]]:
+    """Record ShapeEnv symbols, guards and replacements, with the model line each came from.
+
+    Lowers the ShapeEnv logger to INFO for the duration and drops, through a filter, every record that the
+    logger's previous level would have dropped, so nothing new reaches the user's handlers.
+    """
+    logger = logging.getLogger(_SYMBOLIC_SHAPES_LOGGER)
+    old_level, threshold = logger.level, logger.getEffectiveLevel()
+    events: list[_ShapeEvent] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        try:
+            event = _event_of(record)
+        except Exception:  # a changed log format must never break capture
+            event = None
+        if event is not None:
+            events.append(event)
+        return record.levelno >= threshold
+
+    logger.addFilter(keep)
+    logger.setLevel(min(threshold, logging.INFO))
+    try:
+        yield events
+    finally:
+        logger.removeFilter(keep)
+        logger.setLevel(old_level)
+
+
+def _event_of(record: logging.LogRecord) -> _ShapeEvent | None:
+    msg, args = record.msg, record.args
+    if not isinstance(msg, str) or not isinstance(args, tuple):
+        return None
+    if msg.startswith("create_symbol") and len(args) >= 2:
+        return _ShapeEvent("symbol", str(args[0]), str(args[1]), None)
+    if msg.startswith("set_replacement") and len(args) >= 2:
+        return _ShapeEvent("replacement", str(args[0]), str(args[1]), _model_frame())
+    if "[guard added]" in msg and len(args) >= 2 and "suppressed" not in str(args[0]):
+        return _ShapeEvent("guard", str(args[1]), "", _model_frame())
+    return None
+
+
+def _is_constraint_violation(exc: BaseException) -> bool:
+    error_type = getattr(exc, "error_type", None)
+    if error_type is not None and getattr(error_type, "name", "") == "CONSTRAINT_VIOLATION":
+        return True
+    text = str(exc)
+    return "Constraints violated" in text or "specialized" in text or "Suggested fixes" in text
+
+
+def _specialization_error(
+    message: str, events: list[_ShapeEvent], examples: dict[str, int]
+) -> ShapeSpecializationError:
+    named = re.search(r"Constraints violated \(([^)]*)\)", message)
+    dims = tuple(d.strip() for d in named.group(1).split(",")) if named else ()
+    dims = tuple(d for d in dims if d in _DIM_NAMES) or tuple(d for d in _DIM_NAMES if d in message)
+    pinned = re.search(r"specialized it to be a constant \((-?\d+)\)", message)
+    findings = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- ")]
+    fixes = _suggested_fixes(message)
+
+    symbols = {e.text for e in events if e.kind == "symbol" and e.value in {str(examples[d]) for d in dims}}
+    location = _culprit(events, symbols, pinned.group(1) if pinned else None)
+    what = " and ".join(f"{d} (example size {examples[d]})" for d in dims) or "batch/seq"
+    if pinned:
+        head = f"torch.export specialised the {what} dim to the constant {pinned.group(1)}"
+    else:
+        head = f"torch.export could not keep the {what} dim fully dynamic: the model's code constrains it"
+    parts = [f"{head}; primepar_fx needs the batch and sequence lengths symbolic."]
+    if location:
+        parts.append(f"  model source line: {location}")
+    parts.extend(f"  export: {f}" for f in findings[:4])
+    if fixes:
+        parts.append(f"  export suggests: {'; '.join(fixes)}")
+    parts.append(
+        "Fix: compute sizes from the input (x.shape[0] / x.shape[1], or -1 in view/reshape) instead of hard-coding "
+        "a batch or sequence length, and avoid Python branches on the sequence length (if x.shape[1] > ...). "
+        "A model that really needs a sequence length of a special form (e.g. a multiple of 8) cannot be captured "
+        "with a free S."
+    )
+    return ShapeSpecializationError("\n".join(parts), dims=dims, location=location)
+
+
+def _suggested_fixes(message: str) -> list[str]:
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("Suggested fixes"):
+            fixes = []
+            for follow in lines[i + 1 :]:
+                if not follow.startswith(" ") or not follow.strip():
+                    break
+                fixes.append(follow.strip())
+            return fixes
+    return []
+
+
+def _culprit(events: list[_ShapeEvent], symbols: set[str], constant: str | None) -> str | None:
+    """The model line of the event that pinned (or else first constrained) one of ``symbols``."""
+
+    def mentions(text: str) -> bool:
+        return any(re.search(rf"\b{re.escape(s)}\b", text) for s in symbols)
+
+    ranked = [e for e in events if e.kind == "replacement" and e.text in symbols and e.value == constant]
+    ranked += [e for e in events if e.kind == "guard" and mentions(e.text)]
+    ranked += [e for e in events if e.kind == "replacement" and e.text in symbols]
+    for event in ranked:
+        if event.location:
+            return event.location
+    return None

@@ -1,0 +1,128 @@
+"""The ``primepar-fx`` command line.
+
+    primepar-fx explain MODEL --world-size N [--batch B --seq S]
+
+MODEL is a zoo name (``primepar-fx explain --list`` shows them), ``hf:FAMILY`` for a tiny Hugging Face model
+(gpt2, llama, opt, bloom; needs ``transformers``), or ``package.module:callable`` returning a module, or a tuple
+``(module, args, kwargs)`` with example inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger("primepar_fx")
+
+
+def _example_inputs(model: torch.nn.Module, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    from primepar_fx.models import Decoder, example_inputs, hf_example_inputs
+
+    if isinstance(model, Decoder):
+        return example_inputs(model.config, 2, 16, device=device)
+    if hasattr(getattr(model, "config", None), "vocab_size"):
+        args, kwargs = hf_example_inputs(model, 2, 16)
+        return args, {k: v.to(device) for k, v in kwargs.items()}
+    raise SystemExit(
+        f"cannot make example inputs for {type(model).__name__}: have your callable return (model, args, kwargs)"
+    )
+
+
+def load_model(spec: str, *, meta: bool = True) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
+    """Resolve a MODEL argument to ``(module, example_args, example_kwargs, name)``."""
+    from primepar_fx.models import ZOO, build, build_hf_tiny, load_model_spec
+
+    if spec in ZOO:
+        model = build(spec, device="meta" if meta else None)
+    elif spec.startswith("hf:"):
+        model = build_hf_tiny(spec[3:])
+    else:
+        try:
+            got = load_model_spec(spec)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        if isinstance(got, tuple):
+            model, args, kwargs = got
+            return model, tuple(args), dict(kwargs), spec
+        model = got
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    args, kwargs = _example_inputs(model, device)
+    return model, args, kwargs, spec
+
+
+def _mesh(args: argparse.Namespace):
+    from primepar_fx.partition import DeviceMesh
+
+    if args.digits:
+        mesh = DeviceMesh(tuple(int(d) for d in args.digits.split(",")))
+        if mesh.size != args.world_size:
+            raise SystemExit(f"error: digits {args.digits} multiply to {mesh.size}, not --world-size {args.world_size}")
+        return mesh
+    return DeviceMesh.for_world_size(args.world_size, args.devices_per_node)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from primepar_fx.api import analyze
+    from primepar_fx.explain import explain_table
+    from primepar_fx.models import ZOO
+
+    if args.list:
+        for name, cfg in ZOO.items():
+            print(f"{name:12s} {cfg.description}")
+        return 0
+    if not args.model:
+        raise SystemExit("error: explain needs a MODEL (or --list)")
+    if (args.batch is None) != (args.seq is None):
+        raise SystemExit("error: give both --batch and --seq, or neither")
+    mesh = _mesh(args)
+    t0 = time.perf_counter()
+    model, ex_args, ex_kwargs, name = load_model(args.model)
+    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback)
+    print(
+        explain_table(graph, mesh, batch=args.batch, seq=args.seq, allow_prime=not args.no_prime, tablefmt=args.format)
+    )
+    print(f"\nanalysed in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="primepar-fx", description=__doc__.split("\n\n")[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (PRIMEPAR_LOG=DEBUG for more)")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("explain", help="per-node table: op, symbolic shape, FLOPs, legal partition sequences")
+    e.add_argument("model", nargs="?", help="zoo name, hf:FAMILY, or package.module:callable")
+    e.add_argument("--list", action="store_true", help="list the zoo models and exit")
+    e.add_argument("--world-size", "-n", type=int, default=1, help="number of devices (default 1)")
+    e.add_argument("--digits", help="device-ID digit radices, most significant first, e.g. 3,2,2")
+    e.add_argument("--devices-per-node", type=int, help="devices per node (node digits come first)")
+    e.add_argument("--batch", type=int, help="evaluate at this batch size")
+    e.add_argument("--seq", type=int, help="evaluate at this sequence length")
+    e.add_argument("--no-prime", action="store_true", help="leave P(S x S) out of the space (split-only)")
+    e.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
+    e.add_argument("--format", default="simple", help="tabulate table format (simple, github, ...)")
+    e.set_defaults(func=cmd_explain)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = os.environ.get("PRIMEPAR_LOG", "INFO" if args.verbose else "WARNING").upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    from primepar_fx.capture import ShapeSpecializationError
+    from primepar_fx.rules.registry import MissingRuleError, RuleError
+
+    try:
+        return args.func(args)
+    except (MissingRuleError, RuleError, ShapeSpecializationError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

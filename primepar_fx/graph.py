@@ -1,0 +1,147 @@
+"""The operator graph: captured ATen nodes with symbolic shapes and their dimension rules.
+
+:func:`build_graph` turns a :class:`~primepar_fx.capture.Captured` program into an :class:`OpGraph`: one
+:class:`OpNode` per compute node (nodes without tensor outputs, such as shape asserts, are left out), with its
+:class:`~primepar_fx.rules.spec.OpDims` (knowing which inputs are parameters and which take no gradient), FLOPs and
+bytes moved, and a networkx ``DiGraph`` whose edges carry the producer's output index and the consumer's input index.
+This is what the cost model and the search read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import networkx as nx
+import sympy
+import torch
+from torch import fx
+
+from primepar_fx.capture import Captured
+from primepar_fx.rules.registry import RuleContext, op_dims, op_name, source_line
+from primepar_fx.rules.spec import OpDims, Shape
+from primepar_fx.shapes import META_DTYPES, META_SHAPES, annotate, node_bytes, shape_of, shapes_of
+
+log = logging.getLogger(__name__)
+
+#: node.meta key holding a node's OpDims.
+META_OPDIMS = "primepar_opdims"
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One compute node of the captured graph."""
+
+    name: str
+    target: object
+    dims: OpDims
+    out_shapes: tuple[Shape, ...]
+    flops: sympy.Expr
+    bytes_read: sympy.Expr
+    bytes_written: sympy.Expr
+    source: str
+    params: tuple[str, ...] = ()
+
+    @property
+    def op(self) -> str:
+        return op_name(self.target)
+
+
+@dataclass
+class OpGraph:
+    """Compute nodes in topological order plus their data-flow edges."""
+
+    captured: Captured
+    nodes: dict[str, OpNode]
+    graph: nx.DiGraph
+    param_shapes: dict[str, Shape] = field(default_factory=dict)
+    param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    #: tied parameters: FQN -> the FQN of the parameter it shares storage with (first in graph order)
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.captured.model_name
+
+    def total_flops(self) -> sympy.Expr:
+        return sympy.expand(sum((n.flops for n in self.nodes.values()), sympy.Integer(0)))
+
+    def param_count(self) -> int:
+        total = 0
+        for fqn, shape in self.param_shapes.items():
+            if fqn in self.tied:
+                continue
+            n = 1
+            for s in shape:
+                n *= int(s)
+            total += n
+        return total
+
+
+def _requires_grad(gm: fx.GraphModule, captured: Captured) -> set[str]:
+    """Nodes whose value depends on a parameter through floating-point ops."""
+    live: set[str] = set(captured.params)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        dtypes = node.meta.get(META_DTYPES) or ()
+        floating = any(dt is not None and dt.is_floating_point for dt in dtypes)
+        if floating and any(a.name in live for a in node.all_input_nodes):
+            live.add(node.name)
+    return live
+
+
+def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
+    """Annotate shapes, apply the op rules and collect the compute nodes and edges."""
+    annotate(captured)
+    gm = captured.gm
+    grad_live = _requires_grad(gm, captured)
+    nodes: dict[str, OpNode] = {}
+    g = nx.DiGraph()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        ctx = RuleContext(shape_of=shape_of, out_shapes=shapes_of(node))
+        dims = op_dims(node, ctx, fallback=fallback)
+        if dims.kind == "meta" and not dims.outputs:
+            continue
+        inputs = node.all_input_nodes
+        weights = frozenset(i for i, a in enumerate(inputs) if a.name in captured.params)
+        no_grad = frozenset(i for i, a in enumerate(inputs) if dims.inputs[i] is not None and a.name not in grad_live)
+        dims = dims.with_roles(weights, no_grad)
+        node.meta[META_OPDIMS] = dims
+        read, written = node_bytes(node)
+        nodes[node.name] = OpNode(
+            name=node.name,
+            target=node.target,
+            dims=dims,
+            out_shapes=tuple(node.meta.get(META_SHAPES) or ()),
+            flops=sympy.sympify(dims.flops),
+            bytes_read=read,
+            bytes_written=written,
+            source=source_line(node),
+            params=tuple(captured.params[inputs[i].name] for i in sorted(weights)),
+        )
+        g.add_node(node.name)
+        for i, a in enumerate(inputs):
+            if a.name in nodes:
+                g.add_edge(a.name, node.name, dst_in=i)
+    param_shapes = {}
+    param_dtypes = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in captured.params:
+            fqn = captured.params[node.name]
+            param_shapes[fqn] = shapes_of(node)[0]
+            param_dtypes[fqn] = (node.meta.get(META_DTYPES) or (torch.float32,))[0]
+    tied: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for fqn in param_shapes:
+        tensor = captured.program.state_dict.get(fqn)
+        if tensor is None:
+            continue
+        if id(tensor) in seen:
+            tied[fqn] = seen[id(tensor)]
+        else:
+            seen[id(tensor)] = fqn
+    log.info("graph %s: %d compute nodes, %d edges", captured.model_name, len(nodes), g.number_of_edges())
+    return OpGraph(captured, nodes, g, param_shapes, param_dtypes, tied)

@@ -1,0 +1,271 @@
+"""Tests for primepar_fx.capture: torch.export with a symbolic batch and sequence length."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primepar_fx.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.shapes import ALLOWED_SYMBOLS, META_SHAPES, B, S, annotate
+
+VOCAB, HIDDEN, HEADS = 64, 32, 4
+
+
+class TinyBlock(nn.Module):
+    """Embedding, pre-norm attention through SDPA and a GELU MLP, with a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.ln1 = nn.LayerNorm(HIDDEN)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.ln2 = nn.LayerNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
+        self.register_buffer("scale", torch.ones(HIDDEN), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * self.scale
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class HardCodedSeq(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return x.view(x.shape[0], 16, -1).sum()
+
+
+class HardCodedBatch(HardCodedSeq):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return x.reshape(2, -1).sum()
+
+
+class BranchOnSeq(HardCodedSeq):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if ids.shape[1] > 8:
+            x = x * 2
+        return x.sum()
+
+
+class WithLabels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = TinyBlock()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.config = SimpleNamespace(max_seq=64, name="with-labels")
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.head(self.block(ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _ids(batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def _targets(captured: Captured) -> set[object]:
+    return {n.target for n in captured.gm.graph.nodes if n.op == "call_function"}
+
+
+def _assert_all_shapes_in_b_and_s(captured: Captured) -> None:
+    annotate(captured)
+    for node in captured.gm.graph.nodes:
+        for shape in node.meta[META_SHAPES]:
+            for size in shape:
+                assert size.free_symbols <= ALLOWED_SYMBOLS, (node.name, shape)
+
+
+@pytest.fixture(scope="module")
+def block() -> Captured:
+    return capture(TinyBlock(), (_ids(2, 16),))
+
+
+# ------------------------------------------------------------------------------------------- the graph
+def test_linear_sdpa_layer_norm_and_gelu_stay_undecomposed(block: Captured) -> None:
+    targets = _targets(block)
+    aten = torch.ops.aten
+    for op in (aten.linear.default, aten.scaled_dot_product_attention.default, aten.layer_norm.default):
+        assert op in targets
+    assert aten.gelu.default in targets
+    assert aten.mm.default not in targets and aten.bmm.default not in targets
+
+
+def test_every_node_shape_is_in_b_and_s_only(block: Captured) -> None:
+    _assert_all_shapes_in_b_and_s(block)
+    sdpa = next(n for n in block.gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default)
+    assert sdpa.meta[META_SHAPES] == ((B, HEADS, S, HIDDEN // HEADS),)
+
+
+def test_input_placeholder_is_batch_by_seq(block: Captured) -> None:
+    assert block.user_inputs == ("ids",)
+    (placeholder,) = [n for n in block.gm.graph.nodes if n.op == "placeholder" and n.name == "ids"]
+    annotate(block)
+    assert placeholder.meta[META_SHAPES] == ((B, S),)
+    assert sorted(block.symbol_map.values(), key=str) == [B, S]
+    assert (block.example_batch, block.example_seq) == (2, 16)
+
+
+def test_parameters_and_non_persistent_buffers_map_to_their_fqns(block: Captured) -> None:
+    assert set(block.params.values()) == {name for name, _ in TinyBlock().named_parameters()}
+    assert list(block.buffers.values()) == ["scale"]
+    placeholders = {n.name for n in block.gm.graph.nodes if n.op == "placeholder"}
+    assert set(block.params) | set(block.buffers) | set(block.user_inputs) == placeholders
+
+
+def test_model_name_defaults_to_the_class_name(block: Captured) -> None:
+    assert block.model_name == "TinyBlock"
+
+
+def test_keyword_labels_get_the_same_symbols_and_config_sets_seq_max() -> None:
+    model = WithLabels()
+    ids = _ids(3, 8)
+    captured = capture(model, (ids,), {"labels": ids})
+    assert captured.user_inputs == ("ids", "labels")
+    assert captured.model_name == "with-labels"
+    assert torch.ops.aten.cross_entropy_loss.default in _targets(captured)
+    _assert_all_shapes_in_b_and_s(captured)
+    seq_symbol = next(k for k, v in captured.symbol_map.items() if v == S)
+    assert captured.program.range_constraints[seq_symbol].upper == 64
+
+
+def test_capture_keeps_the_model_in_its_current_mode() -> None:
+    model = TinyBlock().train()
+    capture(model, (_ids(2, 8),))
+    assert model.training
+    model.eval()
+    capture(model, (_ids(2, 8),))
+    assert not model.training
+
+
+def test_a_model_on_meta_is_captured_with_its_inputs_moved_to_meta() -> None:
+    with torch.device("meta"):
+        model = TinyBlock()
+    captured = capture(model, (_ids(2, 16),))
+    _assert_all_shapes_in_b_and_s(captured)
+    assert torch.ops.aten.linear.default in _targets(captured)
+
+
+# -------------------------------------------------------------------------------------------- rejections
+def test_batch_of_one_is_rejected_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"example batch size is 1.*B would be specialised"):
+        capture(TinyBlock(), (_ids(1, 16),))
+
+
+def test_sequence_of_one_is_rejected_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"example seq size is 1.*S would be specialised"):
+        capture(TinyBlock(), (_ids(2, 1),))
+
+
+def test_equal_batch_and_seq_sizes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="both 4; use distinct sizes"):
+        capture(TinyBlock(), (_ids(4, 4),))
+
+
+def test_a_model_without_tensor_inputs_is_rejected() -> None:
+    with pytest.raises(ValueError, match="at least one tensor"):
+        capture(TinyBlock(), (3,))
+
+
+def test_inputs_that_disagree_on_the_batch_size_are_rejected() -> None:
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        capture(WithLabels(), (_ids(2, 8),), {"labels": _ids(3, 8)})
+
+
+def test_an_example_longer_than_seq_max_is_rejected() -> None:
+    with pytest.raises(ValueError, match="exceeds seq_max=8"):
+        capture(TinyBlock(), (_ids(2, 16),), seq_max=8)
+
+
+# ------------------------------------------------------------------------------------- specialisation
+def test_hard_coded_seq_view_is_reported_as_a_seq_specialization() -> None:
+    with pytest.raises(ShapeSpecializationError) as info:
+        capture(HardCodedSeq(), (_ids(2, 16),))
+    err = info.value
+    assert err.dims == ("seq",)
+    assert "seq" in str(err) and "constant 16" in str(err)
+    assert err.location is not None and "test_capture.py" in err.location
+    assert "x.view(x.shape[0], 16, -1)" in err.location
+    assert "Python branches" in str(err)
+
+
+def test_hard_coded_batch_reshape_is_reported_as_a_batch_specialization() -> None:
+    with pytest.raises(ShapeSpecializationError) as info:
+        capture(HardCodedBatch(), (_ids(2, 16),))
+    assert info.value.dims == ("batch",)
+    assert "constant 2" in str(info.value)
+    assert "x.reshape(2, -1)" in (info.value.location or "")
+
+
+def test_a_python_branch_on_seq_is_reported_with_its_source_line() -> None:
+    with pytest.raises(ShapeSpecializationError) as info:
+        capture(BranchOnSeq(), (_ids(2, 16),))
+    assert info.value.dims == ("seq",)
+    assert "if ids.shape[1] > 8" in (info.value.location or "")
+    assert "export suggests" in str(info.value)
+
+
+def test_a_specialization_error_is_a_value_error_and_leaves_logging_as_it_was() -> None:
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level, filters = logger.level, list(logger.filters)
+    with pytest.raises(ValueError):
+        capture(HardCodedSeq(), (_ids(2, 16),))
+    assert (logger.level, logger.filters) == (level, filters)
+
+
+# ------------------------------------------------------------------------------------ the model zoo
+models = pytest.importorskip("primepar_fx.models")
+
+
+def test_the_gpt2_tiny_reference_captures_with_labels_in_b_and_s() -> None:
+    model = models.build("gpt2-tiny")
+    args, kwargs = models.example_inputs(model.config, batch=2, seq=16)
+    captured = capture(model, args, kwargs)
+    assert "labels" in captured.user_inputs
+    assert torch.ops.aten.cross_entropy_loss.default in _targets(captured)
+    _assert_all_shapes_in_b_and_s(captured)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "opt", "bloom"])
+def test_hf_tiny_models_capture_with_labels_in_b_and_s(family: str) -> None:
+    pytest.importorskip("transformers")
+    model = models.build_hf_tiny(family)
+    args, kwargs = models.hf_example_inputs(model, batch=2, seq=16)
+    captured = capture(model, args, kwargs)
+    assert captured.user_inputs == ("input_ids", "labels")
+    targets = _targets(captured)
+    assert torch.ops.aten.linear.default in targets
+    assert torch.ops.aten.cross_entropy_loss.default in targets
+    _assert_all_shapes_in_b_and_s(captured)
+
+
+def test_llama2_70b_on_meta_captures_in_reasonable_time() -> None:
+    model = models.build("llama2-70b", device="meta")
+    args, kwargs = models.example_inputs(model.config, batch=2, seq=16)
+    start = time.perf_counter()
+    captured = capture(model, args, kwargs)
+    annotate(captured)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 90, f"llama2-70b capture took {elapsed:.1f}s"
+    linears = [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 80 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    for node in captured.gm.graph.nodes:
+        for shape in node.meta[META_SHAPES]:
+            assert all(size.free_symbols <= ALLOWED_SYMBOLS for size in shape), node.name
