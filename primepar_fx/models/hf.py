@@ -129,12 +129,13 @@ def _resolve_callable(spec: str) -> Callable[..., Any]:
     return target
 
 
-def load_model_spec(spec: str, **kwargs: Any) -> nn.Module:
+def load_model_spec(spec: str, **kwargs: Any) -> nn.Module | tuple[nn.Module, tuple, dict]:
     """Resolve ``spec`` to a model.
 
     ``spec`` is either a zoo name (``"gpt2"``, ``"llama2-70b"`` ...; ``kwargs`` go to
     :func:`primepar_fx.models.build`, e.g. ``device="meta"``) or ``"package.module:callable"``,
-    which is imported and called with ``kwargs``.
+    which is imported and called with ``kwargs``; such a callable may also return
+    ``(module, example_args, example_kwargs)``, which is passed through.
     """
     from primepar_fx.models import build
     from primepar_fx.models.zoo import ZOO
@@ -149,6 +150,8 @@ def load_model_spec(spec: str, **kwargs: Any) -> nn.Module:
             "or an importable 'package.module:callable'"
         )
     model = _resolve_callable(spec)(**kwargs)
+    if isinstance(model, tuple) and len(model) == 3 and isinstance(model[0], nn.Module):
+        return model  # (module, example_args, example_kwargs)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model spec {spec!r} returned a {type(model).__name__}, expected a torch.nn.Module")
     return model

@@ -87,14 +87,10 @@ def registered_ops() -> tuple[object, ...]:
 
 
 def source_line(node: fx.Node) -> str:
-    """The model source line a node came from (the last frame of its stack trace), or ``"<unknown>"``."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{lines[i]}: {code}".strip()
-    return "<unknown>"
+    """The model source line a node came from (the innermost frame outside torch), or ``"<unknown>"``."""
+    from primepar_fx.shapes import source_line as innermost
+
+    return innermost(node) or "<unknown>"
 
 
 def op_name(target: object) -> str:
