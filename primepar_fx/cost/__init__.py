@@ -1,5 +1,11 @@
-"""Cost model (paper §4, Eq. 7-10): intra-operator, inter-operator and memory costs per partition sequence.
+"""Cost model (paper §4, Eq. 7-10).
 
-Not built yet: this subpackage is reserved for the cost-model issue. The partition space it prices lives in
-:mod:`primepar_fx.partition` (slices, ring transfers and collectives per phase).
+Built so far:
+
+* :mod:`primepar_fx.cost.cluster` — cluster specs as validated data (devices, nodes, link levels with a linear
+  latency model per collective kind, per-family compute models), presets ``v100-paper``, ``a100-dgx``,
+  ``h100-dgx`` and ``cpu-gloo``.
+
+Still to come (the cost-model issue): intra-operator cost per partition sequence (Eq. 7), inter-operator
+redistribution (Eq. 8-9), memory, and calibration.
 """

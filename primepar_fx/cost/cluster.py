@@ -1,0 +1,593 @@
+"""Cluster specs: the hardware a plan is priced against (paper §4, the latency and compute terms of Eq. 7).
+
+A :class:`ClusterSpec` is data: devices, how many share a node, and one :class:`LinkLevel` per level of the
+network (level 0 inside a node, level 1 between nodes). Specs round-trip through JSON and TOML and ship as
+presets in ``primepar_fx/cost/presets/*.json`` (:func:`load_cluster`, :func:`list_clusters`).
+
+**Collectives.** A group of devices that differ only in some digits (a *group indicator*) runs on the slowest
+level it touches (:meth:`ClusterSpec.group_level`). Each level holds one :class:`LinearLatency` per collective
+kind, priced with the ring algorithm's bus factors (the nccl-tests convention)::
+
+    t(kind, g, n) = bytes_coeff * bus(kind, g) * n + fixed * steps(kind, g)
+
+    kind            bus(kind, g)   steps(kind, g)
+    all-reduce      2 (g-1) / g    2 (g-1)
+    all-gather      (g-1) / g      g-1
+    reduce-scatter  (g-1) / g      g-1
+    all-to-all      (g-1) / g      g-1
+    p2p (ring)      1              1
+
+where ``g`` is the group size, ``n`` the bytes per device of the full buffer (all-reduce: the tensor;
+all-gather: its output; reduce-scatter: its input; all-to-all: the send buffer; p2p: the message), and a group
+of one costs nothing. So ``bytes_coeff`` is seconds per byte of bus traffic (1 / bus bandwidth) and ``fixed``
+is seconds per ring step; both are independent of ``g`` and are what calibration fits (:func:`fit_collective`).
+Every group of the indicator runs at once, so a level's numbers are per device under full load (a node's NICs
+shared by its devices); a group that spans nodes pays the inter-node coefficients for all of its steps.
+
+**Compute.** Each op family has a :class:`ComputeModel` ``t = flops_coeff * flops + bytes_coeff * bytes +
+fixed``. Uncalibrated families default to the device's peak FLOP/s at :data:`DEFAULT_FLOPS_EFFICIENCY`
+(tensor-core peak of the dtype for matmul/attention, the fp32 vector peak for the rest), memory bandwidth at
+:data:`DEFAULT_BYTES_EFFICIENCY` and ``op_overhead`` per op; views and meta ops cost nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from primepar_fx.partition.mesh import DeviceMesh
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p")
+OP_FAMILIES = ("matmul", "attention", "pointwise", "norm", "reduce", "view", "embedding", "loss", "factory", "meta")
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+REQUIRED_DTYPES = ("fp32", "bf16", "fp16")
+TENSOR_CORE_FAMILIES = frozenset({"matmul", "attention"})
+FREE_FAMILIES = frozenset({"view", "meta"})
+DEFAULT_FLOPS_EFFICIENCY = {"matmul": 0.6, "attention": 0.5}
+DEFAULT_VECTOR_EFFICIENCY = 0.5
+DEFAULT_BYTES_EFFICIENCY = 0.8
+DEFAULT_LINK_EFFICIENCY = {"all-reduce": 0.8, "all-gather": 0.8, "reduce-scatter": 0.8, "all-to-all": 0.6, "p2p": 0.9}
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+def _real(where: str, value: Any, unit: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number ({unit}), got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{where} must be {'> 0' if positive else '>= 0'} ({unit}), got {value!r}")
+    return float(value) + 0.0  # + 0.0 folds -0.0 into 0.0
+
+
+def _int(where: str, value: Any, unit: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where} must be an integer ({unit}), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{where} must be >= 1 ({unit}), got {value}")
+    return value
+
+
+def _str(where: str, value: Any, *, nonempty: bool = True) -> str:
+    if not isinstance(value, str) or (nonempty and not value.strip()):
+        raise ValueError(f"{where} must be a {'non-empty ' if nonempty else ''}string, got {value!r}")
+    return value
+
+
+def _set(obj: object, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _plain(obj: Any) -> Any:
+    """Dataclasses, tuples and dicts as plain JSON data (field order kept)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _keys(where: str, mapping: Any, allowed: tuple[str, ...], required: tuple[str, ...], what: str) -> None:
+    """Check the keys of a mapping field: all in ``allowed``, none of ``required`` missing."""
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"{where} must map {what} {list(allowed)}, got {type(mapping).__name__}")
+    unknown = sorted(str(k) for k in mapping if k not in allowed)
+    if unknown:
+        raise ValueError(f"{where} has unknown {what} {unknown}; use {list(allowed)}")
+    missing = [k for k in required if k not in mapping]
+    if missing:
+        raise ValueError(f"{where} is missing {what} {missing}")
+
+
+def _fields(where: str, data: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Check a parsed JSON/TOML object: a mapping with every required field and no unknown one."""
+    _keys(where, data, required + optional, required, "field(s)")
+    return dict(data)
+
+
+def _data_hash(self: _Data) -> int:
+    return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+
+class _Data:
+    """Shared by the spec dataclasses: their plain-data view for JSON and TOML."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+def _within(where: str, fn: Any, *args: Any) -> Any:
+    """Call ``fn`` and prefix any ValueError with the path of the object being built."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def dtype_key(dtype: object) -> str:
+    """``"bf16"`` for ``torch.bfloat16``, ``"bfloat16"`` or ``"bf16"`` (and likewise fp32, fp16, tf32)."""
+    name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)} or a torch floating dtype")
+    return name
+
+
+def ring_factors(kind: str, group_size: int) -> tuple[float, int]:
+    """``(bus(kind, g), steps(kind, g))`` of the ring algorithm (module docstring); ``(0, 0)`` for ``g = 1``."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(COLLECTIVES)}")
+    g = _int("group_size", group_size, "devices")
+    if g == 1:
+        return 0.0, 0
+    if kind == "p2p":
+        return 1.0, 1
+    if kind == "all-reduce":
+        return 2 * (g - 1) / g, 2 * (g - 1)
+    return (g - 1) / g, g - 1
+
+
+# ---------------------------------------------------------------------------------------------------- latency models
+@dataclass(frozen=True, slots=True)
+class LinearLatency(_Data):
+    """``t = bytes_coeff * nbytes + fixed``; for a collective, ``nbytes`` is bus traffic and ``fixed`` per step."""
+
+    bytes_coeff: float
+    fixed: float
+
+    def __post_init__(self) -> None:
+        _set(self, "bytes_coeff", _real("LinearLatency.bytes_coeff", self.bytes_coeff, "seconds per byte"))
+        _set(self, "fixed", _real("LinearLatency.fixed", self.fixed, "seconds"))
+
+    def __call__(self, nbytes: float) -> float:
+        return self.bytes_coeff * _real("nbytes", nbytes, "bytes") + self.fixed
+
+    def collective(self, kind: str, group_size: int, nbytes: float) -> float:
+        """Seconds for a ``kind`` collective of ``nbytes`` per device over ``group_size`` devices."""
+        bus, steps = ring_factors(kind, group_size)
+        return self.bytes_coeff * bus * _real("nbytes", nbytes, "bytes") + self.fixed * steps
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LinearLatency:
+        return cls(**_fields("LinearLatency", data, ("bytes_coeff", "fixed")))
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeModel(_Data):
+    """``t = flops_coeff * flops + bytes_coeff * bytes + fixed`` for one op family (seconds)."""
+
+    flops_coeff: float
+    bytes_coeff: float
+    fixed: float = 0.0
+
+    def __post_init__(self) -> None:
+        _set(self, "flops_coeff", _real("ComputeModel.flops_coeff", self.flops_coeff, "seconds per FLOP"))
+        _set(self, "bytes_coeff", _real("ComputeModel.bytes_coeff", self.bytes_coeff, "seconds per byte"))
+        _set(self, "fixed", _real("ComputeModel.fixed", self.fixed, "seconds"))
+
+    def __call__(self, flops: float, nbytes: float) -> float:
+        flops, nbytes = _real("flops", flops, "FLOPs"), _real("nbytes", nbytes, "bytes")
+        return self.flops_coeff * flops + self.bytes_coeff * nbytes + self.fixed
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ComputeModel:
+        return cls(**_fields("ComputeModel", data, ("flops_coeff", "bytes_coeff"), ("fixed",)))
+
+
+def fit_collective(kind: str, group_size: int, samples: Iterable[tuple[float, float]]) -> LinearLatency:
+    """Least-squares fit of measured ``(nbytes_per_device, seconds)`` to the ring model at ``group_size``.
+
+    Returns per-bus-byte and per-step coefficients, so the result prices any group size. Both are clamped to be
+    non-negative (a negative intercept refits through the origin). Needs at least two distinct sizes.
+    """
+    bus, steps = ring_factors(kind, group_size)
+    if steps == 0:
+        raise ValueError("group_size must be >= 2 to fit a collective (a group of one moves nothing)")
+    pts = [(bus * _real("samples nbytes", n, "bytes"), _real("samples seconds", t, "seconds")) for n, t in samples]
+    if len({x for x, _ in pts}) < 2:
+        raise ValueError(f"samples need at least two distinct message sizes to fit {kind}, got {len(pts)} sample(s)")
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    intercept = my - slope * mx
+    if intercept < 0:
+        slope, intercept = sum(x * y for x, y in pts) / sum(x * x for x, _ in pts), 0.0
+    return LinearLatency(max(slope, 0.0), max(intercept, 0.0) / steps)
+
+
+# ---------------------------------------------------------------------------------------------------- link levels
+@dataclass(frozen=True, slots=True)
+class LinkLevel(_Data):
+    """One level of the network. ``bandwidth`` (bytes/s per device, one direction) is informational."""
+
+    name: str
+    bandwidth: float
+    collectives: dict[str, LinearLatency]
+
+    def __post_init__(self) -> None:
+        _str("LinkLevel.name", self.name)
+        _set(self, "bandwidth", _real("LinkLevel.bandwidth", self.bandwidth, "bytes/s per device", positive=True))
+        _keys("LinkLevel.collectives", self.collectives, COLLECTIVES, COLLECTIVES, "collective kind(s)")
+        for k, v in self.collectives.items():
+            if not isinstance(v, LinearLatency):
+                raise ValueError(f"LinkLevel.collectives[{k!r}] must be a LinearLatency, got {type(v).__name__}")
+        _set(self, "collectives", {k: self.collectives[k] for k in COLLECTIVES})
+
+    __hash__ = _data_hash  # dict fields: hash the canonical JSON (consistent with ==)
+
+    @classmethod
+    def from_bandwidth(
+        cls, name: str, bandwidth: float, fixed: float, efficiency: Mapping[str, float] | None = None
+    ) -> LinkLevel:
+        """A level from its per-direction bandwidth: ``bytes_coeff = 1 / (efficiency[kind] * bandwidth)``.
+
+        ``fixed`` is the per-ring-step latency in seconds; coefficients are rounded to 6 significant digits.
+        """
+        eff = {**DEFAULT_LINK_EFFICIENCY, **(efficiency or {})}
+        bw = _real("bandwidth", bandwidth, "bytes/s", positive=True)
+        lat = {}
+        for kind in COLLECTIVES:
+            bus_bw = _real(f"efficiency[{kind!r}]", eff[kind], "fraction of bandwidth", positive=True) * bw
+            lat[kind] = LinearLatency(float(f"{1 / bus_bw:.6g}"), fixed)
+        return cls(name, bw, lat)
+
+    def collective_time(self, kind: str, group_size: int, nbytes: float) -> float:
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(COLLECTIVES)}")
+        return self.collectives[kind].collective(kind, group_size, nbytes)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LinkLevel:
+        d = _fields("LinkLevel", data, ("name", "bandwidth", "collectives"))
+        _keys("LinkLevel.collectives", d["collectives"], COLLECTIVES, (), "collective kind(s)")
+        lat = {k: _within(f"collectives[{k!r}]", LinearLatency.from_dict, v) for k, v in d["collectives"].items()}
+        return cls(**{**d, "collectives": lat})
+
+
+# ---------------------------------------------------------------------------------------------------- devices
+@dataclass(frozen=True, slots=True)
+class DeviceSpec(_Data):
+    """One accelerator: peak FLOP/s per dtype, memory bandwidth (bytes/s) and capacity (bytes), compute models.
+
+    ``compute`` keys are an op family (``"matmul"``) or a family and dtype (``"matmul:bf16"``); the latter wins.
+    ``op_overhead`` (seconds) is the fixed cost per op of the default models (kernel launch / dispatch).
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    memory_capacity: int
+    op_overhead: float = 0.0
+    compute: dict[str, ComputeModel] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _str("DeviceSpec.name", self.name)
+        _keys("DeviceSpec.peak_flops", self.peak_flops, DTYPES, REQUIRED_DTYPES, "dtype(s)")
+        pf = {k: _real(f"DeviceSpec.peak_flops[{k!r}]", v, "FLOP/s", positive=True) for k, v in self.peak_flops.items()}
+        _set(self, "peak_flops", {k: pf[k] for k in DTYPES if k in pf})
+        mem_bw = _real("DeviceSpec.memory_bandwidth", self.memory_bandwidth, "bytes/s", positive=True)
+        _set(self, "memory_bandwidth", mem_bw)
+        _set(self, "memory_capacity", _int("DeviceSpec.memory_capacity", self.memory_capacity, "bytes"))
+        _set(self, "op_overhead", _real("DeviceSpec.op_overhead", self.op_overhead, "seconds"))
+        if not isinstance(self.compute, Mapping):
+            raise ValueError("DeviceSpec.compute must map op families to ComputeModel")
+        for key, model in self.compute.items():
+            family, _, dtype = str(key).partition(":")
+            if not isinstance(key, str) or family not in OP_FAMILIES or (dtype and dtype not in DTYPES):
+                msg = f"an op family {list(OP_FAMILIES)}, optionally with ':' and a dtype {list(DTYPES)}"
+                raise ValueError(f"DeviceSpec.compute key {key!r} must be {msg}")
+            if not isinstance(model, ComputeModel):
+                raise ValueError(f"DeviceSpec.compute[{key!r}] must be a ComputeModel, got {type(model).__name__}")
+        _set(self, "compute", dict(sorted(self.compute.items())))
+
+    __hash__ = _data_hash  # dict fields: hash the canonical JSON (consistent with ==)
+
+    def peak(self, dtype: object) -> float:
+        """Peak FLOP/s for ``dtype``; tf32 falls back to fp32 when not given."""
+        key = dtype_key(dtype)
+        return self.peak_flops.get(key, self.peak_flops["fp32"])
+
+    def default_compute(self, family: str, dtype: object = "fp32") -> ComputeModel:
+        """The uncalibrated model of ``family`` derived from peak FLOP/s and memory bandwidth."""
+        if family not in OP_FAMILIES:
+            raise ValueError(f"unknown op family {family!r}; expected one of {list(OP_FAMILIES)}")
+        if family in FREE_FAMILIES:
+            return ComputeModel(0.0, 0.0, 0.0)
+        if family in TENSOR_CORE_FAMILIES:
+            flops_per_s = self.peak(dtype) * DEFAULT_FLOPS_EFFICIENCY[family]
+        else:
+            flops_per_s = self.peak_flops["fp32"] * DEFAULT_VECTOR_EFFICIENCY
+        bytes_per_s = self.memory_bandwidth * DEFAULT_BYTES_EFFICIENCY
+        return ComputeModel(1.0 / flops_per_s, 1.0 / bytes_per_s, self.op_overhead)
+
+    def compute_model(self, family: str, dtype: object = "fp32") -> ComputeModel:
+        """The calibrated model (``family:dtype``, then ``family``) or else :meth:`default_compute`."""
+        key = dtype_key(dtype)
+        for k in (f"{family}:{key}", family):
+            if k in self.compute:
+                return self.compute[k]
+        return self.default_compute(family, key)
+
+    def compute_time(self, family: str, flops: float, nbytes: float, dtype: object = "fp32") -> float:
+        """Seconds for one op of ``family`` doing ``flops`` and moving ``nbytes`` of memory traffic."""
+        return self.compute_model(family, dtype)(flops, nbytes)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DeviceSpec:
+        required = ("name", "peak_flops", "memory_bandwidth", "memory_capacity")
+        d = _fields("DeviceSpec", data, required, ("op_overhead", "compute"))
+        compute = d.get("compute", {})
+        if not isinstance(compute, Mapping):
+            raise ValueError(f"DeviceSpec.compute must be an object/table, got {type(compute).__name__}")
+        models = {k: _within(f"compute[{k!r}]", ComputeModel.from_dict, v) for k, v in compute.items()}
+        return cls(**{**d, "compute": models})
+
+
+# ---------------------------------------------------------------------------------------------------- clusters
+@functools.lru_cache(maxsize=4096)
+def _crosses_nodes(digits: tuple[int, ...], positions: tuple[int, ...], devices_per_node: int) -> bool:
+    """Whether some group of devices differing only in ``positions`` spans two nodes (checked rank by rank)."""
+    groups = DeviceMesh(digits).groups(positions)
+    return any(len({rank // devices_per_node for rank in group}) > 1 for group in groups)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec(_Data):
+    """A homogeneous cluster: ``num_devices`` devices, ``devices_per_node`` per node, innermost level first.
+
+    ``calibrated`` says whether the numbers were measured on the machine; ``source`` says where they came from.
+    """
+
+    name: str
+    num_devices: int
+    devices_per_node: int
+    device: DeviceSpec
+    levels: tuple[LinkLevel, ...]
+    description: str = ""
+    calibrated: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _str("ClusterSpec.name", self.name)
+        _set(self, "num_devices", _int("ClusterSpec.num_devices", self.num_devices, "devices"))
+        _set(self, "devices_per_node", _int("ClusterSpec.devices_per_node", self.devices_per_node, "devices"))
+        if self.num_devices % self.devices_per_node:
+            raise ValueError(
+                f"ClusterSpec.num_devices ({self.num_devices}) must be a multiple of devices_per_node "
+                f"({self.devices_per_node}); nodes are assumed identical"
+            )
+        if not isinstance(self.device, DeviceSpec):
+            raise ValueError(f"ClusterSpec.device must be a DeviceSpec, got {type(self.device).__name__}")
+        if not isinstance(self.levels, (tuple, list)) or not all(isinstance(lv, LinkLevel) for lv in self.levels):
+            raise ValueError("ClusterSpec.levels must be a sequence of LinkLevel, innermost (intra-node) first")
+        _set(self, "levels", tuple(self.levels))
+        if not (1 if self.num_nodes == 1 else 2) <= len(self.levels) <= 2:
+            want = "[intra-node, inter-node]" if self.num_nodes > 1 else "[intra-node] or [intra-node, inter-node]"
+            raise ValueError(f"ClusterSpec.levels must be {want} for {self.num_nodes} node(s), got {len(self.levels)}")
+        names = [lv.name for lv in self.levels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ClusterSpec.levels names must be unique, got {names}")
+        _str("ClusterSpec.description", self.description, nonempty=False)
+        _str("ClusterSpec.source", self.source, nonempty=False)
+        if not isinstance(self.calibrated, bool):
+            raise ValueError(f"ClusterSpec.calibrated must be true or false, got {self.calibrated!r}")
+
+    __hash__ = _data_hash  # dict fields: hash the canonical JSON (consistent with ==)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_devices // self.devices_per_node
+
+    def mesh(self, world_size: int | None = None) -> DeviceMesh:
+        """The device digits of ``world_size`` devices (default: all), node digits first."""
+        world = self.num_devices if world_size is None else _int("world_size", world_size, "devices")
+        if world > self.num_devices:
+            raise ValueError(f"world_size {world} exceeds cluster {self.name!r} of {self.num_devices} devices")
+        return DeviceMesh.for_world_size(world, self.devices_per_node)
+
+    def _check_mesh(self, mesh: DeviceMesh, digits: Iterable[int]) -> tuple[int, ...]:
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        if mesh.size > self.num_devices:
+            raise ValueError(f"a mesh of {mesh.size} devices does not fit cluster {self.name!r} ({self.num_devices})")
+        positions = tuple(sorted(set(digits)))
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(mesh) for i in positions):
+            raise ValueError(f"digits {positions} must be positions 0..{len(mesh) - 1} of mesh digits {mesh.digits}")
+        return positions
+
+    def group_size(self, mesh: DeviceMesh, digits: Iterable[int]) -> int:
+        """Devices per group of devices that differ only in ``digits``."""
+        return prod(mesh.digits[i] for i in self._check_mesh(mesh, digits))
+
+    def group_level(self, mesh: DeviceMesh, digits: Iterable[int]) -> int:
+        """The slowest level a group differing only in ``digits`` uses: 1 if any group spans nodes, else 0."""
+        positions = self._check_mesh(mesh, digits)
+        level = int(_crosses_nodes(mesh.digits, positions, self.devices_per_node))
+        if level >= len(self.levels):
+            raise ValueError(f"groups over digits {positions} span nodes but {self.name!r} has no inter-node level")
+        return level
+
+    def collective_time(self, kind: str, nbytes_per_device: float, mesh: DeviceMesh, digits: Iterable[int]) -> float:
+        """Seconds for a ``kind`` collective over the groups that differ only in ``digits`` (module docstring)."""
+        digits = tuple(digits)
+        level = self.levels[self.group_level(mesh, digits)]
+        return level.collective_time(kind, self.group_size(mesh, digits), nbytes_per_device)
+
+    def shift_time(self, nbytes: float, senders: Iterable[int]) -> float:
+        """Seconds for a ring shift where rank ``k`` receives ``nbytes`` from ``senders[k]`` (all at once)."""
+        moves = [(k, s) for k, s in enumerate(senders) if s != k]
+        if not moves:
+            return 0.0
+        if any(not 0 <= s < self.num_devices for _, s in moves):
+            raise ValueError(f"senders must be ranks 0..{self.num_devices - 1}")
+        level = int(any(k // self.devices_per_node != s // self.devices_per_node for k, s in moves))
+        if level >= len(self.levels):
+            raise ValueError(f"the shift crosses nodes but {self.name!r} has no inter-node level")
+        return self.levels[level].collective_time("p2p", 2, nbytes)
+
+    def with_calibration(
+        self,
+        *,
+        source: str,
+        collectives: Mapping[int | str, Mapping[str, LinearLatency]] | None = None,
+        compute: Mapping[str, ComputeModel] | None = None,
+        op_overhead: float | None = None,
+    ) -> ClusterSpec:
+        """A copy with measured coefficients merged in and ``calibrated=True``.
+
+        ``collectives`` is keyed by level index or name, then kind; ``compute`` by ``family`` or ``family:dtype``.
+        """
+        levels = list(self.levels)
+        for key, kinds in (collectives or {}).items():
+            idx = key if isinstance(key, int) else next((i for i, lv in enumerate(levels) if lv.name == key), None)
+            if idx is None or not 0 <= idx < len(levels):
+                raise ValueError(f"collectives: no level {key!r}; levels are {[lv.name for lv in levels]}")
+            levels[idx] = dataclasses.replace(levels[idx], collectives={**levels[idx].collectives, **kinds})
+        dev = self.device
+        if compute or op_overhead is not None:
+            over = dev.op_overhead if op_overhead is None else op_overhead
+            dev = dataclasses.replace(dev, compute={**dev.compute, **(compute or {})}, op_overhead=over)
+        return dataclasses.replace(self, levels=tuple(levels), device=dev, calibrated=True, source=source)
+
+    # ------------------------------------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = _plain(self)  # the prose first, then the numbers
+        return {k: d[k] for k in ("name", "description", "calibrated", "source")} | d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ClusterSpec:
+        required = ("name", "num_devices", "devices_per_node", "device", "levels")
+        d = _fields("ClusterSpec", data, required, ("description", "calibrated", "source"))
+        device = _within("ClusterSpec.device", DeviceSpec.from_dict, d["device"])
+        if not isinstance(d["levels"], list):
+            raise ValueError(f"ClusterSpec.levels must be a list of levels, got {type(d['levels']).__name__}")
+        levels = tuple(_within(f"ClusterSpec.levels[{i}]", LinkLevel.from_dict, lv) for i, lv in enumerate(d["levels"]))
+        return cls(**{**d, "device": device, "levels": levels})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def to_toml(self) -> str:
+        return "\n".join(_toml_table([], [], self.to_dict())) + "\n"
+
+    @classmethod
+    def from_toml(cls, text: str) -> ClusterSpec:
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
+            import tomli as tomllib  # type: ignore[no-redef]
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"not valid TOML: {e}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ClusterSpec:
+        """Load a ``.json`` or ``.toml`` spec."""
+        p = Path(path)
+        if p.suffix not in (".json", ".toml"):
+            raise ValueError(f"cluster spec {str(p)!r} must end in .json or .toml")
+        text = p.read_text(encoding="utf-8")
+        return cls.from_json(text) if p.suffix == ".json" else cls.from_toml(text)
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else _toml_str(key)
+
+
+def _toml_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)  # shortest round-trip form; finite by validation
+    if isinstance(v, str):
+        return _toml_str(v)
+    raise ValueError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _toml_table(lines: list[str], path: list[str], table: Mapping[str, Any]) -> list[str]:
+    """Append ``table`` as TOML (scalars, then sub-tables, then arrays of tables) to ``lines``; return them."""
+    lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, (dict, list)))
+    for k, v in table.items():
+        sub = ".".join(_toml_key(p) for p in [*path, k])
+        if isinstance(v, dict):
+            lines += ["", f"[{sub}]"]
+            _toml_table(lines, [*path, k], v)
+        elif isinstance(v, list):
+            for item in v:
+                lines += ["", f"[[{sub}]]"]
+                _toml_table(lines, [*path, k], item)
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------- presets
+def _presets() -> Any:
+    return resources.files("primepar_fx.cost").joinpath("presets")
+
+
+def list_clusters() -> list[str]:
+    """Names of the shipped presets (``primepar_fx/cost/presets/*.json``)."""
+    return sorted(p.name.removesuffix(".json") for p in _presets().iterdir() if p.name.endswith(".json"))
+
+
+def load_cluster(name_or_path: str | os.PathLike[str]) -> ClusterSpec:
+    """A preset by name (see :func:`list_clusters`) or a ``.json`` / ``.toml`` spec file."""
+    name = os.fspath(name_or_path)
+    if name in list_clusters():
+        text = _presets().joinpath(f"{name}.json").read_text("utf-8")
+        return _within(f"preset {name!r}", ClusterSpec.from_json, text)
+    if Path(name).is_file():
+        return _within(f"cluster spec {name!r}", ClusterSpec.from_file, name)
+    raise ValueError(f"no cluster preset or spec file {name!r}; presets are {list_clusters()}")
