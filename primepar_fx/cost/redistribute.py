@@ -1,0 +1,388 @@
+"""Inter-operator redistribution traffic of one graph edge (paper §4, Eq. 8-9).
+
+An edge carries one tensor from output ``j`` of a producer node to input ``k`` of a consumer node. Each side
+describes the tensor with its own :data:`~primepar_fx.rules.spec.TensorMap` over its own iteration dims, and
+the two may factor a tensor dim differently (producer ``("B", "S")`` vs consumer ``("BS",)``). Both describe
+the same shape, so a tensor dim is compared through its *flat index* ``0 .. n-1``.
+
+**Index set of a tensor dim (Eq. 8, generalised to merged dims).** Let a tensor dim be made of the iteration
+dims ``X_1 .. X_m`` (major first) of sizes ``n_1 .. n_m``, cut into ``p_1 .. p_m`` parts, and let device ``D``
+hold slice ``i_j = I_{X_j}(D, t)`` of each. With block ``b_j = n_j / p_j`` and stride
+``s_j = n_{j+1} * ... * n_m``, ``D`` holds the flat indices::
+
+    S(D) = { sum_j x_j * s_j  :  i_j * b_j <= x_j < (i_j + 1) * b_j }
+
+For one iteration dim this is the paper's ``S_X(D) = [b * I_X : b * I_X + b]``. When a minor dim of a merged
+group is split, ``S(D)`` is a union of intervals (strided). It is stored as a sorted tuple of disjoint
+half-open ``(start, stop)`` intervals. A broadcast dim ``()`` has size 1 and the set ``{0}``. The block a device
+holds is the Cartesian product of its per-dim sets.
+
+**Traffic (Eq. 9).** ``held(D)`` is the producer's ``out_j`` at its last Forward step (``t = steps - 1``), and
+``needed(D)`` is the consumer's ``in_k`` at its first Forward step (``t = 0``)::
+
+    V_D     = prod_d |needed_d(D)|
+    fwd(D)  = V_D - prod_d |held_d(D) ∩ needed_d(D)|
+    forward = sum_D fwd(D)
+
+Backward is the same formula with the roles swapped. The consumer holds ``d_in_k`` at the last step of the phase
+that produces it: Backward, or Gradient when input ``k`` is a parameter. The producer needs ``d_out_j`` at its
+first Backward step (``t = 0``). An input in ``op.no_grad`` has no backward traffic. Only the elements that device
+``D`` itself lacks count, so a block that several devices hold is never counted twice (Eq. 9 as written).
+
+**Partial sums.** If a summed dim of the result is split, the producer's ``out_j`` or the consumer's ``d_in_k`` is
+a partial sum until its all-reduce runs (:func:`primepar_fx.partition.collectives`). The cost model prices that
+all-reduce separately (Eq. 7). Here every held set is the one after the all-reduce, which is what
+``OpPartition.tensor_slice`` describes: it does not depend on the summed dims.
+
+Sizes are sympy expressions in ``B`` and ``S``. They are evaluated at the caller's ``values`` (required), so every
+count is an exact integer. Index sets are memoised per ``(op, seq, mesh, tmap, phase, t, values)``, and interval
+intersections are memoised per pair of sets. :func:`redistribution_matrix` prices every (producer strategy,
+consumer strategy) pair of an edge at once with numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+from types import MappingProxyType
+
+import numpy as np
+import sympy
+
+from primepar_fx.partition.dsi import OpPartition, PartitionError, Phase
+from primepar_fx.partition.mesh import DeviceMesh
+from primepar_fx.partition.seq import PartitionSeq
+from primepar_fx.rules.spec import OpDims, TensorMap
+
+#: Sorted, disjoint, half-open ``(start, stop)`` intervals of flat indices along one tensor dim.
+IndexSet = tuple[tuple[int, int], ...]
+#: Per device (rank order), per tensor dim, the :data:`IndexSet` the device holds or needs.
+Layout = tuple[tuple[IndexSet, ...], ...]
+#: Concrete values of the size symbols, as a hashable key.
+ValuesKey = tuple[tuple[sympy.Symbol, int], ...]
+PartKey = tuple[OpDims, PartitionSeq, DeviceMesh]
+
+
+@dataclass(frozen=True, slots=True)
+class Redistribution:
+    """Eq. 9 traffic of one edge under one (producer, consumer) strategy pair, in elements.
+
+    Attributes:
+        forward_elems: ``sum_D (V_D - |held(D) ∩ needed(D)|)`` for the activation.
+        backward_elems: the same for the gradient, consumer ``d_in`` to producer ``d_out``.
+        per_device_forward: the forward term of each device, in rank order (what device ``D`` receives).
+        per_device_backward: the backward term of each device, in rank order.
+        is_permutation: the forward redistribution is a P2P permutation. Every device that lacks part of its
+            needed block finds the whole block on exactly one other device, those senders are pairwise
+            distinct and are not devices that keep their own block, and at least one device receives
+            (the Cannon skew between two P(S x S) linears).
+        backward_is_permutation: the same test for the backward redistribution.
+    """
+
+    forward_elems: int
+    backward_elems: int
+    per_device_forward: tuple[int, ...]
+    per_device_backward: tuple[int, ...]
+    is_permutation: bool
+    backward_is_permutation: bool = False
+
+    def bytes(self, itemsize: int) -> tuple[int, int]:
+        """``(forward, backward)`` traffic in bytes for elements of ``itemsize`` bytes."""
+        return self.forward_elems * itemsize, self.backward_elems * itemsize
+
+    @property
+    def total_elems(self) -> int:
+        return self.forward_elems + self.backward_elems
+
+
+# ---------------------------------------------------------------------------------------------- index sets
+@lru_cache(maxsize=1 << 16)
+def index_set(sizes: tuple[int, ...], dim_slice: tuple[tuple[int, int], ...]) -> IndexSet:
+    """The flat indices ``{sum_j x_j * s_j : i_j * b_j <= x_j < (i_j + 1) * b_j}`` of one tensor dim.
+
+    ``sizes`` are the group's iteration-dim sizes ``n_j`` (major first) and ``dim_slice`` its ``(i_j, p_j)``
+    pairs, with ``b_j = n_j / p_j`` and ``s_j`` the product of the more minor sizes. The set is built major to
+    minor: the prefix set ``P`` becomes ``{x * n_j + y : x in P, y in block_j}``. A whole block keeps each interval
+    contiguous. A proper block turns each prefix value into its own interval, so the result has
+    ``prod_{j < j*} b_j`` intervals, where ``j*`` is the most minor split dim.
+    """
+    out: list[tuple[int, int]] = [(0, 1)]
+    for n, (i, p) in zip(sizes, dim_slice):
+        if n % p:
+            raise PartitionError(f"a dim of size {n} does not split into {p} parts")
+        lo, hi = i * n // p, (i + 1) * n // p
+        if lo == 0 and hi == n:
+            out = [(a * n, b * n) for a, b in out]
+        else:
+            out = [(x * n + lo, x * n + hi) for a, b in out for x in range(a, b)]
+    return tuple(out)
+
+
+def set_size(s: IndexSet) -> int:
+    return sum(b - a for a, b in s)
+
+
+@lru_cache(maxsize=1 << 16)
+def overlap(a: IndexSet, b: IndexSet) -> int:
+    """``|a ∩ b|`` of two sorted disjoint interval lists, by a linear two-pointer merge."""
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            total += hi - lo
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def values_key(values: Mapping[sympy.Symbol, int]) -> ValuesKey:
+    return tuple(sorted(((k, int(v)) for k, v in values.items()), key=lambda kv: str(kv[0])))
+
+
+@lru_cache(maxsize=4096)
+def concrete_sizes(op: OpDims, vkey: ValuesKey) -> Mapping[str, int]:
+    """Every iteration dim's size at ``values`` as an exact int (raises if a symbol is left or it is fractional)."""
+    subs = {k: sympy.Integer(v) for k, v in vkey}
+    out = {}
+    for d, size in zip(op.dims, op.sizes):
+        expr = sympy.sympify(size).xreplace(subs)
+        if not expr.is_Integer:
+            raise ValueError(f"size {size} of dim {d!r} is not an integer at {dict(vkey)}: {expr}")
+        out[d] = int(expr)
+    return MappingProxyType(out)
+
+
+def dim_sizes(op: OpDims, tmap: TensorMap, vkey: ValuesKey) -> tuple[int, ...]:
+    """The concrete size of each tensor dim: the product of its group's iteration-dim sizes (1 for ``()``)."""
+    sizes = concrete_sizes(op, vkey)
+    return tuple(prod(sizes[d] for d in group) for group in tmap)
+
+
+@lru_cache(maxsize=1 << 14)
+def layout(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: ValuesKey) -> Layout:
+    """Per device (rank order) and tensor dim, the :data:`IndexSet` of ``tmap`` at ``(phase, t)`` (Eq. 8)."""
+    part = OpPartition(*key)
+    sizes = concrete_sizes(part.op, vkey)
+    group_sizes = [tuple(sizes[d] for d in group) for group in tmap]
+    return tuple(
+        tuple(index_set(gs, ds) for gs, ds in zip(group_sizes, part.tensor_slice(phase, tmap, coords, t), strict=True))
+        for coords in part.mesh.devices()
+    )
+
+
+def part_key(part: OpPartition) -> PartKey:
+    """A hashable key for an :class:`OpPartition`, which holds a dict and so cannot be hashed itself."""
+    return part.op, part.seq, part.mesh
+
+
+# ------------------------------------------------------------------------------------------------ the edge
+@dataclass(frozen=True, slots=True)
+class EdgeUse:
+    """Where one side of an edge holds or needs the tensor: the partition, its map and ``(phase, t)``."""
+
+    key: PartKey
+    tmap: TensorMap
+    phase: Phase
+    t: int
+
+    def layout(self, vkey: ValuesKey) -> Layout:
+        return layout(self.key, self.tmap, self.phase, self.t, vkey)
+
+
+def _out_map(part: OpPartition, out_index: int) -> TensorMap:
+    if not 0 <= out_index < len(part.op.outputs):
+        raise ValueError(f"the producer has {len(part.op.outputs)} outputs, not an output {out_index}")
+    return part.op.outputs[out_index]
+
+
+def _in_map(part: OpPartition, in_index: int) -> TensorMap:
+    if not 0 <= in_index < len(part.op.inputs) or part.op.inputs[in_index] is None:
+        raise ValueError(f"the consumer has no tensor input {in_index}")
+    return part.op.inputs[in_index]  # type: ignore[return-value]
+
+
+def forward_held(producer: OpPartition, out_index: int) -> EdgeUse:
+    """The producer holds ``out_j`` at its last Forward step (``t = steps - 1``)."""
+    return EdgeUse(part_key(producer), _out_map(producer, out_index), Phase.FORWARD, producer.steps - 1)
+
+
+def forward_needed(consumer: OpPartition, in_index: int) -> EdgeUse:
+    """The consumer needs ``in_k`` at its first Forward step (``t = 0``)."""
+    return EdgeUse(part_key(consumer), _in_map(consumer, in_index), Phase.FORWARD, 0)
+
+
+def backward_held(consumer: OpPartition, in_index: int) -> EdgeUse | None:
+    """The consumer holds ``d_in_k`` at the last step of Backward (Gradient for a parameter); ``None`` if no_grad."""
+    if in_index in consumer.op.no_grad:
+        return None
+    phase = Phase.GRADIENT if in_index in consumer.op.weights else Phase.BACKWARD
+    return EdgeUse(part_key(consumer), _in_map(consumer, in_index), phase, consumer.steps - 1)
+
+
+def backward_needed(producer: OpPartition, out_index: int) -> EdgeUse:
+    """The producer needs ``d_out_j`` at its first Backward step (``t = 0``)."""
+    return EdgeUse(part_key(producer), _out_map(producer, out_index), Phase.BACKWARD, 0)
+
+
+def check_edge(producer: OpPartition, out_index: int, consumer: OpPartition, in_index: int, vkey: ValuesKey) -> None:
+    """Raise ``ValueError`` unless both sides use one mesh and describe the same tensor shape at ``values``."""
+    if producer.mesh != consumer.mesh:
+        raise ValueError(f"producer mesh {producer.mesh.digits} differs from consumer mesh {consumer.mesh.digits}")
+    a = dim_sizes(producer.op, _out_map(producer, out_index), vkey)
+    b = dim_sizes(consumer.op, _in_map(consumer, in_index), vkey)
+    if a != b:
+        raise ValueError(f"producer output {out_index} has shape {a} but consumer input {in_index} has shape {b}")
+
+
+# --------------------------------------------------------------------------------------------- one pair
+def per_device_traffic(held: Layout, needed: Layout) -> tuple[int, ...]:
+    """``V_D - prod_d |held_d(D) ∩ needed_d(D)|`` for every device ``D`` (Eq. 9, one term per device)."""
+    return tuple(
+        prod(set_size(n) for n in need) - prod(overlap(h, n) for h, n in zip(have, need))
+        for have, need in zip(held, needed)
+    )
+
+
+def _contains(have: tuple[IndexSet, ...], need: tuple[IndexSet, ...]) -> bool:
+    """``need ⊆ have`` for Cartesian products: every per-dim set is contained (the need is never empty)."""
+    return all(overlap(h, n) == set_size(n) for h, n in zip(have, need))
+
+
+def is_permutation(held: Layout, needed: Layout, traffic: Sequence[int]) -> bool:
+    """Whether the devices that receive (``traffic[D] > 0``) form a P2P permutation.
+
+    Each receiver ``D`` needs a sender ``σ(D) ≠ D`` that holds all of ``needed(D)``, and that sender must be
+    unique. The senders must be pairwise distinct and must not be devices that keep their own block
+    (``traffic = 0``). At least one device receives.
+    """
+    movers = [d for d, v in enumerate(traffic) if v]
+    if not movers:
+        return False
+    senders: set[int] = set()
+    for d in movers:
+        size = prod(set_size(n) for n in needed[d])
+        found = [
+            e
+            for e, have in enumerate(held)
+            if e != d and prod(set_size(h) for h in have) >= size and _contains(have, needed[d])
+        ]
+        if len(found) != 1 or found[0] in senders:
+            return False
+        senders.add(found[0])
+    return not senders - set(movers)
+
+
+def redistribution(
+    producer: OpPartition,
+    out_index: int,
+    consumer: OpPartition,
+    in_index: int,
+    values: Mapping[sympy.Symbol, int],
+) -> Redistribution:
+    """Eq. 9 traffic of the edge ``producer.out[out_index] -> consumer.in[in_index]``, Forward and Backward.
+
+    ``values`` gives the concrete ``B`` and ``S`` (e.g. ``{B: 8, S: 2048}``). Partial sums are assumed
+    all-reduced (that collective is priced by the intra-operator cost). Raises ``ValueError`` when the meshes or
+    the two shapes differ, or a dim does not split evenly at ``values``.
+    """
+    vkey = values_key(values)
+    check_edge(producer, out_index, consumer, in_index, vkey)
+    held, needed = forward_held(producer, out_index).layout(vkey), forward_needed(consumer, in_index).layout(vkey)
+    fwd = per_device_traffic(held, needed)
+    grad = backward_held(consumer, in_index)
+    if grad is None:
+        bwd: tuple[int, ...] = (0,) * producer.mesh.size
+        bwd_perm = False
+    else:
+        g_held, g_needed = grad.layout(vkey), backward_needed(producer, out_index).layout(vkey)
+        bwd = per_device_traffic(g_held, g_needed)
+        bwd_perm = is_permutation(g_held, g_needed, bwd)
+    return Redistribution(sum(fwd), sum(bwd), fwd, bwd, is_permutation(held, needed, fwd), bwd_perm)
+
+
+# ------------------------------------------------------------------------------------------- all pairs
+Block = tuple[IndexSet, ...]
+
+
+def _intern(items: Sequence[Block] | Sequence[Layout]) -> tuple[list, np.ndarray]:
+    """The distinct items (first-seen order) and, for each item, the index of its distinct copy."""
+    index: dict = {}
+    inverse = np.fromiter((index.setdefault(x, len(index)) for x in items), dtype=np.int64, count=len(items))
+    return list(index), inverse
+
+
+def block_overlaps(helds: Sequence[Block], neededs: Sequence[Block]) -> np.ndarray:
+    """``T[a, b] = prod_d |held_a,d ∩ needed_b,d|``: the overlap of two Cartesian blocks, per-dim sets interned."""
+    table = np.ones((len(helds), len(neededs)), dtype=np.int64)
+    for d in range(len(helds[0]) if helds else 0):
+        hs, hi = _intern([h[d] for h in helds])
+        ns, ni = _intern([n[d] for n in neededs])
+        over = np.array([[overlap(a, b) for b in ns] for a in hs], dtype=np.int64).reshape(len(hs), len(ns))
+        table *= over[hi[:, None], ni[None, :]]
+    return table
+
+
+def traffic_matrix(helds: Sequence[Layout], neededs: Sequence[Layout], budget: int = 1 << 22) -> np.ndarray:
+    """``M[i, j] = sum_D (V_jD - prod_d |held_i,d(D) ∩ needed_j,d(D)|)`` for all pairs (Eq. 9, vectorised).
+
+    Equal layouts are priced once. Each device's block (its tuple of per-dim sets) is interned, and the overlaps of
+    all distinct (held block, needed block) pairs are tabulated once by :func:`block_overlaps`. A pair of
+    layouts is then one numpy gather over the devices, in chunks of at most ``budget`` entries.
+    """
+    uh, inv_h = _intern(helds)
+    un, inv_n = _intern(neededs)
+    world = len(uh[0]) if uh else 0
+    hb_list, hb = _intern([blk for lay in uh for blk in lay])
+    nb_list, nb = _intern([blk for lay in un for blk in lay])
+    hb, nb = hb.reshape(len(uh), world), nb.reshape(len(un), world)
+    table = block_overlaps(hb_list, nb_list)
+    volume = np.array([prod(set_size(s) for s in blk) for blk in nb_list], dtype=np.int64)[nb].sum(axis=1)
+    out = np.empty((len(uh), len(un)), dtype=np.int64)
+    chunk = max(1, budget // max(1, len(un) * world))
+    for lo in range(0, len(uh), chunk):
+        out[lo : lo + chunk] = volume[None, :] - table[hb[lo : lo + chunk, None, :], nb[None, :, :]].sum(axis=-1)
+    return out[inv_h][:, inv_n]
+
+
+def redistribution_matrix(
+    producers: Sequence[OpPartition],
+    out_index: int,
+    consumers: Sequence[OpPartition],
+    in_index: int,
+    values: Mapping[sympy.Symbol, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(fwd, bwd)``: int64 arrays of shape ``(len(producers), len(consumers))`` of Eq. 9 traffic in elements.
+
+    ``fwd[i, j]`` and ``bwd[i, j]`` equal ``redistribution(producers[i], ..., consumers[j], ...)``'s
+    ``forward_elems`` and ``backward_elems``. All strategies of one side must share one op and one mesh.
+    """
+    if not producers or not consumers:
+        empty = np.zeros((len(producers), len(consumers)), np.int64)
+        return empty, empty.copy()
+    vkey = values_key(values)
+    check_edge(producers[0], out_index, consumers[0], in_index, vkey)
+    for side in (producers, consumers):
+        if len({(p.op, p.mesh) for p in side}) > 1:
+            raise ValueError("all strategies of one side of an edge must share one op and one mesh")
+    fwd = traffic_matrix(
+        [forward_held(p, out_index).layout(vkey) for p in producers],
+        [forward_needed(c, in_index).layout(vkey) for c in consumers],
+    )
+    grads = [backward_held(c, in_index) for c in consumers]
+    if any(g is None for g in grads):
+        return fwd, np.zeros_like(fwd)
+    g_held = [g.layout(vkey) for g in grads if g is not None]
+    g_needed = [backward_needed(p, out_index).layout(vkey) for p in producers]
+    return fwd, np.ascontiguousarray(traffic_matrix(g_held, g_needed).T)
+
+
+def clear_caches() -> None:
+    """Drop the memoised sizes, layouts and overlaps (e.g. between models)."""
+    concrete_sizes.cache_clear()
+    layout.cache_clear()
+    index_set.cache_clear()
+    overlap.cache_clear()

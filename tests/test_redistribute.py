@@ -1,0 +1,303 @@
+"""Inter-operator redistribution traffic (Eq. 8-9): exact element counts, checked by hand and by brute force.
+
+The brute force enumerates every element a device holds or needs as a tuple of tensor coordinates: the iteration
+coordinates of each group's block are composed into a flat index by mixed radix, and the Cartesian product over
+the tensor dims is taken. It counts ``|needed(D) - held(D)|`` with Python sets and never uses intervals.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import pytest
+import sympy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from primepar_fx.cost.redistribute import (
+    Redistribution,
+    index_set,
+    overlap,
+    redistribution,
+    redistribution_matrix,
+)
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences
+from primepar_fx.rules.spec import OpDims, TensorMap
+from primepar_fx.shapes import B, S
+
+F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
+Size = int | sympy.Expr
+
+
+def linear(b: Size, m: Size, n: Size, k: Size) -> OpDims:
+    """``O[B,M,K] = I[B,M,N] . W[N,K]`` with W a parameter."""
+    return OpDims(
+        "matmul",
+        ("B", "M", "N", "K"),
+        tuple(sympy.sympify(v) for v in (b, m, n, k)),
+        inputs=((("B",), ("M",), ("N",)), (("N",), ("K",))),
+        outputs=((("B",), ("M",), ("K",)),),
+        matmul=("M", "N", "K"),
+        matmul_operands=(0, 1),
+        weights=frozenset({1}),
+    )
+
+
+def pointwise(dims: dict[str, Size], tmap: TensorMap, kind: str = "pointwise", out: TensorMap | None = None) -> OpDims:
+    sizes = tuple(sympy.sympify(v) for v in dims.values())
+    return OpDims(kind, tuple(dims), sizes, inputs=(tmap,), outputs=(tmap if out is None else out,))
+
+
+def bind(op: OpDims, seq: str, digits: tuple[int, ...]) -> OpPartition:
+    return OpPartition(op, PartitionSeq.parse(seq), DeviceMesh(digits))
+
+
+# ------------------------------------------------------------------------------------------- brute force
+def elements(part: OpPartition, tmap: TensorMap, phase: Phase, t: int, coords: tuple[int, ...], vals) -> set:
+    sizes = {d: int(sympy.sympify(s).subs(vals)) for d, s in zip(part.op.dims, part.op.sizes)}
+    per_dim = []
+    for group, dim_slice in zip(tmap, part.tensor_slice(phase, tmap, coords, t)):
+        ns = [sizes[d] for d in group]
+        ranges = [range(i * n // p, (i + 1) * n // p) for n, (i, p) in zip(ns, dim_slice)]
+        flat = set()
+        for xs in itertools.product(*ranges):
+            v = 0
+            for x, n in zip(xs, ns):
+                v = v * n + x
+            flat.add(v)
+        per_dim.append(flat)
+    return set(itertools.product(*per_dim))
+
+
+def brute(producer: OpPartition, j: int, consumer: OpPartition, k: int, vals: Mapping) -> tuple[list, list]:
+    """Per-device ``|needed - held|`` for Forward and Backward, from explicit element sets."""
+    out_map, in_map = producer.op.outputs[j], consumer.op.inputs[k]
+    g_phase = G if k in consumer.op.weights else Bk
+    fwd, bwd = [], []
+    for coords in producer.mesh.devices():
+        held = elements(producer, out_map, F, producer.steps - 1, coords, vals)
+        fwd.append(len(elements(consumer, in_map, F, 0, coords, vals) - held))
+        if k in consumer.op.no_grad:
+            bwd.append(0)
+            continue
+        g_held = elements(consumer, in_map, g_phase, consumer.steps - 1, coords, vals)
+        bwd.append(len(elements(producer, out_map, Bk, 0, coords, vals) - g_held))
+    return fwd, bwd
+
+
+def assert_matches_brute(producer: OpPartition, j: int, consumer: OpPartition, k: int, vals: Mapping) -> Redistribution:
+    r = redistribution(producer, j, consumer, k, vals)
+    fwd, bwd = brute(producer, j, consumer, k, vals)
+    assert list(r.per_device_forward) == fwd, (producer.seq, consumer.seq)
+    assert list(r.per_device_backward) == bwd, (producer.seq, consumer.seq)
+    assert r.forward_elems == sum(fwd) and r.backward_elems == sum(bwd)
+    return r
+
+
+# ------------------------------------------------------------------------------------------ index sets
+def test_index_set_contiguous_strided_and_broadcast() -> None:
+    assert index_set((8,), ((1, 4),)) == ((2, 4),)
+    assert index_set((4, 6), ((0, 1), (0, 2))) == ((0, 3), (6, 9), (12, 15), (18, 21))  # minor S split
+    assert index_set((4, 6), ((1, 2), (0, 1))) == ((12, 24),)  # major B split: one interval
+    assert index_set((4, 6), ((1, 2), (1, 3))) == ((14, 16), (20, 22))
+    assert index_set((), ()) == ((0, 1),)
+
+
+def test_overlap_is_linear_merge_of_intervals() -> None:
+    assert overlap(((0, 3), (6, 9), (12, 15)), ((2, 7), (14, 20))) == 1 + 1 + 1
+    assert overlap(((0, 10),), ((0, 10),)) == 10
+    assert overlap(((0, 5),), ((5, 10),)) == 0
+
+
+# ------------------------------------------------------------------------------------------ hand cases
+def test_identical_partitions_move_nothing() -> None:
+    ew = pointwise({"B": B, "S": S, "D": 8}, (("B",), ("S",), ("D",)))
+    for seq in enumerate_sequences(ew, DeviceMesh((2, 2)), values={B: 4, S: 4}):
+        p = OpPartition(ew, seq, DeviceMesh((2, 2)))
+        r = redistribution(p, 0, p, 0, {B: 4, S: 4})
+        assert r.forward_elems == r.backward_elems == 0 and not r.is_permutation, seq
+
+
+def test_linear_b_split_to_next_linear_n_split() -> None:
+    # O[B,M,K] split on B (4 ways) feeds I[B,M,N] split on N, with K of the producer = N of the consumer.
+    # Device d holds O[B_d, :, :] and needs I[:, :, N_d]: V = 4*2*8/4 = 16, overlap = 1*2*2 = 4 -> 12 each.
+    producer, consumer = bind(linear(B, S, 8, 8), "B", (4,)), bind(linear(B, S, 8, 4), "N", (4,))
+    r = assert_matches_brute(producer, 0, consumer, 0, {B: 4, S: 2})
+    assert r.per_device_forward == (12, 12, 12, 12) and r.forward_elems == 48 == 3 * 4 * 2 * 8 // 4
+    assert r.per_device_backward == (12, 12, 12, 12) and r.backward_elems == 48
+    assert r.bytes(2) == (96, 96) and not r.is_permutation
+
+
+def test_cannon_skew_between_two_prime_linears_is_a_permutation() -> None:
+    # Producer O[M=r, K=c] at its last Forward step; consumer I[M=r, N=r+c] at t=0 (K of producer = N of consumer).
+    # In place iff r + c = c (mod 2), i.e. row 0 (ranks 0, 1); rows 1 swap. Block = 2*2*2 = 8 elements.
+    producer, consumer = bind(linear(2, 4, 4, 4), "P2x2", (2, 2)), bind(linear(2, 4, 4, 6), "P2x2", (2, 2))
+    r = assert_matches_brute(producer, 0, consumer, 0, {})
+    block = 2 * 2 * 2
+    assert r.per_device_forward == (0, 0, block, block)
+    assert r.forward_elems == 4 * block - 2 * block == 16
+    assert r.is_permutation
+    # dI lands as [M=r, N=r+c-1]; the producer needs dO[M=r, K=c]: in place iff r = 1, rows 0 swap.
+    assert r.per_device_backward == (block, block, 0, 0) and r.backward_is_permutation
+
+
+def test_cannon_skew_p3x3() -> None:
+    producer, consumer = bind(linear(1, 6, 3, 9), "P3x3", (3, 3)), bind(linear(1, 6, 9, 3), "P3x3", (3, 3))
+    r = assert_matches_brute(producer, 0, consumer, 0, {})
+    block = 1 * 2 * 3
+    assert r.forward_elems == 6 * block and r.is_permutation  # rows 1 and 2 rotate, row 0 stays
+    assert r.backward_is_permutation
+
+
+def test_merged_dims_strided_intersection() -> None:
+    # A view's output [(B*S), D] described as ("B", "S") with S split feeds a pointwise op over ("BS",) split.
+    # B=4, S=6: device 0 holds rows {b*6 + s : s < 3} and needs rows [0, 12): 6 of 12 rows, so it lacks
+    # 6 rows * D=8 = 48 elements; likewise device 1.
+    view = OpDims(
+        "view",
+        ("B", "S", "D"),
+        (B, S, sympy.Integer(8)),
+        inputs=((("B",), ("S",), ("D",)),),
+        outputs=((("B", "S"), ("D",)),),
+    )
+    flat = pointwise({"BS": B * S, "D": 8}, (("BS",), ("D",)))
+    vals = {B: 4, S: 6}
+    r = assert_matches_brute(bind(view, "S", (2,)), 0, bind(flat, "BS", (2,)), 0, vals)
+    assert r.per_device_forward == (48, 48) and r.forward_elems == 96
+    assert r.per_device_backward == (48, 48) and r.backward_elems == 96
+    # A B split of the merged group is contiguous and lines up with the BS split exactly.
+    aligned = redistribution(bind(view, "B", (2,)), 0, bind(flat, "BS", (2,)), 0, vals)
+    assert aligned.forward_elems == aligned.backward_elems == 0
+    # The reverse direction: the consumer's input group is merged.
+    unflat = pointwise({"B": B, "S": S, "D": 8}, (("B", "S"), ("D",)))
+    back = assert_matches_brute(bind(flat, "BS", (2,)), 0, bind(unflat, "S", (2,)), 0, vals)
+    assert back.forward_elems == 96
+
+
+def test_replicated_producer_to_split_consumer() -> None:
+    # Every device holds the whole O: Forward moves nothing. Backward: each device holds a quarter of dI and
+    # needs all of dO, so it lacks 3/4 of the tensor (2*4*8 = 64 elements).
+    producer, consumer = bind(linear(2, 4, 8, 8), "R,R", (2, 2)), bind(linear(2, 4, 8, 4), "M,N", (2, 2))
+    r = assert_matches_brute(producer, 0, consumer, 0, {})
+    assert r.forward_elems == 0 and r.per_device_backward == (48,) * 4 and r.backward_elems == 3 * 64
+
+
+def test_split_producer_to_replicated_consumer() -> None:
+    numel, world = 2 * 4 * 8, 4
+    producer, consumer = bind(linear(2, 4, 8, 8), "B,M", (2, 2)), bind(linear(2, 4, 8, 4), "R,R", (2, 2))
+    r = assert_matches_brute(producer, 0, consumer, 0, {})
+    assert r.per_device_forward == ((world - 1) * numel // world,) * world
+    assert r.forward_elems == (world - 1) * numel and r.backward_elems == 0 and not r.is_permutation
+
+
+def test_partial_sum_producer_counts_the_slice_after_its_all_reduce() -> None:
+    # A row-parallel linear (N split) leaves partial sums of the whole O; after the all-reduce every device
+    # holds all of O, so a B-split consumer needs nothing more.
+    producer, consumer = bind(linear(4, 2, 8, 8), "N", (2,)), bind(linear(4, 2, 8, 2), "B", (2,))
+    assert assert_matches_brute(producer, 0, consumer, 0, {}).forward_elems == 0
+
+
+def test_weight_input_gradient_comes_from_the_gradient_phase() -> None:
+    # W[N,K] from a pointwise producer into a P2x2 linear: dW ends at Gradient's last step where W starts.
+    producer = pointwise({"N": 4, "K": 4}, (("N",), ("K",)))
+    consumer = bind(linear(2, 4, 4, 4), "P2x2", (2, 2))
+    for seq in enumerate_sequences(producer, DeviceMesh((2, 2))):
+        assert_matches_brute(OpPartition(producer, seq, DeviceMesh((2, 2))), 0, consumer, 1, {})
+
+
+def test_no_grad_input_has_no_backward_traffic() -> None:
+    op = pointwise({"B": 4, "D": 4}, (("B",), ("D",)))
+    consumer = OpDims("pointwise", op.dims, op.sizes, op.inputs, op.outputs, no_grad=frozenset({0}))
+    r = redistribution(bind(op, "B", (2,)), 0, bind(consumer, "D", (2,)), 0, {})
+    assert r.forward_elems == 8 and r.per_device_backward == (0, 0)
+    fwd, bwd = redistribution_matrix([bind(op, "B", (2,))], 0, [bind(consumer, "D", (2,))], 0, {})
+    assert fwd.tolist() == [[8]] and bwd.tolist() == [[0]]
+
+
+def test_errors() -> None:
+    a, b = bind(linear(B, 4, 8, 8), "B", (2,)), bind(linear(B, 4, 6, 8), "B", (2,))
+    with pytest.raises(ValueError, match="shape"):
+        redistribution(a, 0, b, 0, {B: 2})
+    with pytest.raises(ValueError, match="mesh"):
+        redistribution(a, 0, bind(linear(B, 4, 8, 8), "B,R", (2, 2)), 0, {B: 2})
+    with pytest.raises(ValueError, match="not an integer"):
+        redistribution(a, 0, a, 0, {})
+    with pytest.raises(ValueError, match="split"):
+        redistribution(a, 0, a, 0, {B: 3})
+
+
+# --------------------------------------------------------------------------------- all pairs, brute force
+def test_all_linear_pairs_on_2x2_match_brute_force_and_matrix() -> None:
+    mesh = DeviceMesh((2, 2))
+    p_op, c_op = linear(2, 4, 4, 4), linear(2, 4, 4, 2)
+    producers = [OpPartition(p_op, s, mesh) for s in enumerate_sequences(p_op, mesh)]
+    consumers = [OpPartition(c_op, s, mesh) for s in enumerate_sequences(c_op, mesh)]
+    fwd, bwd = redistribution_matrix(producers, 0, consumers, 0, {})
+    assert fwd.shape == bwd.shape == (len(producers), len(consumers))
+    for (i, p), (j, c) in itertools.product(enumerate(producers), enumerate(consumers)):
+        r = assert_matches_brute(p, 0, c, 0, {})
+        assert (fwd[i, j], bwd[i, j]) == (r.forward_elems, r.backward_elems)
+        assert 0 <= r.forward_elems <= 4 * 2 * 4 * 4 and 0 <= r.backward_elems <= 4 * 2 * 4 * 4
+
+
+# ----------------------------------------------------------------------------------- property: random maps
+@st.composite
+def edges(draw: st.DrawFn) -> tuple[OpPartition, OpPartition, dict]:
+    """A producer and a consumer that factor the same random tensor into iteration dims differently."""
+    mesh = DeviceMesh(draw(st.sampled_from([(2,), (3,), (2, 2), (2, 3), (2, 2, 2)])))
+    b = draw(st.sampled_from([1, 2, 4]))
+    rank = draw(st.integers(1, 3))
+    factors = [[draw(st.sampled_from([1, 2, 3, 4])) for _ in range(draw(st.integers(1, 3)))] for _ in range(rank)]
+    if draw(st.booleans()):
+        factors[0][0] = B  # a symbolic factor
+    sides = []
+    for tag in "pc":
+        dims: dict[str, Size] = {}
+        tmap = []
+        for t, fs in enumerate(factors):
+            cuts = [i for i in range(1, len(fs)) if draw(st.booleans())]
+            runs = [fs[a:z] for a, z in zip([0, *cuts], [*cuts, len(fs)])]
+            if all(f == 1 for f in fs) and draw(st.booleans()):
+                tmap.append(())
+                continue
+            group = []
+            for r, run in enumerate(runs):
+                dims[f"{tag}{t}_{r}"] = sympy.Mul(*run)
+                group.append(f"{tag}{t}_{r}")
+            tmap.append(tuple(group))
+        dims[f"{tag}z"] = 2  # producer: summed away (partial sums); consumer: broadcast into its output
+        tm = tuple(tmap)
+        if tag == "p":
+            sides.append(pointwise(dims, (*tm, (f"{tag}z",)), kind="reduce", out=tm))
+        else:
+            sides.append(pointwise(dims, tm, out=(*tm, (f"{tag}z",))))
+    vals = {B: b}
+    parts = []
+    for op in sides:
+        seqs = enumerate_sequences(op, mesh, values=vals)
+        parts.append(OpPartition(op, draw(st.sampled_from(seqs)), mesh))
+    return parts[0], parts[1], vals
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edge=edges())
+def test_random_factorings_match_brute_force(edge: tuple[OpPartition, OpPartition, dict]) -> None:
+    producer, consumer, vals = edge
+    r = assert_matches_brute(producer, 0, consumer, 0, vals)
+    numel = int(sympy.Mul(*(producer.op.size(d) for g in producer.op.outputs[0] for d in g)).subs(vals))
+    world = producer.mesh.size
+    assert 0 <= r.forward_elems <= world * numel and 0 <= r.backward_elems <= world * numel
+    fwd, bwd = redistribution_matrix([producer], 0, [consumer], 0, vals)
+    assert (int(fwd[0, 0]), int(bwd[0, 0])) == (r.forward_elems, r.backward_elems)
+    if r.is_permutation:
+        assert sum(1 for v in r.per_device_forward if v) >= 2
+
+
+def test_scalar_edge_moves_nothing() -> None:
+    loss = OpDims("loss", ("B",), (sympy.Integer(4),), inputs=((("B",),),), outputs=((),))
+    scale = pointwise({"X": 1}, ())
+    r = redistribution(bind(loss, "B", (2,)), 0, bind(scale, "R", (2,)), 0, {})
+    assert (r.forward_elems, r.backward_elems, r.total_elems) == (0, 0, 0)
+    fwd, bwd = redistribution_matrix([bind(loss, "B", (2,))], 0, [bind(scale, "R", (2,))], 0, {})
+    assert fwd.tolist() == bwd.tolist() == [[0]]
