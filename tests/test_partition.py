@@ -299,3 +299,41 @@ def test_replicated_digits_compute_the_same_thing() -> None:
     assert part.replicate_digits == (1,)
     assert replicated_tensors(part)["in1"] == 2
     assert {(c.phase, c.digits) for c in collectives(part)} == {(Bk, (0,))}
+
+
+def test_a_bias_gradient_under_prime_is_reduced_over_the_rows_sharing_its_slice() -> None:
+    op = linear_dims(2, 4, 4, 4)
+    biased = OpDims(
+        "matmul",
+        op.dims,
+        op.sizes,
+        inputs=(*op.inputs, (("K",),)),
+        outputs=op.outputs,
+        matmul=op.matmul,
+        matmul_operands=op.matmul_operands,
+        weights=frozenset({1, 2}),
+    )
+    part = OpPartition(biased, PartitionSeq.parse("P2x2"), DeviceMesh((2, 2)))
+    (coll,) = collectives(part)
+    assert (coll.phase, coll.tensor, coll.digits) == (G, "d_in2", (0,))  # the row digit: same column, same K slice
+    by_slice: dict[object, list[int]] = {}
+    for k, c in enumerate(part.mesh.devices()):
+        by_slice.setdefault(part.tensor_slice(G, (("K",),), c, 1), []).append(k)
+    assert sorted(by_slice.values()) == part.mesh.groups(coll.digits)
+
+
+def test_a_row_parallel_bias_gradient_needs_no_reduction_over_the_contraction() -> None:
+    op = linear_dims(4, 4, 4, 4)
+    biased = OpDims(
+        "matmul",
+        op.dims,
+        op.sizes,
+        inputs=(*op.inputs, (("K",),)),
+        outputs=op.outputs,
+        matmul=op.matmul,
+        matmul_operands=op.matmul_operands,
+        weights=frozenset({1, 2}),
+    )
+    part = OpPartition(biased, PartitionSeq.parse("B,N"), DeviceMesh((2, 2)))
+    got = {(c.phase, c.tensor): c.digits for c in collectives(part)}
+    assert got == {(F, "out0"): (1,), (G, "d_in1"): (0,), (G, "d_in2"): (0,)}  # bias: data-parallel digit only

@@ -127,23 +127,63 @@ class Collective:
     kind: str = "all-reduce"
 
 
+def _canonical_results(op: OpDims) -> set[tuple[Phase, str]]:
+    """The results P(S x S) accumulates temporally: O in Forward, dI in Backward, dW in Gradient (Eq. 1)."""
+    if op.matmul_operands is None:
+        return set()
+    i_idx, w_idx = op.matmul_operands
+    return {(Phase.FORWARD, "out0"), (Phase.BACKWARD, f"d_in{i_idx}"), (Phase.GRADIENT, f"d_in{w_idx}")}
+
+
+def _is_bias(op: OpDims, name: str) -> bool:
+    """The gradient of a matrix product's extra input (a bias): neither its I nor its W operand."""
+    if op.matmul_operands is None or not name.startswith("d_in"):
+        return False
+    return int(name[4:]) not in op.matmul_operands
+
+
+def _digit_changes_slice(part: OpPartition, phase: Phase, tmap: TensorMap, pos: int, t: int) -> bool:
+    for coords in part.mesh.devices():
+        if coords[pos] == 0:
+            for v in range(1, part.mesh.digits[pos]):
+                other = coords[:pos] + (v,) + coords[pos + 1 :]
+                if part.tensor_slice(phase, tmap, coords, t) != part.tensor_slice(phase, tmap, other, t):
+                    return True
+    return False
+
+
 def collectives(part: OpPartition) -> list[Collective]:
-    """Collectives left by split summed-over dims (and split statistics dims), per phase and result tensor."""
+    """Collectives left by split summed-over dims (and split statistics dims), per phase and result tensor.
+
+    A result that P(S x S) does not accumulate temporally (a bias gradient: its summed dims include a P dim) is
+    also reduced over the P digits that do not change its final slice, i.e. over the devices that hold the same
+    slice of it at the phase's last step.
+    """
     out = []
+    canonical = _canonical_results(part.op)
+    last = part.steps - 1
     for phase, tensors in phase_tensors(part.op).items():
         for pt in tensors:
             if not pt.result:
                 continue
             summed = set(part.op.summed_dims(pt.tmap))
+            if _is_bias(part.op, pt.name):  # added once per output element: summed only over the output's dims
+                summed = set(part.op.dims_of(part.op.outputs[0])) - set(part.op.dims_of(pt.tmap))
             if phase is not Phase.GRADIENT:
                 summed |= set(part.op.stats) & set(part.op.dims_of(pt.tmap))
             hits = [
                 (e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if getattr(e, "dim", None) in summed
             ]
-            split = frozenset(d for d, _ in hits)
-            digits = tuple(sorted(p for _, p in hits))
+            split = set(d for d, _ in hits)
+            digits = [p for _, p in hits]
+            prime_summed = summed & set(part.op.matmul or ())
+            if part.prime_digits and prime_summed and (phase, pt.name) not in canonical:
+                extra = [p for p in part.prime_digits if not _digit_changes_slice(part, phase, pt.tmap, p, last)]
+                if extra:
+                    digits += extra
+                    split |= prime_summed
             if digits:
-                out.append(Collective(phase, pt.name, split, digits))
+                out.append(Collective(phase, pt.name, frozenset(split), tuple(sorted(digits))))
     return out
 
 
