@@ -1,0 +1,43 @@
+"""Search (paper §5): one partition strategy per operator, minimising intra- plus inter-operator cost.
+
+The flow: a :class:`CostGraph` (from the cost model) goes to :func:`solve`, which runs the segmented dynamic
+program (:mod:`~primepar_fx.search.dp`, Eq. 11-14) or the ILP (:mod:`~primepar_fx.search.ilp`) and returns a
+:class:`Solution`. :mod:`~primepar_fx.search.problem` states the objective and the constraints.
+"""
+
+from primepar_fx.search.budget import least_memory, solve_budget_dp
+from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
+from primepar_fx.search.ilp import IlpResult, solve_ilp
+from primepar_fx.search.problem import (
+    CostGraph,
+    InfeasibleBudget,
+    InfeasibleGraph,
+    SearchError,
+    Solution,
+    TableTooLarge,
+    evaluate,
+    plan_memory,
+    reduce_graph,
+)
+from primepar_fx.search.solve import smallest_memory, solve
+
+__all__ = [
+    "CostGraph",
+    "DPOptions",
+    "DPResult",
+    "DPSolver",
+    "IlpResult",
+    "InfeasibleBudget",
+    "InfeasibleGraph",
+    "SearchError",
+    "Solution",
+    "TableTooLarge",
+    "evaluate",
+    "least_memory",
+    "plan_memory",
+    "reduce_graph",
+    "smallest_memory",
+    "solve",
+    "solve_budget_dp",
+    "solve_ilp",
+]

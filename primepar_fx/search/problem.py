@@ -1,0 +1,250 @@
+"""The search problem: one partition strategy per operator, minimising node plus edge costs (paper Eq. 10).
+
+A :class:`CostGraph` holds, for every operator ``i`` in topological order, a cost vector ``n_i(p)`` over its
+``P_i`` strategies (the intra-operator cost, Eq. 7) and, for every data-flow edge ``u -> v``, a ``P_u x P_v``
+matrix ``e_uv(p, q)`` (the inter-operator cost, Eq. 8-9). Optionally it holds the memory ``m_i(p)`` one device
+needs for operator ``i`` under strategy ``p`` (additive over operators).
+
+Objective, for a choice ``p = (p_i)``::
+
+    C(p) = sum_i n_i(p_i) + sum_(u,v) e_uv(p_u, p_v) + alpha * M(p),        M(p) = sum_i m_i(p_i)
+
+subject, when a budget ``B`` is given, to ``M(p) <= B``. ``+inf`` marks a forbidden strategy or pair.
+
+This module holds the data (:class:`CostGraph`, :class:`Solution`), the errors, :func:`evaluate` and
+:func:`plan_memory` (the exact objective and memory of a choice, used to re-check every solver's answer) and
+:func:`reduce_graph`, which drops forbidden strategies before either solver runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class SearchError(RuntimeError):
+    """Base class of the search's errors."""
+
+
+class InfeasibleGraph(SearchError):
+    """Every choice of strategies has infinite cost (forbidden strategies or pairs leave nothing)."""
+
+
+class InfeasibleBudget(SearchError):
+    """No plan fits the memory budget; ``min_memory`` is the smallest memory any finite-cost plan needs."""
+
+    def __init__(self, budget: float, min_memory: float) -> None:
+        self.budget = budget
+        self.min_memory = min_memory
+        super().__init__(
+            f"memory budget {budget:.6g} is infeasible: the smallest achievable memory per device is "
+            f"{min_memory:.6g} (raise the budget to at least that, or allow more devices)"
+        )
+
+
+class TableTooLarge(SearchError):
+    """The dynamic program would need a table larger than its limit (use method='ilp' or 'auto')."""
+
+
+def _as_vector(name: str, what: str, value: object) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{what} of node {name!r} must be a non-empty 1-D array, got shape {arr.shape}")
+    return arr
+
+
+def _check_values(arr: np.ndarray, what: str, *, allow_inf: bool) -> None:
+    low = arr.min()  # one pass: NaN propagates through min
+    if np.isnan(low):
+        raise ValueError(f"{what} contains NaN")
+    if low == -np.inf:
+        raise ValueError(f"{what} contains -inf (only +inf, meaning forbidden, is allowed)")
+    if not allow_inf and arr.max() == np.inf:
+        raise ValueError(f"{what} contains +inf; memory must be finite")
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """Operators in topological order with their strategy costs; see the module docstring for the objective.
+
+    ``node_key`` is a structural signature used to find repeated layers: nodes with equal keys are expected to
+    have equal cost vectors (the search still compares the arrays before it shares any work).
+    """
+
+    nodes: tuple[str, ...]
+    node_cost: Mapping[str, np.ndarray]
+    edge_cost: Mapping[tuple[str, str], np.ndarray]
+    node_memory: Mapping[str, np.ndarray] | None = None
+    node_key: Mapping[str, Hashable] | None = None
+    index: Mapping[str, int] = field(init=False, repr=False, compare=False)
+    succ: Mapping[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    pred: Mapping[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        nodes = tuple(self.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        if len(index) != len(nodes):
+            raise ValueError("node names must be unique")
+        costs = self._checked_costs(nodes)
+        memory = self._checked_memory(nodes, costs)
+        edges = self._checked_edges(index, costs)
+        succ: dict[str, list[str]] = {n: [] for n in nodes}
+        pred: dict[str, list[str]] = {n: [] for n in nodes}
+        for u, v in sorted(edges, key=lambda e: (index[e[0]], index[e[1]])):
+            succ[u].append(v)
+            pred[v].append(u)
+        object.__setattr__(self, "nodes", nodes)
+        object.__setattr__(self, "node_cost", costs)
+        object.__setattr__(self, "node_memory", memory)
+        object.__setattr__(self, "edge_cost", edges)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "succ", {n: tuple(s) for n, s in succ.items()})
+        object.__setattr__(self, "pred", {n: tuple(p) for n, p in pred.items()})
+        if self.node_key is not None:
+            missing = [n for n in nodes if n not in self.node_key]
+            if missing:
+                raise ValueError(f"node_key lacks {len(missing)} node(s), e.g. {missing[:3]}")
+
+    def _checked_costs(self, nodes: tuple[str, ...]) -> dict[str, np.ndarray]:
+        extra = set(self.node_cost) - set(nodes)
+        if extra:
+            raise ValueError(f"node_cost names unknown node(s) {sorted(extra)[:3]}")
+        costs = {}
+        for n in nodes:
+            if n not in self.node_cost:
+                raise ValueError(f"node {n!r} has no node_cost")
+            arr = _as_vector(n, "node_cost", self.node_cost[n])
+            _check_values(arr, f"node_cost[{n!r}]", allow_inf=True)
+            costs[n] = arr
+        return costs
+
+    def _checked_memory(self, nodes: tuple[str, ...], costs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        if self.node_memory is None:
+            return None
+        memory = {}
+        for n in nodes:
+            arr = _as_vector(n, "node_memory", self.node_memory.get(n, np.zeros(costs[n].shape)))
+            if arr.shape != costs[n].shape:
+                raise ValueError(f"node_memory[{n!r}] has shape {arr.shape}, node_cost has {costs[n].shape}")
+            _check_values(arr, f"node_memory[{n!r}]", allow_inf=False)
+            memory[n] = arr
+        return memory
+
+    def _checked_edges(self, index: dict[str, int], costs: dict[str, np.ndarray]) -> dict[tuple[str, str], np.ndarray]:
+        edges = {}
+        for (u, v), value in self.edge_cost.items():
+            if u not in index or v not in index:
+                raise ValueError(f"edge ({u!r}, {v!r}) names a node that is not in the graph")
+            if index[u] >= index[v]:
+                raise ValueError(f"edge ({u!r}, {v!r}) goes backwards: nodes must be in topological order")
+            arr = np.asarray(value, dtype=np.float64)
+            want = (costs[u].size, costs[v].size)
+            if arr.shape != want:
+                raise ValueError(f"edge_cost[({u!r}, {v!r})] has shape {arr.shape}, expected {want}")
+            _check_values(arr, f"edge_cost[({u!r}, {v!r})]", allow_inf=True)
+            edges[(u, v)] = arr
+        return edges
+
+    def strategies(self, node: str) -> int:
+        return int(self.node_cost[node].size)
+
+    def memory_of(self, node: str) -> np.ndarray:
+        """Memory vector of ``node`` (zeros when the graph carries no memory)."""
+        if self.node_memory is None:
+            return np.zeros(self.node_cost[node].shape)
+        return self.node_memory[node]
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A plan: one strategy index per node, its objective ``cost`` (including ``alpha * memory``) and memory.
+
+    ``bound`` is a proven lower bound on the optimum; ``proven_optimal`` means ``cost`` meets it.
+    """
+
+    choice: dict[str, int]
+    cost: float
+    memory: float
+    method: str
+    proven_optimal: bool
+    seconds: float
+    bound: float = -math.inf
+
+
+def evaluate(graph: CostGraph, choice: Mapping[str, int], alpha: float = 0.0) -> float:
+    """The objective ``C(p)`` of a full choice, summed exactly (``math.fsum``); +inf if anything is forbidden."""
+    missing = [n for n in graph.nodes if n not in choice]
+    if missing:
+        raise ValueError(f"choice lacks {len(missing)} node(s), e.g. {missing[:3]}")
+    terms = [float(graph.node_cost[n][choice[n]]) for n in graph.nodes]
+    terms += [float(e[choice[u], choice[v]]) for (u, v), e in graph.edge_cost.items()]
+    if any(math.isinf(t) for t in terms):
+        return math.inf
+    total = math.fsum(terms)
+    return total + alpha * plan_memory(graph, choice) if alpha else total
+
+
+def plan_memory(graph: CostGraph, choice: Mapping[str, int]) -> float:
+    """``M(p)``: memory per device of a full choice (0 when the graph carries no memory)."""
+    if graph.node_memory is None:
+        return 0.0
+    return math.fsum(float(graph.node_memory[n][choice[n]]) for n in graph.nodes)
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A graph without forbidden strategies, and for each node the original index of each kept strategy."""
+
+    graph: CostGraph
+    kept: Mapping[str, np.ndarray]
+
+    def lift(self, choice: Mapping[str, int]) -> dict[str, int]:
+        """Map a choice on the reduced graph back to original strategy indices."""
+        return {n: int(self.kept[n][p]) for n, p in choice.items()}
+
+
+def _arc_consistent(graph: CostGraph) -> dict[str, np.ndarray]:
+    """Boolean masks of strategies that have finite cost and a finite partner on every incident edge."""
+    alive = {n: np.isfinite(graph.node_cost[n]) for n in graph.nodes}
+    finite = {e: np.isfinite(a) for e, a in graph.edge_cost.items() if a.max() == np.inf}
+    changed = True
+    while changed:
+        changed = False
+        for (u, v), ok in finite.items():
+            pair = ok & alive[u][:, None] & alive[v][None, :]
+            row, col = pair.any(axis=1), pair.any(axis=0)
+            if (alive[u] & ~row).any() or (alive[v] & ~col).any():
+                alive[u] &= row
+                alive[v] &= col
+                changed = True
+    dead = [n for n, a in alive.items() if not a.any()]
+    if dead:
+        raise InfeasibleGraph(f"node {dead[0]!r} has no strategy with finite cost compatible with its neighbours")
+    return alive
+
+
+def reduce_graph(graph: CostGraph) -> Reduced:
+    """Drop strategies with +inf cost, and those left without a finite partner on some edge (arc consistency).
+
+    Arrays of nodes and edges that lose nothing are kept as the same objects, so repeated layers stay cheap to
+    recognise. Raises :class:`InfeasibleGraph` if a node loses every strategy.
+    """
+    alive = _arc_consistent(graph)
+    kept = {n: np.flatnonzero(a) for n, a in alive.items()}
+    full = {n: bool(a.all()) for n, a in alive.items()}
+    if all(full.values()):
+        return Reduced(graph, kept)
+
+    def sub(n: str, arr: np.ndarray) -> np.ndarray:
+        return arr if full[n] else arr[kept[n]]
+
+    costs = {n: sub(n, graph.node_cost[n]) for n in graph.nodes}
+    memory = None if graph.node_memory is None else {n: sub(n, graph.node_memory[n]) for n in graph.nodes}
+    edges = {}
+    for (u, v), arr in graph.edge_cost.items():
+        edges[(u, v)] = arr if full[u] and full[v] else arr[np.ix_(kept[u], kept[v])]
+    reduced = CostGraph(graph.nodes, costs, edges, memory, graph.node_key)
+    return Reduced(reduced, kept)

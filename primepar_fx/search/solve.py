@@ -1,0 +1,121 @@
+"""The search's entry point: :func:`solve` picks a strategy per operator (paper §5).
+
+Objective and constraints are those of :mod:`primepar_fx.search.problem`: minimise
+``sum n_i + sum e_uv + alpha * M`` with one strategy per node, ``+inf`` entries forbidden, and optionally the hard
+budget ``M <= memory_budget``. The methods:
+
+* ``"dp"`` -- the segmented DP (:mod:`~primepar_fx.search.dp`, exact); with a budget, its Lagrangian search
+  (:mod:`~primepar_fx.search.budget`), which always returns a plan within budget and proves optimality unless the
+  relaxation has a duality gap.
+* ``"ilp"`` -- the ILP (:mod:`~primepar_fx.search.ilp`), with the budget as a constraint.
+* ``"auto"`` -- the DP; if its tables would be too large, the ILP; with a budget and an unclosed duality gap, the
+  ILP as well when it is small enough (``ilp_max_variables``), keeping the better plan.
+
+Forbidden strategies are dropped first (:func:`~primepar_fx.search.problem.reduce_graph`); every answer is then
+re-evaluated exactly on the original graph and re-checked against the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Literal
+
+from primepar_fx.search.budget import least_memory, solve_budget_dp
+from primepar_fx.search.dp import DPOptions, DPSolver
+from primepar_fx.search.ilp import IlpInfeasible, ilp_size, solve_ilp
+from primepar_fx.search.problem import (
+    CostGraph,
+    InfeasibleBudget,
+    Reduced,
+    SearchError,
+    Solution,
+    TableTooLarge,
+    evaluate,
+    plan_memory,
+    reduce_graph,
+)
+
+log = logging.getLogger(__name__)
+
+Method = Literal["dp", "ilp", "auto"]
+
+
+def _dp(red: Reduced, budget: float | None, alpha: float, options: DPOptions | None) -> tuple[dict, bool, float]:
+    """DP plan on the reduced graph, whether it is proven optimal, and its lower bound."""
+    if budget is None:
+        res = DPSolver(red.graph, options).minimise(alpha)
+        return res.choice, True, evaluate(red.graph, res.choice, alpha)
+    res = solve_budget_dp(red.graph, budget, alpha=alpha, options=options)
+    log.info("DP under budget: %d runs, cost %.6g, bound %.6g", res.runs, res.cost, res.bound)
+    return res.choice, res.proven_optimal, res.bound
+
+
+def _ilp(red: Reduced, budget: float | None, alpha: float, time_limit: float | None) -> tuple[dict, bool]:
+    try:
+        res = solve_ilp(red.graph, alpha=alpha, memory_budget=budget, time_limit=time_limit)
+    except IlpInfeasible:
+        least = solve_ilp(red.graph, minimise_memory=True, time_limit=time_limit)
+        raise InfeasibleBudget(budget, plan_memory(red.graph, least.choice)) from None
+    return res.choice, res.proven_optimal
+
+
+def _auto(
+    red: Reduced,
+    budget: float | None,
+    alpha: float,
+    options: DPOptions | None,
+    time_limit: float | None,
+    ilp_max_variables: int,
+) -> tuple[dict, bool, float, str]:
+    try:
+        choice, proven, bound = _dp(red, budget, alpha, options)
+    except TableTooLarge as err:
+        log.info("DP tables too large (%s); solving the ILP instead", err)
+        return (*_ilp(red, budget, alpha, time_limit), -math.inf, "ilp")
+    if proven or ilp_size(red.graph) > ilp_max_variables:
+        return choice, proven, bound, "dp"
+    ilp_choice, ilp_proven = _ilp(red, budget, alpha, time_limit)
+    if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
+        choice = ilp_choice
+    return choice, ilp_proven, bound, "dp+ilp"
+
+
+def solve(
+    graph: CostGraph,
+    *,
+    memory_budget: float | None = None,
+    alpha: float = 0.0,
+    method: Method = "auto",
+    options: DPOptions | None = None,
+    time_limit: float | None = None,
+    ilp_max_variables: int = 200_000,
+) -> Solution:
+    """The cheapest plan (see the module docstring); ``time_limit`` (seconds) applies to the ILP only."""
+    if method not in ("dp", "ilp", "auto"):
+        raise ValueError(f"method must be 'dp', 'ilp' or 'auto', got {method!r}")
+    if not math.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    if memory_budget is not None and math.isnan(memory_budget):
+        raise ValueError("memory_budget is NaN")
+    start = time.perf_counter()
+    red = reduce_graph(graph)
+    if method == "dp":
+        choice, proven, bound = _dp(red, memory_budget, alpha, options)
+    elif method == "ilp":
+        choice, proven = _ilp(red, memory_budget, alpha, time_limit)
+        bound = -math.inf
+    else:
+        choice, proven, bound, method = _auto(red, memory_budget, alpha, options, time_limit, ilp_max_variables)
+    choice = red.lift(choice)
+    cost, memory = evaluate(graph, choice, alpha), plan_memory(graph, choice)
+    if memory_budget is not None and memory > memory_budget:
+        raise SearchError(f"internal error: the {method} plan needs {memory:.6g} > budget {memory_budget:.6g}")
+    bound = cost if proven else bound
+    return Solution(choice, cost, memory, method, proven, time.perf_counter() - start, bound)
+
+
+def smallest_memory(graph: CostGraph, options: DPOptions | None = None) -> float:
+    """The least memory per device of any finite-cost plan (exact, by the DP)."""
+    return least_memory(reduce_graph(graph).graph, options)[1]

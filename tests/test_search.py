@@ -1,0 +1,337 @@
+"""The search: the segmented DP (Eq. 11-14) must reach the ILP's optimum, and brute force's on tiny graphs.
+
+Graphs are random costs on real shapes: chains, the paper's Fig. 6 transformer block (13 nodes, skip edges
+``e_{0,7}`` and ``e_{7,12}``) stacked in layers, a global mask node that feeds every layer, ``+inf`` entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from primepar_fx.search import (
+    CostGraph,
+    DPOptions,
+    DPSolver,
+    InfeasibleBudget,
+    InfeasibleGraph,
+    TableTooLarge,
+    evaluate,
+    plan_memory,
+    reduce_graph,
+    smallest_memory,
+    solve,
+)
+from primepar_fx.search.engine import backtrack, plan_elimination, run
+from primepar_fx.search.minplus import boundaries, leaf, minplus, power
+from primepar_fx.search.synthetic import random_dag, transformer_graph
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+REL = 1e-6
+
+#: the paper's Fig. 6 block: n0 is the previous layer's output, n7 and n12 the residual adds
+FIG6_EDGES = [(0, 1), (1, 2), (2, 3), (2, 4), (3, 5), (4, 5), (5, 6), (2, 6), (0, 7), (6, 7)]
+FIG6_EDGES += [(7, 8), (8, 9), (9, 10), (10, 11), (11, 12), (7, 12)]
+
+
+def build(nodes, sizes, edges, *, seed: int, inf_fraction: float = 0.0, memory: bool = True) -> CostGraph:
+    rng = np.random.default_rng(seed)
+
+    def rand(shape):
+        arr = rng.random(shape) * 10.0
+        if inf_fraction:
+            arr[rng.random(shape) < inf_fraction] = np.inf
+        return arr
+
+    costs = {n: rand((sizes[n],)) for n in nodes}
+    mem = {n: rng.random(sizes[n]) * 100.0 for n in nodes} if memory else None
+    return CostGraph(tuple(nodes), costs, {(u, v): rand((sizes[u], sizes[v])) for u, v in edges}, mem)
+
+
+def fig6_stack(layers: int, *, seed: int, max_p: int = 3, mask: int | None = None, inf_fraction: float = 0.0):
+    """``layers`` Fig. 6 blocks with independent random costs, optionally all reading one global mask."""
+    rng = np.random.default_rng(seed)
+    nodes = ["mask"] if mask else []
+    sizes = {"mask": mask} if mask else {}
+    edges = []
+    for layer in range(layers):
+        name = {i: f"l{layer}.n{i}" for i in range(1, 13)} | {0: f"l{layer - 1}.n12" if layer else "input"}
+        nodes += [name[i] for i in range(13) if i or not layer]
+        edges += [(name[u], name[v]) for u, v in FIG6_EDGES]
+        if mask:
+            edges.append(("mask", name[5]))
+    sizes |= {n: int(rng.integers(1, max_p + 1)) for n in nodes if n != "mask"}
+    return build(nodes, sizes, edges, seed=seed, inf_fraction=inf_fraction)
+
+
+def ilp_cost(graph: CostGraph, **kw) -> float:
+    sol = solve(graph, method="ilp", **kw)
+    assert sol.proven_optimal
+    return sol.cost
+
+
+def brute_force(graph: CostGraph, budget: float = math.inf) -> float:
+    best = math.inf
+    for combo in itertools.product(*(range(graph.strategies(n)) for n in graph.nodes)):
+        choice = dict(zip(graph.nodes, combo))
+        if plan_memory(graph, choice) <= budget:
+            best = min(best, evaluate(graph, choice))
+    return best
+
+
+def assert_close(a: float, b: float) -> None:
+    assert abs(a - b) <= REL * max(1.0, abs(a), abs(b)), (a, b)
+
+
+# ------------------------------------------------------------------------------------------- DP equals ILP
+@SETTINGS
+@given(n=st.integers(1, 9), max_p=st.integers(1, 5), seed=st.integers(0, 10**6))
+def test_dp_equals_ilp_on_random_chains(n, max_p, seed):
+    graph = random_dag(n, max_strategies=max_p, skip_prob=0.0, seed=seed)
+    sol = solve(graph, method="dp")
+    assert sol.proven_optimal
+    assert_close(sol.cost, ilp_cost(graph))
+
+
+@SETTINGS
+@given(layers=st.integers(1, 2), seed=st.integers(0, 10**6))
+def test_dp_equals_ilp_on_fig6_transformer_blocks_with_residual_skip_edges(layers, seed):
+    graph = fig6_stack(layers, seed=seed, max_p=4)
+    assert_close(solve(graph, method="dp").cost, ilp_cost(graph))
+
+
+@SETTINGS
+@given(n=st.integers(2, 10), seed=st.integers(0, 10**6))
+def test_dp_equals_ilp_on_random_dags_with_many_skip_edges(n, seed):
+    graph = random_dag(n, max_strategies=3, skip_prob=0.35, seed=seed)
+    assert_close(solve(graph, method="dp").cost, ilp_cost(graph))
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dp_equals_ilp_with_a_global_mask_feeding_every_layer(layers, seed):
+    graph = fig6_stack(layers, seed=seed, max_p=3, mask=3)
+    solver = DPSolver(graph)
+    assert solver.structure.globals == (("mask",) if layers >= 3 else ())
+    assert_close(evaluate(graph, solver.minimise().choice), ilp_cost(graph))
+
+
+def test_a_global_node_lets_the_layers_split_into_segments():
+    graph = fig6_stack(6, seed=3, mask=2)
+    with_global = DPSolver(graph).structure
+    without = DPSolver(graph, DPOptions(max_global_states=1)).structure
+    assert with_global.globals == ("mask",) and without.globals == ()
+    assert len(with_global.segments) > 6 and len(without.segments) < len(with_global.segments)
+    assert_close(evaluate(graph, DPSolver(graph, DPOptions(max_global_states=1)).minimise().choice), ilp_cost(graph))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10**6), layers=st.sampled_from([1, 3]))
+def test_dp_equals_ilp_when_some_costs_are_forbidden(seed, layers):
+    graph = fig6_stack(layers, seed=seed, max_p=3, mask=2, inf_fraction=0.25)
+    try:
+        want = ilp_cost(graph)
+    except InfeasibleGraph:
+        with pytest.raises(InfeasibleGraph):
+            solve(graph, method="dp")
+        return
+    sol = solve(graph, method="dp")
+    assert math.isfinite(sol.cost)
+    assert_close(sol.cost, want)
+
+
+# -------------------------------------------------------------------------------- identical layers (Eq. 14)
+@pytest.mark.parametrize("layers", [1, 2, 3, 5, 8])
+def test_identical_layer_merging_gives_the_same_optimum_as_no_merging(layers):
+    graph = transformer_graph(layers, strategies=(2, 4), views=1, mask_states=2, seed=layers)
+    values = {}
+    for mode in ("none", "auto", "power"):
+        choice = DPSolver(graph, DPOptions(layer_merge=mode)).minimise().choice
+        values[mode] = evaluate(graph, choice)
+    for v in values.values():
+        assert_close(v, values["none"])
+    if layers <= 3:
+        assert_close(values["none"], ilp_cost(graph))
+
+
+def test_repeated_layers_are_found_and_merged_by_squaring():
+    graph = transformer_graph(8, strategies=(2, 4), views=1, mask_states=2, seed=0)
+    solver = DPSolver(graph, DPOptions(layer_merge="power"))
+    (stack,) = solver.structure.stacks
+    assert stack.count >= 7 and any(item.kind == "stack" for item in solver.items)
+    choice = solver.minimise().choice
+    assert set(choice) == set(graph.nodes)
+
+
+def test_layers_with_equal_copies_of_arrays_are_merged_and_a_changed_layer_is_not():
+    graph = transformer_graph(5, strategies=(2, 3), views=0, mask_states=None, share_arrays=False, seed=1)
+    sizes = DPSolver(graph).structure.class_sizes
+    assert max(sizes) >= 4
+    costs = dict(graph.node_cost)
+    costs["l2.up"] = costs["l2.up"] + 1.0
+    changed = CostGraph(graph.nodes, costs, graph.edge_cost, graph.node_memory, graph.node_key)
+    assert max(DPSolver(changed).structure.class_sizes) < max(sizes)
+    assert_close(evaluate(changed, DPSolver(changed).minimise().choice), ilp_cost(changed))
+
+
+def test_minplus_power_equals_repeated_products_and_recovers_every_boundary():
+    rng = np.random.default_rng(0)
+    m = rng.random((5, 5))
+    for count in (1, 2, 3, 5, 8):
+        term = power(leaf(m), count)
+        want = m
+        for _ in range(count - 1):
+            want = minplus(want, m)[0]
+        np.testing.assert_allclose(term.table, want)
+        p, q = 1, 3
+        cuts = boundaries(term, p, q)
+        assert len(cuts) == count + 1 and cuts[0] == p and cuts[-1] == q
+        assert math.isclose(sum(m[a, b] for a, b in zip(cuts, cuts[1:])), term.table[p, q])
+
+
+# ------------------------------------------------------------------------------------------- memory budget
+@SETTINGS
+@given(seed=st.integers(0, 10**6), slack=st.floats(0.0, 0.5))
+def test_the_dp_never_returns_a_plan_above_the_budget_and_stays_within_the_ilp_bound(seed, slack):
+    graph = fig6_stack(1, seed=seed, max_p=3)
+    least, free = smallest_memory(graph), solve(graph, method="dp").memory
+    budget = least + slack * (free - least)
+    dp = solve(graph, method="dp", memory_budget=budget)
+    ilp = solve(graph, method="ilp", memory_budget=budget)
+    assert dp.memory <= budget and ilp.memory <= budget
+    assert dp.bound <= ilp.cost * (1 + REL) + REL
+    assert dp.cost >= ilp.cost * (1 - REL) - REL
+    if dp.proven_optimal:
+        assert_close(dp.cost, ilp.cost)
+    assert_close(solve(graph, method="auto", memory_budget=budget).cost, ilp.cost)
+
+
+def test_an_impossible_budget_raises_infeasible_budget_naming_the_smallest_memory():
+    graph = fig6_stack(2, seed=5)
+    least = smallest_memory(graph)
+    for method in ("dp", "ilp", "auto"):
+        with pytest.raises(InfeasibleBudget, match=f"{least:.6g}") as info:
+            solve(graph, method=method, memory_budget=least * 0.99)
+        assert info.value.min_memory == pytest.approx(least, rel=1e-9)
+
+
+def test_the_smallest_memory_respects_forbidden_pairs():
+    graph = CostGraph(
+        ("a", "b"),
+        {"a": np.zeros(2), "b": np.zeros(2)},
+        {("a", "b"): np.array([[np.inf, 0.0], [0.0, np.inf]])},
+        {"a": np.array([0.0, 5.0]), "b": np.array([0.0, 7.0])},
+    )
+    assert smallest_memory(graph) == 5.0
+    assert solve(graph, memory_budget=5.0).memory == 5.0
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1e-3, 1e-1])
+def test_alpha_trades_cost_for_memory_the_same_way_in_dp_and_ilp(alpha):
+    graph = fig6_stack(1, seed=11, max_p=4)
+    assert_close(solve(graph, method="dp", alpha=alpha).cost, ilp_cost(graph, alpha=alpha))
+
+
+# -------------------------------------------------------------------------------------------- brute force
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 6), seed=st.integers(0, 10**6), inf=st.sampled_from([0.0, 0.2]), cut=st.floats(0, 1))
+def test_brute_force_equals_dp_and_ilp_on_tiny_graphs(n, seed, inf, cut):
+    graph = random_dag(n, max_strategies=3, skip_prob=0.5, inf_fraction=inf, seed=seed)
+    want = brute_force(graph)
+    if math.isinf(want):
+        with pytest.raises(InfeasibleGraph):
+            solve(graph, method="dp")
+        return
+    assert_close(solve(graph, method="dp").cost, want)
+    assert_close(solve(graph, method="ilp").cost, want)
+    budget = smallest_memory(graph) * (1 + cut)
+    want = brute_force(graph, budget)
+    assert_close(solve(graph, method="auto", memory_budget=budget).cost, want)
+    assert solve(graph, method="dp", memory_budget=budget).memory <= budget
+
+
+# ------------------------------------------------------------------------------------- engine and problem
+def test_the_engine_keeps_the_requested_variables_and_backtracks_their_minimisers():
+    rng = np.random.default_rng(2)
+    domains, scopes = [2, 3, 2, 3], [(0,), (1,), (2,), (3,), (0, 1), (1, 2), (0, 2), (2, 3)]
+    tables = [rng.random([domains[u] for u in s]) for s in scopes]
+    plan = plan_elimination(domains, scopes, (3, 0), limit=1000)
+    res = run(plan, tables)
+    for a, b in itertools.product(range(3), range(2)):
+        values = backtrack(plan, res.records, (a, b))
+        total = sum(t[tuple(values[u] for u in s)] for t, s in zip(tables, scopes))
+        assert math.isclose(total, res.table[a, b])
+        assert total == min(
+            sum(t[tuple(x[u] for u in s)] for t, s in zip(tables, scopes))
+            for x in itertools.product(*map(range, domains))
+            if x[3] == a and x[0] == b
+        )
+
+
+def test_an_incremental_engine_rerun_equals_a_fresh_run():
+    rng = np.random.default_rng(4)
+    domains = [3, 4, 2, 3, 4]
+    scopes = [(i,) for i in range(5)] + [(0, 1), (1, 2), (2, 3), (3, 4), (1, 3), (0, 4)]
+    tables = [rng.random([domains[u] for u in s]) for s in scopes]
+    plan = plan_elimination(domains, scopes, (0, 4), limit=1000)
+    first = run(plan, tables, keep_outputs=True)
+    tables[2] = tables[2] + rng.random(2) * 5
+    again = run(plan, tables, base=first, changed=[2])
+    fresh = run(plan, tables)
+    np.testing.assert_array_equal(again.table, fresh.table)
+    assert all(np.array_equal(a, b) for a, b in zip(again.records, fresh.records))
+
+
+def test_dp_options_reject_an_unknown_merge_mode():
+    with pytest.raises(ValueError, match="layer_merge"):
+        DPOptions(layer_merge="squaring")
+
+
+def test_a_table_over_the_limit_raises_and_auto_falls_back_to_the_ilp():
+    nodes = [f"n{i}" for i in range(6)]
+    graph = build(nodes, dict.fromkeys(nodes, 4), list(itertools.combinations(nodes, 2)), seed=0)
+    with pytest.raises(TableTooLarge, match="method='ilp'"):
+        solve(graph, method="dp", options=DPOptions(max_table_entries=100))
+    sol = solve(graph, method="auto", options=DPOptions(max_table_entries=100))
+    assert sol.method == "ilp" and sol.proven_optimal
+    assert_close(sol.cost, solve(graph, method="dp").cost)
+
+
+def test_forbidden_strategies_are_dropped_and_choices_use_the_original_indices():
+    inf = np.inf
+    graph = CostGraph(
+        ("a", "b"),
+        {"a": np.array([inf, 1.0, 2.0]), "b": np.array([0.0, 0.0])},
+        {("a", "b"): np.array([[0.0, 0.0], [inf, 5.0], [0.0, inf]])},
+    )
+    assert list(reduce_graph(graph).kept["a"]) == [1, 2]
+    for method in ("dp", "ilp"):
+        sol = solve(graph, method=method)
+        assert sol.choice == {"a": 2, "b": 0} and sol.cost == 2.0
+
+
+@pytest.mark.parametrize(
+    "edges, match",
+    [
+        ({("b", "a"): np.zeros((2, 2))}, "backwards"),
+        ({("a", "b"): np.zeros((2, 3))}, "shape"),
+        ({("a", "b"): np.full((2, 2), np.nan)}, "NaN"),
+        ({("a", "c"): np.zeros((2, 2))}, "not in the graph"),
+    ],
+)
+def test_cost_graph_rejects_malformed_input(edges, match):
+    with pytest.raises(ValueError, match=match):
+        CostGraph(("a", "b"), {"a": np.zeros(2), "b": np.zeros(2)}, edges)
+
+
+def test_a_larger_synthetic_model_agrees_across_merge_modes():
+    graph = transformer_graph(24, strategies=(3, 8), views=3, mask_states=3, seed=4)
+    auto = DPSolver(graph).minimise()
+    power_ = DPSolver(graph, DPOptions(layer_merge="power")).minimise()
+    assert_close(evaluate(graph, auto.choice), auto.value)
+    assert_close(evaluate(graph, power_.choice), auto.value)
