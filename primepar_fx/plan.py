@@ -1,0 +1,571 @@
+"""Plans: the search's answer as data (one partition sequence per node, its modelled cost, the baselines).
+
+A :class:`Plan` is what the search hands to the graph passes and what a user saves, diffs and reloads. It is a
+frozen dataclass that validates itself and round-trips through JSON (never pickle)::
+
+    {"format": "primepar-plan/1", "model": ..., "model_fingerprint": ..., "world_size": 8, "digits": [2, 2, 2],
+     "cluster": "h100-dgx", "batch": 8, "seq": 1024, "dtype": "bf16",
+     "nodes": [{"name": "fc1", "op": "aten.mm.default", "partition": "B,P2x2", "cost": {...}}, ...],
+     "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "comm_bytes": ...},
+     "baselines": {"megatron": {"config": {...}, "predicted": {...}, "partitions": {...}}},
+     "search": {"method": "dp", "seconds": 1.2, "proven_optimal": true, ...}}
+
+Loading rejects unknown fields and names the offending field path in every error (``plan.nodes[3].partition:
+...``). Only cheap, graph-independent checks live here (a ``P(S x S)`` needs ``S*S`` to divide ``world_size``);
+full legality of each partition is checked against the graph elsewhere. :meth:`Plan.check_model` detects a plan
+used on another model through :attr:`Plan.model_fingerprint` and the node names and ops.
+
+Times are per training step (forward + backward) in seconds. :attr:`CostBreakdown.step_s` is the node's modelled
+time as the cost model computed it (Eq. 7 overlaps each temporal step's ring shift with its compute)::
+
+    step_s = sum_t max(compute_t, ring_t) + collective_s + redistribution_s
+
+so ``max(compute_s, ring_s) + rest <= step_s <= compute_s + ring_s + rest``; it is stored, not recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import Any, NoReturn
+
+from primepar_fx.partition.seq import PartitionSeq
+
+PLAN_FORMAT = "primepar-plan/1"
+COMM_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "redistribution")
+PHASES = ("forward", "backward", "gradient")
+PLAN_DTYPES = ("fp32", "bf16", "fp16")
+KNOWN_BASELINES = ("megatron", "data_parallel", "split_only")  # others are allowed
+MiB = 1 << 20
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
+_REL_TOL = 1e-9
+
+
+class PlanError(ValueError):
+    """A ValueError whose message starts with the path of the offending field, e.g. ``plan.nodes[3].partition``."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+def _fail(where: str, reason: str) -> NoReturn:
+    raise PlanError(where, reason)
+
+
+def _set(obj: object, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _seconds(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(where, f"must be a finite number of seconds, got {value!r}")
+    if value < 0:
+        _fail(where, f"must be >= 0 seconds, got {value!r}")
+    return float(value) + 0.0  # + 0.0 folds -0.0 into 0.0
+
+
+def _nbytes(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(where, f"must be an integer number of bytes, got {value!r}")
+    if value < 0:
+        _fail(where, f"must be >= 0 bytes, got {value}")
+    return value
+
+
+def _count(where: str, value: Any, unit: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(where, f"must be an integer ({unit}), got {value!r}")
+    if value < 1:
+        _fail(where, f"must be >= 1 ({unit}), got {value}")
+    return value
+
+
+def _text(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        _fail(where, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _mapping(where: str, value: Any, what: str) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        _fail(where, f"must be a JSON object ({what}), got {type(value).__name__}")
+    return value
+
+
+def _json_plain(where: str, value: Any) -> Any:
+    """A copy of ``value`` as plain JSON data (str keys; tuples become lists); raises on anything else."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            _fail(where, f"must be finite to be written as JSON, got {value!r}")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_plain(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        for k in value:
+            if not isinstance(k, str):
+                _fail(where, f"keys must be strings, got {k!r}")
+        return {k: _json_plain(f"{where}[{k!r}]", v) for k, v in value.items()}
+    _fail(where, f"must be plain JSON data (null, bool, number, string, list, object), got {type(value).__name__}")
+
+
+def _fields(where: str, data: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Check a parsed JSON object: every required field present, no unknown one."""
+    if not isinstance(data, Mapping):
+        _fail(where, f"must be a JSON object, got {type(data).__name__}")
+    allowed = required + optional
+    for k in data:
+        if k not in allowed:
+            _fail(f"{where}.{k}", f"unknown field; expected one of {list(allowed)}")
+    for k in required:
+        if k not in data:
+            _fail(f"{where}.{k}", "required field is missing")
+    return dict(data)
+
+
+@contextmanager
+def _rebase(where: str, label: str) -> Iterator[None]:
+    """Re-root errors raised under ``label`` (an object's own name for itself) at ``where`` (its path here)."""
+    try:
+        yield
+    except PlanError as e:
+        if e.path == label or e.path.startswith((f"{label}.", f"{label}[")):
+            raise PlanError(where + e.path[len(label) :], e.reason) from None
+        raise PlanError(f"{where}.{e.path}", e.reason) from None
+
+
+def _partition(where: str, text: Any) -> str:
+    """The canonical text of a partition sequence (``"B, P2x2"`` -> ``"B,P2x2"``)."""
+    if not isinstance(text, str):
+        _fail(where, f"must be a partition string like 'B,P2x2,N', got {text!r}")
+    try:
+        return str(PartitionSeq.parse(text))
+    except ValueError as e:
+        _fail(where, str(e))
+
+
+def _check_prime(where: str, text: str, world_size: int) -> None:
+    prime = PartitionSeq.parse(text).prime
+    if prime is not None and world_size % (prime.size * prime.size):
+        s = prime.size
+        _fail(
+            where, f"{prime} in {text!r} needs {s}*{s}={s * s} devices, which does not divide world_size {world_size}"
+        )
+
+
+def _json_hash(self: Any) -> int:
+    return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+
+def _ratio(theirs: float, ours: float) -> str:
+    return f"{theirs / ours:.2f}x" if ours > 0 else ("1.00x" if theirs == 0 else "inf")
+
+
+# ---------------------------------------------------------------------------------------------------- costs
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostBreakdown:
+    """One node's modelled cost per training step (seconds, bytes per device); see the module docstring.
+
+    ``comm_bytes`` maps kinds of :data:`COMM_KINDS` to bytes sent per device (absent kinds are 0). ``phase_s``
+    is empty or maps every phase of :data:`PHASES` to its time (the cost model's ``sum_t max(compute_t, ring_t)``
+    within the phase); the phases sum to at most ``step_s``.
+    """
+
+    compute_s: float
+    ring_s: float
+    collective_s: float
+    redistribution_s: float
+    memory_bytes: int
+    comm_bytes: dict[str, int]
+    step_s: float
+    phase_s: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("compute_s", "ring_s", "collective_s", "redistribution_s", "step_s"):
+            _set(self, name, _seconds(f"cost.{name}", getattr(self, name)))
+        _set(self, "memory_bytes", _nbytes("cost.memory_bytes", self.memory_bytes))
+        comm = _mapping("cost.comm_bytes", self.comm_bytes, f"kind -> bytes, kinds {list(COMM_KINDS)}")
+        for k in comm:
+            if k not in COMM_KINDS:
+                _fail(f"cost.comm_bytes[{k!r}]", f"unknown communication kind; expected one of {list(COMM_KINDS)}")
+        _set(self, "comm_bytes", {k: _nbytes(f"cost.comm_bytes[{k!r}]", comm[k]) for k in COMM_KINDS if k in comm})
+        phases = _mapping("cost.phase_s", self.phase_s, f"phase -> seconds, phases {list(PHASES)}")
+        for k in phases:
+            if k not in PHASES:
+                _fail(f"cost.phase_s[{k!r}]", f"unknown phase; expected one of {list(PHASES)}")
+        missing = [k for k in PHASES if k not in phases]
+        if phases and missing:
+            _fail("cost.phase_s", f"missing phase(s) {missing}; give all of {list(PHASES)} or none")
+        _set(self, "phase_s", {k: _seconds(f"cost.phase_s[{k!r}]", phases[k]) for k in PHASES if k in phases})
+        rest = self.collective_s + self.redistribution_s
+        low, high = max(self.compute_s, self.ring_s) + rest, self.compute_s + self.ring_s + rest
+        if not low * (1 - _REL_TOL) <= self.step_s <= high * (1 + _REL_TOL):
+            _fail(
+                "cost.step_s",
+                f"{self.step_s!r} s is outside [{low!r}, {high!r}], the range that sum_t max(compute_t, ring_t) + "
+                "collective_s + redistribution_s can take for these compute_s, ring_s, collective_s, redistribution_s",
+            )
+        if sum(self.phase_s.values()) > self.step_s * (1 + _REL_TOL):
+            _fail("cost.phase_s", f"sums to {sum(self.phase_s.values())!r} s, more than step_s {self.step_s!r} s")
+
+    __hash__ = _json_hash
+
+    @property
+    def time_s(self) -> float:
+        """The node's modelled time per step: :attr:`step_s` (ring overlapped with compute, Eq. 7)."""
+        return self.step_s
+
+    @property
+    def total_comm_bytes(self) -> int:
+        return sum(self.comm_bytes.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        names = ("compute_s", "ring_s", "collective_s", "redistribution_s", "step_s", "phase_s", "memory_bytes")
+        return {k: getattr(self, k) for k in names} | {"comm_bytes": dict(self.comm_bytes)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "cost") -> CostBreakdown:
+        required = ("compute_s", "ring_s", "collective_s", "redistribution_s", "step_s", "memory_bytes")
+        d = _fields(where, data, required, ("comm_bytes", "phase_s"))
+        with _rebase(where, "cost"):
+            return cls(**{"comm_bytes": {}, **d})
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """One graph node's partition sequence (canonical text, e.g. ``"B,P2x2,N"``) and, optionally, its cost."""
+
+    name: str
+    op: str
+    partition: str
+    cost: CostBreakdown | None = None
+
+    def __post_init__(self) -> None:
+        _text("node.name", self.name)
+        _text("node.op", self.op)
+        _set(self, "partition", _partition("node.partition", self.partition))
+        if self.cost is not None and not isinstance(self.cost, CostBreakdown):
+            _fail("node.cost", f"must be a CostBreakdown or null, got {type(self.cost).__name__}")
+
+    @property
+    def seq(self) -> PartitionSeq:
+        return PartitionSeq.parse(self.partition)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "op": self.op, "partition": self.partition}
+        if self.cost is not None:
+            d["cost"] = self.cost.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "node") -> NodePlan:
+        d = _fields(where, data, ("name", "op", "partition"), ("cost",))
+        if d.get("cost") is not None:
+            d["cost"] = CostBreakdown.from_dict(d["cost"], f"{where}.cost")
+        with _rebase(where, "node"):
+            return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """Whole-model prediction per training step: time (s), peak memory and communication (bytes per device)."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    comm_bytes: int
+
+    def __post_init__(self) -> None:
+        _set(self, "step_time_s", _seconds("predicted.step_time_s", self.step_time_s))
+        _nbytes("predicted.peak_memory_bytes", self.peak_memory_bytes)
+        _nbytes("predicted.comm_bytes", self.comm_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "comm_bytes": self.comm_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "predicted") -> Predicted:
+        d = _fields(where, data, ("step_time_s", "peak_memory_bytes", "comm_bytes"))
+        with _rebase(where, "predicted"):
+            return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """A reference strategy priced by the same cost model, e.g. ``"megatron"`` (see :data:`KNOWN_BASELINES`).
+
+    ``config`` holds its knobs as plain JSON data (e.g. ``{"tp": 4, "dp": 2}``); ``partitions`` optionally maps
+    node names to the partition text the baseline uses.
+    """
+
+    name: str
+    config: dict[str, Any]
+    predicted: Predicted
+    partitions: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        _text("baseline.name", self.name)
+        _set(self, "config", _json_plain("baseline.config", _mapping("baseline.config", self.config, "settings")))
+        if not isinstance(self.predicted, Predicted):
+            _fail("baseline.predicted", f"must be a Predicted, got {type(self.predicted).__name__}")
+        if self.partitions is not None:
+            parts = _mapping("baseline.partitions", self.partitions, "node name -> partition")
+            for k in parts:
+                _text(f"baseline.partitions[{k!r}]", k)
+            _set(self, "partitions", {k: _partition(f"baseline.partitions[{k!r}]", v) for k, v in parts.items()})
+
+    __hash__ = _json_hash
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON value under ``baselines[name]`` (the name is the key, not repeated)."""
+        d: dict[str, Any] = {"config": _json_plain("config", self.config), "predicted": self.predicted.to_dict()}
+        if self.partitions is not None:
+            d["partitions"] = dict(self.partitions)
+        return d
+
+    @classmethod
+    def from_dict(cls, name: str, data: Any, where: str = "baseline") -> Baseline:
+        d = _fields(where, data, ("config", "predicted"), ("partitions",))
+        d["predicted"] = Predicted.from_dict(d["predicted"], f"{where}.predicted")
+        with _rebase(where, "baseline"):
+            return cls(name=name, **d)
+
+
+# ---------------------------------------------------------------------------------------------------- plans
+_PLAN_KEYS = ("format", "model", "model_fingerprint", "world_size", "digits", "cluster", "batch", "seq", "dtype")
+_PLAN_REQUIRED = ("format", "model", "world_size", "digits", "cluster", "batch", "seq", "dtype", "nodes", "predicted")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A partition plan for ``model`` on ``world_size`` devices of ``cluster`` (keyword arguments only).
+
+    ``digits`` are the device-ID radices (most significant first; their product is ``world_size``), ``nodes``
+    the per-node partitions in graph order, ``predicted`` the modelled totals, ``baselines`` reference
+    strategies by name and ``search`` how the plan was found (``method``, ``seconds``, ``proven_optimal``,
+    ``alpha``, ``memory_budget``, ...; plain JSON). ``model_fingerprint`` is :meth:`fingerprint` of the graph's
+    node names and ops ("" if unknown).
+    """
+
+    format: str = PLAN_FORMAT
+    model: str
+    model_fingerprint: str = ""
+    world_size: int
+    digits: tuple[int, ...]
+    cluster: str
+    batch: int
+    seq: int
+    dtype: str
+    nodes: tuple[NodePlan, ...]
+    predicted: Predicted
+    baselines: dict[str, Baseline] = field(default_factory=dict)
+    search: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.format != PLAN_FORMAT:
+            _fail("plan.format", f"unsupported plan format {self.format!r}; expected {PLAN_FORMAT!r}")
+        _text("plan.model", self.model)
+        if not isinstance(self.model_fingerprint, str) or not (
+            self.model_fingerprint == "" or _FINGERPRINT_RE.fullmatch(self.model_fingerprint)
+        ):
+            _fail("plan.model_fingerprint", f"must be '' or 16 lowercase hex digits, got {self.model_fingerprint!r}")
+        _count("plan.world_size", self.world_size, "devices")
+        self._check_digits()
+        _text("plan.cluster", self.cluster)
+        _count("plan.batch", self.batch, "samples")
+        _count("plan.seq", self.seq, "tokens")
+        if self.dtype not in PLAN_DTYPES:
+            _fail("plan.dtype", f"must be one of {list(PLAN_DTYPES)}, got {self.dtype!r}")
+        self._check_nodes()
+        if not isinstance(self.predicted, Predicted):
+            _fail("plan.predicted", f"must be a Predicted, got {type(self.predicted).__name__}")
+        self._check_baselines()
+        _mapping("plan.search", self.search, "search settings and results")
+        _set(self, "search", _json_plain("plan.search", self.search))
+
+    def _check_digits(self) -> None:
+        if not isinstance(self.digits, (tuple, list)):
+            _fail("plan.digits", f"must be a list of device-ID radices, got {type(self.digits).__name__}")
+        for i, d in enumerate(self.digits):
+            if isinstance(d, bool) or not isinstance(d, int) or d < 2:
+                _fail(f"plan.digits[{i}]", f"must be an integer radix >= 2, got {d!r}")
+        _set(self, "digits", tuple(self.digits))
+        if prod(self.digits) != self.world_size:
+            _fail(
+                "plan.digits", f"{list(self.digits)} multiply to {prod(self.digits)}, not world_size {self.world_size}"
+            )
+
+    def _check_nodes(self) -> None:
+        if not isinstance(self.nodes, (tuple, list)):
+            _fail("plan.nodes", f"must be a list of NodePlan, got {type(self.nodes).__name__}")
+        _set(self, "nodes", tuple(self.nodes))
+        seen: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            if not isinstance(node, NodePlan):
+                _fail(f"plan.nodes[{i}]", f"must be a NodePlan, got {type(node).__name__}")
+            if node.name in seen:
+                _fail(
+                    f"plan.nodes[{i}].name", f"duplicate node name {node.name!r} (also plan.nodes[{seen[node.name]}])"
+                )
+            seen[node.name] = i
+            _check_prime(f"plan.nodes[{i}].partition", node.partition, self.world_size)
+
+    def _check_baselines(self) -> None:
+        _mapping("plan.baselines", self.baselines, "name -> baseline")
+        _set(self, "baselines", dict(self.baselines))
+        for key, b in self.baselines.items():
+            where = f"plan.baselines[{key!r}]"
+            if not isinstance(b, Baseline):
+                _fail(where, f"must be a Baseline, got {type(b).__name__}")
+            if b.name != key:
+                _fail(f"{where}.name", f"is {b.name!r} but the baseline is stored under {key!r}")
+            for node, text in (b.partitions or {}).items():
+                _check_prime(f"{where}.partitions[{node!r}]", text, self.world_size)
+
+    __hash__ = _json_hash
+
+    # ------------------------------------------------------------------------------------------------ queries
+    def partitions(self) -> dict[str, PartitionSeq]:
+        """Node name -> parsed partition sequence, in graph order."""
+        return {n.name: n.seq for n in self.nodes}
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"plan for {self.model!r} has no node {name!r}")
+
+    @staticmethod
+    def fingerprint(names_and_ops: Iterable[tuple[str, str]]) -> str:
+        """The first 16 hex digits of the sha256 of ``name<TAB>op`` lines, in graph order."""
+        text = "\n".join(f"{name}\t{op}" for name, op in names_and_ops)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+    def check_model(self, names_and_ops: Iterable[tuple[str, str]]) -> None:
+        """Raise a ValueError naming the first mismatching node if this plan was made for another graph.
+
+        Every plan node must be a graph node with the same op; with a :attr:`model_fingerprint`, the graph must
+        also fingerprint to it (no extra nodes, same order).
+        """
+        graph = [(str(name), str(op)) for name, op in names_and_ops]
+        ops = dict(graph)
+        for i, node in enumerate(self.nodes):
+            if node.name not in ops:
+                there = f"; the model's node at that position is {graph[i][0]!r}" if i < len(graph) else ""
+                _fail(
+                    f"plan.nodes[{i}].name", f"node {node.name!r} is not in the model{there}: plan is for another model"
+                )
+            if ops[node.name] != node.op:
+                reason = f"node {node.name!r} is {node.op!r} in the plan but {ops[node.name]!r} in the model"
+                _fail(f"plan.nodes[{i}].op", f"{reason}: plan is for another model")
+        actual = self.fingerprint(graph)
+        if self.model_fingerprint and actual != self.model_fingerprint:
+            planned = {n.name for n in self.nodes}
+            extra = next((name for name, _ in graph if name not in planned), None)
+            what = f"model node {extra!r} has no partition in the plan" if extra else "the model's node order differs"
+            _fail("plan.model_fingerprint", f"{self.model_fingerprint} but the model fingerprints to {actual}: {what}")
+
+    def summary_table(self, tablefmt: str = "simple") -> str:
+        """Per-node partitions and costs, then predicted totals with one comparison row per baseline."""
+        from tabulate import tabulate
+
+        costed = [n.cost for n in self.nodes if n.cost is not None]
+        kinds = [k for k in COMM_KINDS if any(c.comm_bytes.get(k) for c in costed)]
+        header = ["node", "op", "partition"]
+        if costed:
+            header += [f"{p} ms" for p in PHASES] + ["step ms"] + [f"{k} B" for k in kinds] + ["memory MiB"]
+        rows = []
+        for n in self.nodes:
+            row: list[Any] = [n.name, n.op, n.partition]
+            if costed and n.cost is None:
+                row += [""] * (len(header) - 3)
+            elif n.cost is not None:
+                c = n.cost
+                row += [c.phase_s[p] * 1e3 if c.phase_s else "" for p in PHASES] + [c.step_s * 1e3]
+                row += [c.comm_bytes.get(k, 0) for k in kinds] + [c.memory_bytes / MiB]
+            rows.append(row)
+        nodes = tabulate(rows, header, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
+        ours = self.predicted
+        totals = []
+        for name, p in [("primepar (this plan)", ours)] + [(k, b.predicted) for k, b in self.baselines.items()]:
+            time_ratio = _ratio(p.step_time_s, ours.step_time_s)
+            memory_ratio = _ratio(p.peak_memory_bytes, ours.peak_memory_bytes)
+            totals.append(
+                [name, p.step_time_s * 1e3, time_ratio, p.peak_memory_bytes / MiB, memory_ratio, p.comm_bytes]
+            )
+        head = ["predicted", "step ms", "time vs ours", "peak memory MiB", "memory vs ours", "comm B"]
+        table = tabulate(totals, head, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
+        title = f"{self.model} on {self.world_size} devices {list(self.digits)} of {self.cluster} ({self.dtype})"
+        return f"{title}\n{nodes}\n\n{table}"
+
+    # ------------------------------------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {k: getattr(self, k) for k in _PLAN_KEYS}
+        d["digits"] = list(self.digits)
+        d["nodes"] = [n.to_dict() for n in self.nodes]
+        d["predicted"] = self.predicted.to_dict()
+        d["baselines"] = {k: b.to_dict() for k, b in self.baselines.items()}
+        d["search"] = _json_plain("plan.search", self.search)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if isinstance(data, Mapping) and data.get("format", PLAN_FORMAT) != PLAN_FORMAT:  # before any other field
+            _fail("plan.format", f"unsupported plan format {data['format']!r}; expected {PLAN_FORMAT!r}")
+        d = _fields("plan", data, _PLAN_REQUIRED, ("model_fingerprint", "baselines", "search"))
+        if not isinstance(d["nodes"], list):
+            _fail("plan.nodes", f"must be a list of nodes, got {type(d['nodes']).__name__}")
+        d["nodes"] = tuple(NodePlan.from_dict(n, f"plan.nodes[{i}]") for i, n in enumerate(d["nodes"]))
+        d["predicted"] = Predicted.from_dict(d["predicted"], "plan.predicted")
+        baselines = _mapping("plan.baselines", d.get("baselines", {}), "name -> baseline")
+        d["baselines"] = {k: Baseline.from_dict(k, v, f"plan.baselines[{k!r}]") for k, v in baselines.items()}
+        if not isinstance(d["digits"], list):
+            _fail("plan.digits", f"must be a list of device-ID radices, got {type(d['digits']).__name__}")
+        return cls(**d)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text, parse_constant=_reject_constant)
+        except json.JSONDecodeError as e:
+            _fail("plan", f"not valid JSON: {e}")
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan as JSON (atomically: a temporary file, then a rename); return the path."""
+        p = Path(path)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text(self.to_json(), encoding="utf-8")
+        os.replace(tmp, p)
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and validate a plan written by :meth:`save`; errors name the field path and the file."""
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            return cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(e.path, f"{e.reason} (in {os.fspath(path)})") from None
+
+
+def _reject_constant(name: str) -> NoReturn:
+    _fail("plan", f"not valid JSON: {name} is not a number a plan may hold")
