@@ -1,0 +1,107 @@
+"""Price every node's partition space and every edge's redistribution: the search's :class:`CostGraph` (Eq. 10).
+
+For each compute node of an :class:`~primepar_fx.graph.OpGraph` the legal partition sequences are enumerated on
+the mesh (:func:`~primepar_fx.partition.enumerate_sequences`) and priced with :func:`node_cost` (Eq. 7); for each
+data-flow edge the redistribution matrix (Eq. 8-9) is priced with :func:`edge_cost_matrix`. Identical layers
+produce identical work, so both are cached by a structural key (the node's ``OpDims`` and ATen op; for an edge,
+both ends' keys and the tensor's output/input indices): a model with L identical layers is priced once per layer
+shape, not L times.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import sympy
+
+from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
+from primepar_fx.graph import OpGraph, OpNode
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, enumerate_sequences
+from primepar_fx.search import CostGraph
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PricedGraph:
+    """The search problem plus what is needed to read its answer back."""
+
+    cost_graph: CostGraph
+    strategies: dict[str, list[PartitionSeq]]
+    node_costs: dict[str, list[NodeCost]]
+    edge_bytes: dict[tuple[str, str], np.ndarray]
+    seconds: float
+
+
+def node_key(node: OpNode) -> tuple:
+    return (node.dims, node.target)
+
+
+def out_index(consumer: OpNode) -> int:
+    """Which output of its producer an edge carries: ``getitem`` picks one, everything else reads output 0."""
+    return int(consumer.dims.extra.get("selects", 0))
+
+
+def price_graph(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    *,
+    allow_prime: bool = True,
+    fixed: dict[str, PartitionSeq] | None = None,
+) -> PricedGraph:
+    """Build the :class:`CostGraph`; ``fixed`` pins some nodes to one sequence (used to price baselines)."""
+    start = time.perf_counter()
+    strategies: dict[str, list[PartitionSeq]] = {}
+    costs: dict[str, list[NodeCost]] = {}
+    node_cache: dict[tuple, tuple[list[PartitionSeq], list[NodeCost]]] = {}
+    for name, node in graph.nodes.items():
+        key = (node_key(node), None if fixed is None else str(fixed.get(name)))
+        if key not in node_cache:
+            if fixed is not None and name in fixed:
+                seqs = [fixed[name]]
+            else:
+                seqs = enumerate_sequences(node.dims, mesh, values=values, allow_prime=allow_prime)
+            if not seqs:
+                raise ValueError(f"node {name} ({node.op}) has no legal partition on device digits {mesh.digits}")
+            parts = [node_cost(OpPartition(node.dims, s, mesh), node.target, cluster, values, opts) for s in seqs]
+            node_cache[key] = (seqs, parts)
+        strategies[name], costs[name] = node_cache[key]
+    edge_cost, edge_bytes = {}, {}
+    edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for u, v, data in graph.graph.edges(data=True):
+        pu, pv = graph.nodes[u], graph.nodes[v]
+        k_in, k_out = data["dst_in"], out_index(pv)
+        if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
+            continue
+        key = (node_key(pu), node_key(pv), k_out, k_in, tuple(map(str, strategies[u])), tuple(map(str, strategies[v])))
+        if key not in edge_cache:
+            producers = [OpPartition(pu.dims, s, mesh) for s in strategies[u]]
+            consumers = [OpPartition(pv.dims, s, mesh) for s in strategies[v]]
+            edge_cache[key] = edge_cost_matrix(producers, k_out, consumers, k_in, cluster, values, opts)
+        edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
+    cg = CostGraph(
+        nodes=tuple(graph.nodes),
+        node_cost={n: np.array([c.time_s for c in cs]) for n, cs in costs.items()},
+        edge_cost=edge_cost,
+        node_memory={
+            n: np.array([float(c.memory_bytes(opts.optimizer_states)) for c in cs]) for n, cs in costs.items()
+        },
+        node_key={n: node_key(graph.nodes[n]) for n in graph.nodes},
+    )
+    seconds = time.perf_counter() - start
+    log.info(
+        "priced %d nodes (%d distinct) and %d edges (%d distinct) in %.2f s",
+        len(costs),
+        len(node_cache),
+        len(edge_cost),
+        len(edge_cache),
+        seconds,
+    )
+    return PricedGraph(cg, strategies, costs, edge_bytes, seconds)

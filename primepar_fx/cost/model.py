@@ -1,0 +1,229 @@
+"""Intra- and inter-operator cost (paper §4, Eq. 7-10) of one node under one partition sequence.
+
+Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition ``P``::
+
+    intraC(n, P) = sum_phase sum_t max(compute(n, P, phase, t), ring(n, P, phase, t))
+                   + collectives(n, P) + alpha * memory(n, P)
+
+* ``compute``: one sub-operator per step: ``flops_phase / prod_X parts_X`` FLOPs and the bytes of the local
+  blocks of the phase's tensors, priced by the cluster's per-family :class:`~primepar_fx.cost.cluster.ComputeModel`.
+  Forward FLOPs are the rule's; a matrix product's Backward (dI) and Gradient (dW) each cost the same again when
+  they exist; attention's backward costs twice its forward; other ops are priced by the bytes they move.
+* ``ring``: the transfers :func:`~primepar_fx.partition.transfers` derives for step ``t`` (the blocks that move
+  overlap the compute of that step), priced as P2P shifts at the slowest link they cross.
+* ``collectives``: an all-reduce per :class:`~primepar_fx.partition.Collective` of the local result block over its
+  group indicator, priced at the slowest level the group touches.
+* ``memory`` (bytes per device): parameters with their gradients and optimizer state, activations stashed for
+  backward, and the ring's double buffers.
+
+Inter-operator cost (Eq. 8-9): the redistribution traffic of :mod:`primepar_fx.cost.redistribute`, Forward plus
+Backward, priced as an all-to-all over the whole mesh carrying the mean per-device traffic (a P2P permutation
+such as the Cannon skew is priced the same way; pricing it as a ring shift is a refinement left for later).
+
+Sizes are sympy expressions in ``B`` and ``S`` evaluated at the caller's ``values``; results are floats (seconds)
+and ints (bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from math import prod
+
+import numpy as np
+import sympy
+import torch
+
+from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
+from primepar_fx.cost.redistribute import redistribution_matrix
+from primepar_fx.partition import PHASES, OpPartition, Phase, collectives, phase_tensors, transfers
+from primepar_fx.partition.comm import Transfer
+from primepar_fx.rules.spec import OpDims, TensorMap
+
+aten = torch.ops.aten
+ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+#: element-wise ops whose backward needs none of their inputs (nothing is stashed for them)
+_LINEAR_POINTWISE = frozenset(
+    {
+        aten.add.Tensor,
+        aten.add.Scalar,
+        aten.sub.Tensor,
+        aten.sub.Scalar,
+        aten.neg.default,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.alias.default,
+        aten.detach.default,
+        aten.to.dtype,
+        aten.to.dtype_layout,
+        aten.to.device,
+        aten._to_copy.default,
+        aten.dropout.default,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CostOptions:
+    """What the cost model assumes about training: dtype, optimizer state and the memory weight ``alpha``."""
+
+    dtype: str = "fp32"
+    optimizer_states: int = 2  # Adam keeps two moments per parameter
+    alpha: float = 0.0
+
+    def __post_init__(self) -> None:
+        if dtype_key(self.dtype) not in ITEMSIZE:
+            raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {self.dtype!r}")
+        if self.optimizer_states < 0 or self.alpha < 0:
+            raise ValueError("optimizer_states and alpha must be non-negative")
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[dtype_key(self.dtype)]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """The modelled cost of one node under one partition, per training step and per device."""
+
+    phase_s: tuple[float, float, float]  # Forward, Backward, Gradient: sum_t max(compute, ring)
+    compute_s: float
+    ring_s: float
+    collective_s: float
+    param_bytes: int  # this device's parameter blocks (gradients and optimizer state scale with it)
+    stash_bytes: int
+    buffer_bytes: int
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # bytes this device sends, by kind
+
+    @property
+    def time_s(self) -> float:
+        return sum(self.phase_s) + self.collective_s
+
+    def memory_bytes(self, optimizer_states: int) -> int:
+        return self.param_bytes * (2 + optimizer_states) + self.stash_bytes + self.buffer_bytes
+
+    def objective(self, opts: CostOptions) -> float:
+        return self.time_s + opts.alpha * self.memory_bytes(opts.optimizer_states)
+
+
+def _num(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> float:
+    return float(sympy.sympify(expr).subs(values))
+
+
+def _block_bytes(part: OpPartition, tmap: TensorMap, values: dict[sympy.Symbol, int], itemsize: int) -> int:
+    return int(round(_num(prod(part.local_shape(tmap), start=sympy.Integer(1)), values))) * itemsize
+
+
+def phase_flops(op: OpDims, target: object) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """Forward, Backward and Gradient FLOPs of the whole (unpartitioned) node."""
+    fwd = sympy.sympify(op.flops)
+    tensors = phase_tensors(op)
+    has_b = any(t.result for t in tensors[Phase.BACKWARD])
+    has_g = any(t.result for t in tensors[Phase.GRADIENT])
+    if op.kind == "attention":
+        return fwd, 2 * fwd if has_b else sympy.Integer(0), sympy.Integer(0)
+    if op.kind == "matmul":
+        return fwd, fwd if has_b else sympy.Integer(0), fwd if has_g else sympy.Integer(0)
+    return fwd, sympy.Integer(0), sympy.Integer(0)
+
+
+def stashed_inputs(op: OpDims, target: object) -> list[int]:
+    """Inputs a node keeps from Forward for its Backward/Gradient (non-parameter, gradient-carrying, float)."""
+    if op.kind in ("view", "factory", "meta", "reduce", "embedding") or target in _LINEAR_POINTWISE:
+        return []
+    live = [k for k, m in enumerate(op.inputs) if m is not None and k not in op.weights and k not in op.no_grad]
+    if op.kind in ("norm", "loss"):
+        return live[:1]
+    return live
+
+
+@lru_cache(maxsize=65536)
+def _transfers(part_key: tuple) -> tuple[Transfer, ...]:
+    op, seq, mesh = part_key
+    return tuple(transfers(OpPartition(op, seq, mesh)))
+
+
+def node_cost(
+    part: OpPartition,
+    target: object,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+) -> NodeCost:
+    """Eq. 7 for one node (``part`` binds its OpDims, partition sequence and mesh)."""
+    op, item, dtype = part.op, opts.itemsize, dtype_key(opts.dtype)
+    subops = prod(part.parts.values())
+    tensors = phase_tensors(op)
+    moves = _transfers((op, part.seq, part.mesh)) if part.steps > 1 else ()
+    comm: dict[str, int] = {}
+    phase_s, compute_total, ring_total = [], 0.0, 0.0
+    for phase, flops in zip(PHASES, phase_flops(op, target)):
+        if phase is not Phase.FORWARD and not any(t.result for t in tensors[phase]):
+            phase_s.append(0.0)
+            continue
+        nbytes = sum(_block_bytes(part, t.tmap, values, item) for t in tensors[phase])
+        step_compute = cluster.device.compute_time(op.kind, _num(flops, values) / subops, nbytes, dtype)
+        total = 0.0
+        for t in range(part.steps):
+            ring = 0.0
+            for tr in (m for m in moves if m.src == (phase, t)):
+                block = _block_bytes(part, _tmap(op, tr.tensor), values, item)
+                ring += cluster.shift_time(block, tr.senders)
+                comm["p2p"] = comm.get("p2p", 0) + block
+            total += max(step_compute, ring)
+            compute_total += step_compute
+            ring_total += ring
+        phase_s.append(total)
+    coll_s = 0.0
+    for c in collectives(part):
+        block = _block_bytes(part, _tmap(op, c.tensor), values, item)
+        coll_s += cluster.collective_time(c.kind, block, part.mesh, c.digits)
+        bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
+        comm[c.kind] = comm.get(c.kind, 0) + int(round(bus * block))
+    params = sum(_block_bytes(part, op.inputs[k], values, item) for k in op.weights if op.inputs[k] is not None)
+    stash = sum(_block_bytes(part, op.inputs[k], values, item) for k in stashed_inputs(op, target))
+    moving = {m.tensor for m in moves}
+    buffers = 2 * sum(_block_bytes(part, _tmap(op, name), values, item) for name in moving)
+    return NodeCost(tuple(phase_s), compute_total, ring_total, coll_s, params, stash, buffers, comm)  # type: ignore[arg-type]
+
+
+def _tmap(op: OpDims, name: str) -> TensorMap:
+    """The TensorMap of a tensor named like ``in0``, ``out1``, ``d_in2``, ``d_out0``."""
+    base = name.removeprefix("d_")
+    maps = op.inputs if base.startswith("in") else op.outputs
+    tmap = maps[int(base.lstrip("inout"))]
+    assert tmap is not None, name
+    return tmap
+
+
+def edge_cost_matrix(
+    producers: list[OpPartition],
+    out_index: int,
+    consumers: list[OpPartition],
+    in_index: int,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(seconds, bytes)`` of Eq. 8-9 redistribution for every (producer, consumer) partition pair.
+
+    ``bytes`` is the Forward plus Backward traffic summed over devices; the time prices the mean per-device
+    traffic of each direction as an all-to-all over the whole mesh.
+    """
+    fwd, bwd = redistribution_matrix(producers, out_index, consumers, in_index, values)
+    mesh = producers[0].mesh
+    world = mesh.size
+    total = (fwd + bwd) * opts.itemsize
+    if world == 1:
+        return np.zeros(total.shape), total
+    every = tuple(range(len(mesh.digits)))
+    bus, _ = ring_factors("all-to-all", world)
+    unit = cluster.collective_time("all-to-all", 1.0 / bus, mesh, every) - cluster.collective_time(
+        "all-to-all", 0.0, mesh, every
+    )
+    fixed = cluster.collective_time("all-to-all", 0.0, mesh, every)
+    seconds = np.zeros(total.shape)
+    for direction in (fwd, bwd):
+        per_device = direction * (opts.itemsize / world)
+        seconds += np.where(direction > 0, per_device * bus * unit + fixed, 0.0)
+    return seconds, total
