@@ -4,10 +4,11 @@ Pipeline: capture (torch.export) -> symbolic shapes (B, S) -> op dimension rules
 -> cost model -> search -> plan -> graph passes -> per-rank runtime.
 """
 
-from primepar_fx.api import analyze
+from primepar_fx.api import analyze, plan
 from primepar_fx.capture import Captured, ShapeSpecializationError, capture
 from primepar_fx.graph import OpGraph, OpNode, build_graph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
+from primepar_fx.plan import Plan
 from primepar_fx.rules.registry import MissingRuleError, register_rule
 
 __version__ = "0.1.0"
@@ -20,11 +21,13 @@ __all__ = [
     "OpNode",
     "OpPartition",
     "PartitionSeq",
+    "Plan",
     "Prime",
     "Replicate",
     "ShapeSpecializationError",
     "Split",
     "analyze",
+    "plan",
     "build_graph",
     "capture",
     "register_rule",

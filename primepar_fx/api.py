@@ -11,6 +11,8 @@ import torch
 
 from primepar_fx.capture import capture
 from primepar_fx.graph import OpGraph, build_graph
+from primepar_fx.plan import Plan
+from primepar_fx.planner import plan_graph
 
 
 def analyze(
@@ -29,3 +31,55 @@ def analyze(
     """
     captured = capture(model, example_args, example_kwargs, name=name, seq_max=seq_max)
     return build_graph(captured, fallback=fallback)
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...] | tuple[tuple[Any, ...], dict[str, Any]] = (),
+    *,
+    world_size: int,
+    cluster: Any = "v100-paper",
+    batch: int | None = None,
+    seq: int | None = None,
+    memory_budget: float | None = None,
+    dtype: str = "fp32",
+    alpha: float = 0.0,
+    method: str = "auto",
+    allow_prime: bool = True,
+    baselines: bool = True,
+    fallback: str | None = None,
+) -> Plan:
+    """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
+
+    ``example_inputs`` is the tuple of positional example arguments, or ``(args, kwargs)``. ``batch`` and ``seq``
+    (default: the example's sizes) are the sizes the plan is priced at; they may differ from the example's, since
+    the graph is symbolic in ``B`` and ``S``. Works on meta-device models.
+    """
+    args, kwargs = _split_inputs(example_inputs)
+    graph = analyze(model, args, kwargs, fallback=fallback)
+    return plan_graph(
+        graph,
+        world_size=world_size,
+        cluster=cluster,
+        batch=batch or graph.captured.example_batch,
+        seq=seq or graph.captured.example_seq,
+        dtype=dtype,
+        memory_budget=memory_budget,
+        alpha=alpha,
+        method=method,
+        allow_prime=allow_prime,
+        baselines=baselines,
+    )
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if (
+        isinstance(example_inputs, tuple)
+        and len(example_inputs) == 2
+        and isinstance(example_inputs[0], tuple)
+        and isinstance(example_inputs[1], dict)
+    ):
+        return example_inputs[0], example_inputs[1]
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    return (example_inputs,), {}

@@ -1,6 +1,7 @@
 """The ``primepar-fx`` command line.
 
     primepar-fx explain MODEL --world-size N [--batch B --seq S]
+    primepar-fx plan MODEL --world-size N --cluster NAME|spec.toml --batch B --seq S [-o plan.json]
 
 MODEL is a zoo name (``primepar-fx explain --list`` shows them), ``hf:FAMILY`` for a tiny Hugging Face model
 (gpt2, llama, opt, bloom; needs ``transformers``), or ``package.module:callable`` returning a module, or a tuple
@@ -91,6 +92,73 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"30GiB"``, ``"512MB"``, ``"1e9"`` -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 30GiB, 512MB, 1e9)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from primepar_fx.api import analyze
+    from primepar_fx.planner import plan_graph
+
+    t0 = time.perf_counter()
+    model, ex_args, ex_kwargs, name = load_model(args.model)
+    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback)
+    digits = tuple(int(d) for d in args.digits.split(",")) if args.digits else None
+    plan = plan_graph(
+        graph,
+        world_size=args.world_size,
+        cluster=args.cluster,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+        memory_budget=args.memory_budget,
+        alpha=args.alpha,
+        method=args.method,
+        allow_prime=not args.no_prime,
+        baselines=not args.no_baselines,
+        digits=digits,
+    )
+    print(plan.summary_table(tablefmt=args.format))
+    mega = plan.baselines.get("megatron")
+    if mega is not None:
+        speed = mega.predicted.step_time_s / plan.predicted.step_time_s
+        mem = plan.predicted.peak_memory_bytes / max(1, mega.predicted.peak_memory_bytes)
+        print(f"\nvs best Megatron ({mega.config.get('name')}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    print(f"planned in {time.perf_counter() - t0:.1f} s (search {plan.search.get('search_s')} s)", file=sys.stderr)
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", "-n", type=int, default=1, help="number of devices (default 1)")
+    p.add_argument("--digits", help="device-ID digit radices, most significant first, e.g. 3,2,2")
+    p.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
+    p.add_argument("--no-prime", action="store_true", help="leave P(S x S) out of the space (split-only)")
+    p.add_argument("--format", default="simple", help="tabulate table format (simple, github, ...)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="primepar-fx", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (PRIMEPAR_LOG=DEBUG for more)")
@@ -98,15 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="per-node table: op, symbolic shape, FLOPs, legal partition sequences")
     e.add_argument("model", nargs="?", help="zoo name, hf:FAMILY, or package.module:callable")
     e.add_argument("--list", action="store_true", help="list the zoo models and exit")
-    e.add_argument("--world-size", "-n", type=int, default=1, help="number of devices (default 1)")
-    e.add_argument("--digits", help="device-ID digit radices, most significant first, e.g. 3,2,2")
+    _add_model_args(e)
     e.add_argument("--devices-per-node", type=int, help="devices per node (node digits come first)")
     e.add_argument("--batch", type=int, help="evaluate at this batch size")
     e.add_argument("--seq", type=int, help="evaluate at this sequence length")
-    e.add_argument("--no-prime", action="store_true", help="leave P(S x S) out of the space (split-only)")
-    e.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
-    e.add_argument("--format", default="simple", help="tabulate table format (simple, github, ...)")
     e.set_defaults(func=cmd_explain)
+    pl = sub.add_parser("plan", help="search the cheapest plan and compare it with Megatron and data parallelism")
+    pl.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
+    _add_model_args(pl)
+    pl.add_argument("--cluster", default="v100-paper", help="preset name or spec file (.json/.toml)")
+    pl.add_argument("--batch", type=int, required=True, help="global batch size the plan is priced at")
+    pl.add_argument("--seq", type=int, required=True, help="sequence length the plan is priced at")
+    pl.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    pl.add_argument("--memory-budget", type=parse_bytes, help="hard per-device budget, e.g. 30GiB")
+    pl.add_argument("--alpha", type=float, default=0.0, help="weight of memory (per byte) in the objective")
+    pl.add_argument("--method", default="auto", choices=["auto", "dp", "ilp"])
+    pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
+    pl.add_argument("-o", "--output", help="write the plan JSON here")
+    pl.set_defaults(func=cmd_plan)
     return p
 
 
@@ -116,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from primepar_fx.capture import ShapeSpecializationError
     from primepar_fx.rules.registry import MissingRuleError, RuleError
+    from primepar_fx.search import SearchError
 
     try:
         return args.func(args)
-    except (MissingRuleError, RuleError, ShapeSpecializationError, ValueError) as e:
+    except (MissingRuleError, RuleError, ShapeSpecializationError, SearchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -75,3 +75,41 @@ def test_explain_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(capsys, "explain", "--list")
     names = {line.split()[0] for line in out.splitlines()}
     assert {"gpt2", "gpt2-tiny", "llama2-7b", "llama2-70b", "opt-6.7b", "opt-175b", "bloom-7b1", "bloom-176b"} <= names
+
+
+def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
+    from primepar_fx.plan import Plan
+
+    out = tmp_path / "plan.json"
+    rc, text, _ = run(capsys, "plan", "gpt2-tiny", "--world-size", "4", "--batch", "8", "--seq", "64", "-o", str(out))
+    assert rc == 0 and "vs best Megatron" in text and f"wrote {out}" in text
+    plan = Plan.load(out)
+    assert plan.format == "primepar-plan/1" and plan.world_size == 4 and plan.digits == (2, 2)
+    assert set(plan.baselines) == {"megatron", "data_parallel", "split_only"}
+    # the search space contains the baselines, so the searched plan is never predicted slower than them
+    assert all(plan.predicted.step_time_s <= b.predicted.step_time_s * (1 + 1e-9) for b in plan.baselines.values())
+    assert plan.search["proven_optimal"] is True
+
+
+def test_plan_rejects_an_unreadable_memory_budget(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "gpt2-tiny", "--world-size", "2", "--batch", "4", "--seq", "8", "--memory-budget", "lots"])
+    assert "not a byte size" in capsys.readouterr().err
+
+
+def test_plan_reports_an_infeasible_memory_budget(capsys) -> None:
+    rc, _, err = run(
+        capsys,
+        "plan",
+        "gpt2-tiny",
+        "--world-size",
+        "2",
+        "--batch",
+        "4",
+        "--seq",
+        "8",
+        "--memory-budget",
+        "1KiB",
+        "--no-baselines",
+    )
+    assert rc == 2 and "infeasible" in err and "smallest achievable memory" in err

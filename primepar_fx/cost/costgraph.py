@@ -31,6 +31,7 @@ class PricedGraph:
     """The search problem plus what is needed to read its answer back."""
 
     cost_graph: CostGraph
+    mesh: DeviceMesh
     strategies: dict[str, list[PartitionSeq]]
     node_costs: dict[str, list[NodeCost]]
     edge_bytes: dict[tuple[str, str], np.ndarray]
@@ -104,4 +105,4 @@ def price_graph(
         len(edge_cache),
         seconds,
     )
-    return PricedGraph(cg, strategies, costs, edge_bytes, seconds)
+    return PricedGraph(cg, mesh, strategies, costs, edge_bytes, seconds)

@@ -1,0 +1,174 @@
+"""From a priced graph to a :class:`~primepar_fx.plan.Plan`: search, read back, and price the baselines.
+
+:func:`plan_graph` runs the search (:func:`primepar_fx.search.solve`) over the graph priced by
+:func:`~primepar_fx.cost.costgraph.price_graph`, then prices three baselines with the same cost model so the
+comparison is like for like:
+
+* ``megatron``: every data-parallel x model-parallel split of the device digits, with and without sequence
+  parallelism (:func:`~primepar_fx.baselines.megatron_configs`); the fastest is kept.
+* ``data_parallel``: the batch split over every digit.
+* ``split_only``: our own search with P(S x S) left out (the space Alpa and GSPMD-style planners search).
+
+Whole-plan figures (:func:`summarize`): the step time is the sum of node times (Eq. 7) and edge times (Eq. 8-9);
+the peak memory per device is every node's parameter state and stashed activations (all live at the end of
+Forward) plus the largest ring double buffer (only one ring runs at a time); the communication is the bytes one
+device sends per step (collectives and ring shifts, plus the mean per-device redistribution traffic).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import sympy
+
+from primepar_fx.baselines import config_name, data_parallel_assignment, megatron_assignment, megatron_configs
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.costgraph import PricedGraph, price_graph
+from primepar_fx.cost.model import CostOptions
+from primepar_fx.graph import OpGraph
+from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
+from primepar_fx.search import solve
+from primepar_fx.shapes import B, S
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    predicted: Predicted
+    nodes: tuple[NodePlan, ...]
+
+
+def summarize(graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts: CostOptions) -> Summary:
+    """Per-node cost breakdowns and the whole-plan prediction of one choice of strategies."""
+    world = priced.mesh.size
+    redis_s = {n: 0.0 for n in graph.nodes}
+    redis_bytes = {n: 0 for n in graph.nodes}
+    for (u, v), mat in priced.cost_graph.edge_cost.items():
+        redis_s[v] += float(mat[choice[u], choice[v]])
+        redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
+    nodes, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
+    for name, node in graph.nodes.items():
+        seq = priced.strategies[name][choice[name]]
+        c = priced.node_costs[name][choice[name]]
+        kinds = dict(c.comm_bytes)
+        if redis_bytes[name]:
+            kinds["redistribution"] = redis_bytes[name] // world
+        cost = CostBreakdown(
+            compute_s=c.compute_s,
+            ring_s=c.ring_s,
+            collective_s=c.collective_s,
+            redistribution_s=redis_s[name],
+            memory_bytes=c.memory_bytes(opts.optimizer_states),
+            comm_bytes=kinds,
+            step_s=c.time_s + redis_s[name],
+            phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
+        )
+        nodes.append(NodePlan(name, node.op, str(seq), cost))
+        total_s += cost.step_s
+        static += c.param_bytes * (2 + opts.optimizer_states) + c.stash_bytes
+        buffers = max(buffers, c.buffer_bytes)
+        comm += sum(c.comm_bytes.values()) + redis_bytes[name] / world
+    return Summary(Predicted(total_s, int(static + buffers), int(round(comm))), tuple(nodes))
+
+
+def _price_fixed(
+    graph: OpGraph, assignment: dict[str, PartitionSeq], mesh: DeviceMesh, cluster: ClusterSpec, values, opts
+) -> Summary:
+    priced = price_graph(graph, mesh, cluster, values, opts, fixed=assignment)
+    return summarize(graph, priced, {n: 0 for n in graph.nodes}, opts)
+
+
+def price_baselines(
+    graph: OpGraph, mesh: DeviceMesh, cluster: ClusterSpec, values: dict[sympy.Symbol, int], opts: CostOptions
+) -> dict[str, Baseline]:
+    """The best Megatron configuration and pure data parallelism, priced with our cost model."""
+    out: dict[str, Baseline] = {}
+    best: tuple[float, dict, Summary, dict] | None = None
+    for cfg in megatron_configs(mesh):
+        assignment = megatron_assignment(graph, mesh, values=values, **cfg)
+        summary = _price_fixed(graph, assignment, mesh, cluster, values, opts)
+        log.info(
+            "%s: %.4g s, %.3g GiB",
+            config_name(cfg),
+            summary.predicted.step_time_s,
+            summary.predicted.peak_memory_bytes / 2**30,
+        )
+        if best is None or summary.predicted.step_time_s < best[0]:
+            best = (summary.predicted.step_time_s, cfg, summary, assignment)
+    assert best is not None
+    _, cfg, summary, assignment = best
+    out["megatron"] = Baseline(
+        "megatron", {**cfg, "name": config_name(cfg)}, summary.predicted, {n: str(s) for n, s in assignment.items()}
+    )
+    dp = data_parallel_assignment(graph, mesh, values=values)
+    summary = _price_fixed(graph, dp, mesh, cluster, values, opts)
+    out["data_parallel"] = Baseline(
+        "data_parallel", {"dp": mesh.size}, summary.predicted, {n: str(s) for n, s in dp.items()}
+    )
+    return out
+
+
+def plan_graph(
+    graph: OpGraph,
+    *,
+    world_size: int,
+    cluster: ClusterSpec | str = "v100-paper",
+    batch: int,
+    seq: int,
+    dtype: str = "fp32",
+    memory_budget: float | None = None,
+    alpha: float = 0.0,
+    method: str = "auto",
+    allow_prime: bool = True,
+    baselines: bool = True,
+    digits: tuple[int, ...] | None = None,
+) -> Plan:
+    """Search the cheapest plan for ``graph`` and compare it with the baselines (module docstring)."""
+    spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    mesh = DeviceMesh(digits) if digits else spec.mesh(world_size)
+    if mesh.size != world_size:
+        raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not --world-size {world_size}")
+    values = {B: batch, S: seq}
+    opts = CostOptions(dtype=dtype, alpha=alpha)
+    t0 = time.perf_counter()
+    priced = price_graph(graph, mesh, spec, values, opts, allow_prime=allow_prime)
+    t1 = time.perf_counter()
+    sol = solve(priced.cost_graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
+    ours = summarize(graph, priced, sol.choice, opts)
+    base: dict[str, Baseline] = {}
+    if baselines:
+        base = price_baselines(graph, mesh, spec, values, opts)
+        if allow_prime:
+            split_priced = price_graph(graph, mesh, spec, values, opts, allow_prime=False)
+            split_sol = solve(split_priced.cost_graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
+            split = summarize(graph, split_priced, split_sol.choice, opts)
+            base["split_only"] = Baseline(
+                "split_only", {"search": "no P(S x S)"}, split.predicted, {n.name: n.partition for n in split.nodes}
+            )
+    return Plan(
+        model=graph.name,
+        model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
+        world_size=world_size,
+        digits=mesh.digits,
+        cluster=spec.name,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        nodes=ours.nodes,
+        predicted=ours.predicted,
+        baselines=base,
+        search={
+            "method": sol.method,
+            "proven_optimal": sol.proven_optimal,
+            "objective": sol.cost,
+            "pricing_s": round(t1 - t0, 4),
+            "search_s": round(sol.seconds, 4),
+            "alpha": alpha,
+            "memory_budget": memory_budget,
+            "allow_prime": allow_prime,
+        },
+    )
