@@ -14,11 +14,13 @@ Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition `
 * ``collectives``: an all-reduce per :class:`~primepar_fx.partition.Collective` of the local result block over its
   group indicator, priced at the slowest level the group touches.
 * ``memory`` (bytes per device): parameters with their gradients and optimizer state, activations stashed for
-  backward, and the ring's double buffers.
+  backward, and the ring's second (receive) buffer for every block that moves in a phase, in the phase that
+  needs the most.
 
 Inter-operator cost (Eq. 8-9): the redistribution traffic of :mod:`primepar_fx.cost.redistribute`, Forward plus
-Backward, priced as an all-to-all over the whole mesh carrying the mean per-device traffic (a P2P permutation
-such as the Cannon skew is priced the same way; pricing it as a ring shift is a refinement left for later).
+Backward, priced as an all-to-all carrying the mean per-device traffic, inside a node when the data stays there
+and across the mesh otherwise (a P2P permutation such as the Cannon skew is priced the same way; pricing it as a
+ring shift is a refinement left for later).
 
 Sizes are sympy expressions in ``B`` and ``S`` evaluated at the caller's ``values``; results are floats (seconds)
 and ints (bytes).
@@ -35,7 +37,7 @@ import sympy
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
-from primepar_fx.cost.redistribute import redistribution_matrix
+from primepar_fx.cost.redistribute import redistribution_locality, redistribution_matrix
 from primepar_fx.partition import PHASES, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
 from primepar_fx.rules.spec import OpDims, TensorMap
@@ -182,8 +184,13 @@ def node_cost(
         comm[c.kind] = comm.get(c.kind, 0) + int(round(bus * block))
     params = sum(_block_bytes(part, op.inputs[k], values, item) for k in op.weights if op.inputs[k] is not None)
     stash = sum(_block_bytes(part, op.inputs[k], values, item) for k in stashed_inputs(op, target))
-    moving = {m.tensor for m in moves}
-    buffers = 2 * sum(_block_bytes(part, _tmap(op, name), values, item) for name in moving)
+    buffers = max(  # one receive buffer per tensor that moves in a phase; phases run one after another
+        (
+            sum(_block_bytes(part, _tmap(op, n), values, item) for n in {m.tensor for m in moves if m.src[0] is ph})
+            for ph in PHASES
+        ),
+        default=0,
+    )
     return NodeCost(tuple(phase_s), compute_total, ring_total, coll_s, params, stash, buffers, comm)  # type: ignore[arg-type]
 
 
@@ -207,8 +214,9 @@ def edge_cost_matrix(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(seconds, bytes)`` of Eq. 8-9 redistribution for every (producer, consumer) partition pair.
 
-    ``bytes`` is the Forward plus Backward traffic summed over devices; the time prices the mean per-device
-    traffic of each direction as an all-to-all over the whole mesh.
+    ``bytes`` is the Forward plus Backward traffic summed over devices. Each direction's mean per-device traffic
+    is priced as an all-to-all: inside a node (over the node's devices) when every device finds what it needs on
+    its own node, else across the whole mesh at the inter-node level.
     """
     fwd, bwd = redistribution_matrix(producers, out_index, consumers, in_index, values)
     mesh = producers[0].mesh
@@ -216,14 +224,16 @@ def edge_cost_matrix(
     total = (fwd + bwd) * opts.itemsize
     if world == 1:
         return np.zeros(total.shape), total
-    every = tuple(range(len(mesh.digits)))
-    bus, _ = ring_factors("all-to-all", world)
-    unit = cluster.collective_time("all-to-all", 1.0 / bus, mesh, every) - cluster.collective_time(
-        "all-to-all", 0.0, mesh, every
-    )
-    fixed = cluster.collective_time("all-to-all", 0.0, mesh, every)
+    per_node = min(world, cluster.devices_per_node)
+    local_f, local_b = redistribution_locality(producers, out_index, consumers, in_index, values, per_node)
     seconds = np.zeros(total.shape)
-    for direction in (fwd, bwd):
+    for direction, local in ((fwd, local_f), (bwd, local_b)):
         per_device = direction * (opts.itemsize / world)
-        seconds += np.where(direction > 0, per_device * bus * unit + fixed, 0.0)
+        for level, group, mask in ((0, per_node, local), (len(cluster.levels) - 1, world, ~local)):
+            if group < 2 or not mask.any():
+                continue
+            price = cluster.levels[level].collective_time
+            unit = price("all-to-all", group, 1.0) - price("all-to-all", group, 0.0)
+            fixed = price("all-to-all", group, 0.0)
+            seconds += np.where(mask & (direction > 0), per_device * unit + fixed, 0.0)
     return seconds, total

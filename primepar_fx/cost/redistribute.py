@@ -348,6 +348,57 @@ def traffic_matrix(helds: Sequence[Layout], neededs: Sequence[Layout], budget: i
     return out[inv_h][:, inv_n]
 
 
+def node_local_matrix(helds: Sequence[Layout], neededs: Sequence[Layout], node_of: Sequence[int]) -> np.ndarray:
+    """``L[i, j]``: under held layout ``i``, every device finds its needed block of layout ``j`` on its own node.
+
+    Devices of one layout hold blocks that are equal or disjoint, so a node's coverage of a needed block is the
+    sum of its overlaps with the node's distinct held blocks; the block stays node-local when that covers it.
+    """
+    uh, inv_h = _intern(helds)
+    un, inv_n = _intern(neededs)
+    world = len(node_of)
+    hb_list, hb = _intern([blk for lay in uh for blk in lay])
+    nb_list, nb = _intern([blk for lay in un for blk in lay])
+    hb, nb = hb.reshape(len(uh), world), nb.reshape(len(un), world)
+    table = block_overlaps(hb_list, nb_list)
+    volume = np.array([prod(set_size(s) for s in blk) for blk in nb_list], dtype=np.int64)
+    nodes = np.asarray(node_of)
+    names = sorted(set(node_of))
+    where = np.searchsorted(names, nodes)
+    out = np.empty((len(uh), len(un)), dtype=bool)
+    for a in range(len(uh)):
+        cover = np.stack([table[sorted(set(hb[a, nodes == nd].tolist()))].sum(axis=0) for nd in names])
+        out[a] = (cover[where[None, :], nb] >= volume[nb]).all(axis=1)
+    return out[inv_h][:, inv_n]
+
+
+def redistribution_locality(
+    producers: Sequence[OpPartition],
+    out_index: int,
+    consumers: Sequence[OpPartition],
+    in_index: int,
+    values: Mapping[sympy.Symbol, int],
+    devices_per_node: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(fwd, bwd)`` boolean matrices: whether the redistribution of each pair stays inside every node."""
+    vkey = values_key(values)
+    node_of = [k // devices_per_node for k in range(producers[0].mesh.size)]
+    fwd = node_local_matrix(
+        [forward_held(p, out_index).layout(vkey) for p in producers],
+        [forward_needed(c, in_index).layout(vkey) for c in consumers],
+        node_of,
+    )
+    grads = [backward_held(c, in_index) for c in consumers]
+    if any(g is None for g in grads):
+        return fwd, np.ones_like(fwd)
+    bwd = node_local_matrix(
+        [g.layout(vkey) for g in grads if g is not None],
+        [backward_needed(p, out_index).layout(vkey) for p in producers],
+        node_of,
+    )
+    return fwd, np.ascontiguousarray(bwd.T)
+
+
 def redistribution_matrix(
     producers: Sequence[OpPartition],
     out_index: int,
