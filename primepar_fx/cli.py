@@ -137,6 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         allow_prime=not args.no_prime,
         baselines=not args.no_baselines,
         digits=digits,
+        canonical=args.canonical,
     )
     print(plan.summary_table(tablefmt=args.format))
     mega = plan.baselines.get("megatron")
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-budget", type=parse_bytes, help="hard per-device budget, e.g. 30GiB")
     pl.add_argument("--alpha", type=float, default=0.0, help="weight of memory (per byte) in the objective")
     pl.add_argument("--method", default="auto", choices=["auto", "dp", "ilp"])
+    pl.add_argument("--canonical", action="store_true", help="search one split order per network level (faster)")
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument("-o", "--output", help="write the plan JSON here")
     pl.set_defaults(func=cmd_plan)

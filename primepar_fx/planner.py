@@ -126,6 +126,7 @@ def plan_graph(
     allow_prime: bool = True,
     baselines: bool = True,
     digits: tuple[int, ...] | None = None,
+    canonical: bool = False,
 ) -> Plan:
     """Search the cheapest plan for ``graph`` and compare it with the baselines (module docstring)."""
     spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -135,7 +136,7 @@ def plan_graph(
     values = {B: batch, S: seq}
     opts = CostOptions(dtype=dtype, alpha=alpha)
     t0 = time.perf_counter()
-    priced = price_graph(graph, mesh, spec, values, opts, allow_prime=allow_prime)
+    priced = price_graph(graph, mesh, spec, values, opts, allow_prime=allow_prime, canonical=canonical)
     t1 = time.perf_counter()
     sol = solve(priced.cost_graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
     ours = summarize(graph, priced, sol.choice, opts)
@@ -143,7 +144,7 @@ def plan_graph(
     if baselines:
         base = price_baselines(graph, mesh, spec, values, opts)
         if allow_prime:
-            split_priced = price_graph(graph, mesh, spec, values, opts, allow_prime=False)
+            split_priced = price_graph(graph, mesh, spec, values, opts, allow_prime=False, canonical=canonical)
             split_sol = solve(split_priced.cost_graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
             split = summarize(graph, split_priced, split_sol.choice, opts)
             base["split_only"] = Baseline(
@@ -170,5 +171,6 @@ def plan_graph(
             "alpha": alpha,
             "memory_budget": memory_budget,
             "allow_prime": allow_prime,
+            "canonical": canonical,
         },
     )

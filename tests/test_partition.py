@@ -337,3 +337,21 @@ def test_a_row_parallel_bias_gradient_needs_no_reduction_over_the_contraction() 
     part = OpPartition(biased, PartitionSeq.parse("B,N"), DeviceMesh((2, 2)))
     got = {(c.phase, c.tensor): c.digits for c in collectives(part)}
     assert got == {(F, "out0"): (1,), (G, "d_in1"): (0,), (G, "d_in2"): (0,)}  # bias: data-parallel digit only
+
+
+def test_canonical_enumeration_keeps_one_order_per_level_and_is_a_subset() -> None:
+    b = sympy.Symbol("B", positive=True, integer=True)
+    op = OpDims(
+        "pointwise",
+        ("B", "D"),
+        (b, sympy.Integer(8)),
+        inputs=((("B",), ("D",)),),
+        outputs=((("B",), ("D",)),),
+    )
+    mesh = DeviceMesh((2, 2, 2))
+    full = {str(s) for s in enumerate_sequences(op, mesh)}
+    canon = {str(s) for s in enumerate_sequences(op, mesh, levels=(1, 0, 0))}
+    assert canon < full
+    # digits 1 and 2 share a level: batch before the other dims before R there; digit 0 is free
+    assert "D,B,D" in canon and "D,D,B" not in canon and "R,B,R" in canon and "B,R,B" not in canon
+    assert {s for s in full if s.split(",")[1:] in (["B", "D"], ["B", "R"], ["D", "R"])} <= canon

@@ -26,6 +26,11 @@ def _fits(size: sympy.Expr, parts: int, values: dict[sympy.Symbol, int] | None) 
     return True
 
 
+def _rank(size: sympy.Expr) -> int:
+    names = {str(sym) for sym in sympy.sympify(size).free_symbols}
+    return 0 if "B" in names else 1 if "S" in names else 2
+
+
 def prime_sizes_at(mesh: DeviceMesh, pos: int) -> list[tuple[int, int]]:
     """``(S, digits used)`` for every P(S x S) that can start at digit ``pos``."""
     out, rows, used = [], 1, 0
@@ -43,12 +48,30 @@ def enumerate_sequences(
     values: dict[sympy.Symbol, int] | None = None,
     allow_prime: bool = True,
     allow_replicate: bool = True,
+    levels: tuple[int, ...] | None = None,
 ) -> list[PartitionSeq]:
-    """All legal partition sequences of ``op`` on ``mesh``, in a deterministic order."""
+    """All legal partition sequences of ``op`` on ``mesh``, in a deterministic order.
+
+    With ``levels`` (the network level of each digit), the *canonical* subspace is returned instead: where two
+    consecutive single-digit elements sit on digits of the same level and radix, their order is fixed by rank
+    (batch-like dims, then sequence-like dims, then the other dims, then ``Replicate``). Swapping two such digits
+    relabels devices without changing any cost, so this drops most reorderings; it is not exact across ops
+    (two ops may want different orders), which is why it is opt-in.
+    """
     splittable = [d for d in op.dims if d not in op.no_split]
     prime_ok = allow_prime and op.matmul is not None and all(d not in op.no_split for d in op.matmul)
     out: list[PartitionSeq] = []
     parts = {d: 1 for d in op.dims}
+
+    rank = {d: _rank(op.size(d)) for d in op.dims}
+
+    def ordered(pos: int, acc: list[Element], new_rank: int) -> bool:
+        if levels is None or not acc or isinstance(acc[-1], Prime) or pos == 0:
+            return True
+        if levels[pos - 1] != levels[pos] or mesh.digits[pos - 1] != mesh.digits[pos]:
+            return True
+        prev = acc[-1]
+        return (3 if isinstance(prev, Replicate) else rank[prev.dim]) <= new_rank  # type: ignore[union-attr]
 
     def rec(pos: int, acc: list[Element], used_prime: bool) -> None:
         if pos == len(mesh.digits):
@@ -56,7 +79,7 @@ def enumerate_sequences(
             return
         radix = mesh.digits[pos]
         for d in splittable:
-            if _fits(op.size(d), parts[d] * radix, values):
+            if ordered(pos, acc, rank[d]) and _fits(op.size(d), parts[d] * radix, values):
                 parts[d] *= radix
                 rec(pos + 1, [*acc, Split(d)], used_prime)
                 parts[d] //= radix
@@ -68,7 +91,7 @@ def enumerate_sequences(
                     rec(pos + used, [*acc, Prime(s)], True)
                     for d in op.matmul:  # type: ignore[union-attr]
                         parts[d] //= s
-        if allow_replicate:
+        if allow_replicate and ordered(pos, acc, 3):
             rec(pos + 1, [*acc, Replicate()], used_prime)
 
     rec(0, [], False)
