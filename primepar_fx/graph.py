@@ -41,6 +41,7 @@ class OpNode:
     bytes_written: sympy.Expr
     source: str
     params: tuple[str, ...] = ()
+    requires_grad: bool = True  # False for constant subgraphs (masks, position tables, label shifts)
 
     @property
     def op(self) -> str:
@@ -121,6 +122,7 @@ def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
             bytes_written=written,
             source=source_line(node),
             params=tuple(captured.params[inputs[i].name] for i in sorted(weights)),
+            requires_grad=node.name in grad_live,
         )
         g.add_node(node.name)
         for i, a in enumerate(inputs):

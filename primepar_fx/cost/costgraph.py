@@ -20,7 +20,7 @@ import sympy
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
 from primepar_fx.graph import OpGraph, OpNode
-from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, enumerate_sequences
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.search import CostGraph
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,17 @@ def price_graph(
     allow_prime: bool = True,
     fixed: dict[str, PartitionSeq] | None = None,
     canonical: bool = False,
+    replicate_constants: bool = True,
 ) -> PricedGraph:
     """Build the :class:`CostGraph`; ``fixed`` pins some nodes to one sequence (used to price baselines).
 
     ``canonical`` searches the canonical subspace of :func:`~primepar_fx.partition.enumerate_sequences` (one order
     of splits per network level), a few times smaller at 16 or more devices but not exact.
+
+    ``replicate_constants`` runs gradient-free constant subgraphs (attention masks, rotary and position tables,
+    shifted labels) replicated instead of searching their partitions: their compute is negligible, a replicated
+    producer feeds any consumer layout without traffic, and they take no gradient. It keeps these nodes, which
+    feed every layer, from entangling the layers in the DP.
     """
     start = time.perf_counter()
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
@@ -69,10 +75,12 @@ def price_graph(
     costs: dict[str, list[NodeCost]] = {}
     node_cache: dict[tuple, tuple[list[PartitionSeq], list[NodeCost]]] = {}
     for name, node in graph.nodes.items():
-        key = (node_key(node), None if fixed is None else str(fixed.get(name)))
+        key = (node_key(node), node.requires_grad, None if fixed is None else str(fixed.get(name)))
         if key not in node_cache:
             if fixed is not None and name in fixed:
                 seqs = [fixed[name]]
+            elif replicate_constants and not node.requires_grad:
+                seqs = [PartitionSeq(tuple(Replicate() for _ in mesh.digits))]
             else:
                 seqs = enumerate_sequences(node.dims, mesh, values=values, allow_prime=allow_prime, levels=levels)
             if not seqs:

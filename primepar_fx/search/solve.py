@@ -72,6 +72,12 @@ def _auto(
     try:
         choice, proven, bound = _dp(red, budget, alpha, options)
     except TableTooLarge as err:
+        size = ilp_size(red.graph)
+        if size > ilp_max_variables:
+            raise TableTooLarge(
+                f"{err}; the ILP fallback would need {size:,} variables (limit {ilp_max_variables:,}), so neither "
+                "solver can take this graph: use a smaller world size, canonical=True, or raise the limits"
+            ) from None
         log.info("DP tables too large (%s); solving the ILP instead", err)
         return (*_ilp(red, budget, alpha, time_limit), -math.inf, "ilp")
     if proven or ilp_size(red.graph) > ilp_max_variables:
