@@ -2,6 +2,7 @@
 
     primepar-fx explain MODEL --world-size N [--batch B --seq S]
     primepar-fx plan MODEL --world-size N --cluster NAME|spec.toml --batch B --seq S [-o plan.json]
+    primepar-fx calibrate [--world-size N] [--quick] -o spec.toml
 
 MODEL is a zoo name (``primepar-fx explain --list`` shows them), ``hf:FAMILY`` for a tiny Hugging Face model
 (gpt2, llama, opt, bloom; needs ``transformers``), or ``package.module:callable`` returning a module, or a tuple
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument("-o", "--output", help="write the plan JSON here")
     pl.set_defaults(func=cmd_plan)
+    from primepar_fx.cost.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     return p
 
 
