@@ -83,27 +83,32 @@ def _price_fixed(
 
 
 def price_baselines(
-    graph: OpGraph, mesh: DeviceMesh, cluster: ClusterSpec, values: dict[sympy.Symbol, int], opts: CostOptions
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None = None,
 ) -> dict[str, Baseline]:
-    """The best Megatron configuration and pure data parallelism, priced with our cost model."""
+    """The best Megatron configuration and pure data parallelism, priced with our cost model.
+
+    With a memory budget, the best Megatron configuration is the fastest one that fits (the fastest overall,
+    marked ``"fits_budget": false``, when none does).
+    """
     out: dict[str, Baseline] = {}
-    best: tuple[float, dict, Summary, dict] | None = None
+    priced = []
     for cfg in megatron_configs(mesh):
         assignment = megatron_assignment(graph, mesh, values=values, **cfg)
         summary = _price_fixed(graph, assignment, mesh, cluster, values, opts)
-        log.info(
-            "%s: %.4g s, %.3g GiB",
-            config_name(cfg),
-            summary.predicted.step_time_s,
-            summary.predicted.peak_memory_bytes / 2**30,
-        )
-        if best is None or summary.predicted.step_time_s < best[0]:
-            best = (summary.predicted.step_time_s, cfg, summary, assignment)
-    assert best is not None
-    _, cfg, summary, assignment = best
-    out["megatron"] = Baseline(
-        "megatron", {**cfg, "name": config_name(cfg)}, summary.predicted, {n: str(s) for n, s in assignment.items()}
-    )
+        pred = summary.predicted
+        log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
+        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
+        priced.append((not fits, pred.step_time_s, len(priced), cfg, summary, assignment))
+    unfit, _, _, cfg, summary, assignment = min(priced, key=lambda row: row[:3])
+    config = {**cfg, "name": config_name(cfg)}
+    if memory_budget is not None:
+        config["fits_budget"] = not unfit
+    out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
     dp = data_parallel_assignment(graph, mesh, values=values)
     summary = _price_fixed(graph, dp, mesh, cluster, values, opts)
     out["data_parallel"] = Baseline(
@@ -142,7 +147,7 @@ def plan_graph(
     ours = summarize(graph, priced, sol.choice, opts)
     base: dict[str, Baseline] = {}
     if baselines:
-        base = price_baselines(graph, mesh, spec, values, opts)
+        base = price_baselines(graph, mesh, spec, values, opts, memory_budget)
         if allow_prime:
             split_priced = price_graph(graph, mesh, spec, values, opts, allow_prime=False, canonical=canonical)
             split_sol = solve(split_priced.cost_graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
