@@ -1,0 +1,172 @@
+"""Benchmark: predicted throughput and peak memory of our plan against the best Megatron plan (paper Fig. 7, 8).
+
+For the paper's six models on the ``v100-paper`` cluster (8 nodes x 4 V100, NVLink inside a node, InfiniBand
+between nodes), every world size given, the plan is searched with our cost model and the Megatron baseline (the
+best data-parallel x model-parallel split, with and without sequence parallelism) is priced by the same model.
+The paper does not state B, S, dtype or alpha; we use B = 16 (global), S = 2048, fp16, alpha = 0, no memory budget.
+
+    python bench/paper_fig7.py [--worlds 4 8] [--models ...] [--out docs/benchmarks/paper_fig7.md]
+
+Writes a markdown table and, when matplotlib is installed, a PNG chart next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import time
+
+from primepar_fx import analyze
+from primepar_fx.models import build, example_inputs
+from primepar_fx.planner import plan_graph
+
+MODELS = ["opt-6.7b", "opt-175b", "llama2-7b", "llama2-70b", "bloom-7b1", "bloom-176b"]
+PAPER_SPEEDUP = {  # Fig. 7, throughput over the best Megatron
+    4: [1.16, 1.11, 1.16, 1.15, 1.15, 1.11],
+    8: [1.18, 1.35, 1.19, 1.21, 1.18, 1.43],
+    16: [1.16, 1.38, 1.20, 1.24, 1.18, 1.68],
+    32: [1.20, 1.39, 1.21, 1.26, 1.19, 1.60],
+}
+PAPER_MEMORY = {  # Fig. 8, peak memory as % of Megatron's
+    4: [89, 92, 90, 91, 89, 92],
+    8: [90, 80, 91, 88, 90, 78],
+    16: [93, 80, 93, 91, 93, 69],
+    32: [93, 79, 92, 89, 92, 68],
+}
+
+
+READING = """## Reading the results (where we fall short of the paper, and why)
+
+* **4 GPUs:** with no memory limit the best Megatron configuration is often pure data parallelism
+  (`dp4 x mp1`). Its only communication is one gradient all-reduce, which our model prices as cheap on NVLink,
+  so there is little left to win (1.00-1.01x). The paper's Megatron runs were presumably limited by the
+  32 GB V100 memory. Those limits are not stated, and the full 175B models do not fit at all. Passing
+  `--memory-budget` makes both sides respect a limit.
+* **8 GPUs:** we predict 1.06-1.12x against the paper's measured 1.18-1.43x, with P(S×S) chosen for
+  hundreds of nodes. The rest of the gap comes from the model, not the measurements:
+  * the `v100-paper` preset is not calibrated on that cluster, so all-reduce (Megatron's main cost) is
+    priced at the nominal link bandwidth;
+  * the Cannon-skew redistribution around P(S×S) is priced as an all-to-all rather than a P2P
+    permutation;
+  * collectives are not overlapped with compute in the model.
+* **Memory:** our plans use 60-80% of Megatron's peak memory at 8 GPUs, less than the paper's 78-91%,
+  because the model counts only parameter state, stashed activations and ring buffers (no allocator slack
+  or workspace).
+* **16 and 32 GPUs are not in the table yet.** The per-node partition spaces (hundreds to thousands of
+  sequences) make the pricing and the DP too slow there; see `search_time.md`.
+"""
+
+
+def run(models: list[str], worlds: list[int], batch: int, seq: int, dtype: str) -> list[dict]:
+    rows = []
+    for name in models:
+        model = build(name, device="meta")
+        args, kwargs = example_inputs(model.config, 2, 16, device="meta")
+        t0 = time.perf_counter()
+        graph = analyze(model, args, kwargs, name=name)
+        capture_s = time.perf_counter() - t0
+        for world in worlds:
+            t1 = time.perf_counter()
+            try:
+                plan = plan_graph(graph, world_size=world, cluster="v100-paper", batch=batch, seq=seq, dtype=dtype)
+            except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
+                rows.append({"model": name, "world": world, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                print(f"{name:12s} N={world:3d}: {rows[-1]['error']}")
+                continue
+            mega = plan.baselines["megatron"].predicted
+            row = {
+                "model": name,
+                "world": world,
+                "speedup": mega.step_time_s / plan.predicted.step_time_s,
+                "memory": 100 * plan.predicted.peak_memory_bytes / mega.peak_memory_bytes,
+                "split_only": mega.step_time_s / plan.baselines["split_only"].predicted.step_time_s,
+                "megatron": plan.baselines["megatron"].config["name"],
+                "prime_nodes": sum("P" in n.partition for n in plan.nodes),
+                "seconds": time.perf_counter() - t1,
+                "capture_s": capture_s,
+            }
+            i = MODELS.index(name)
+            row["paper_speedup"] = PAPER_SPEEDUP.get(world, [math.nan] * 6)[i]
+            row["paper_memory"] = PAPER_MEMORY.get(world, [math.nan] * 6)[i]
+            rows.append(row)
+            print(
+                f"{name:12s} N={world:3d}: {row['speedup']:.2f}x (paper {row['paper_speedup']:.2f}x), memory "
+                f"{row['memory']:.0f}% (paper {row['paper_memory']:.0f}%), split-only {row['split_only']:.2f}x, "
+                f"best Megatron {row['megatron']}, {row['prime_nodes']} P nodes, {row['seconds']:.1f} s"
+            )
+    return rows
+
+
+def write(rows: list[dict], out: str, batch: int, seq: int, dtype: str) -> None:
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    lines = [
+        "# Predicted speed-up and memory over the best Megatron plan (paper Fig. 7 and Fig. 8)",
+        "",
+        f"Cluster `v100-paper` (preset, not calibrated on that hardware). Global batch B = {batch}, sequence "
+        f"S = {seq}, {dtype}, alpha = 0, no memory budget. Both plans are priced by our cost model; the paper's "
+        f"figures are measured on its cluster. Planned on {machine}.",
+        "",
+        "| model | GPUs | ours vs Megatron | paper | split-only vs Megatron | peak memory vs Megatron | paper | "
+        "best Megatron | nodes with P(S×S) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['world']} | not planned: {r['error']} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['world']} | {r['speedup']:.2f}x | {r['paper_speedup']:.2f}x | "
+            f"{r['split_only']:.2f}x | {r['memory']:.0f}% | {r['paper_memory']:.0f}% | {r['megatron']} | "
+            f"{r['prime_nodes']} |"
+        )
+    lines += ["", READING]
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib)")
+        return
+    ok = [r for r in rows if "error" not in r]
+    labels = [f"{r['model']}\n{r['world']} GPUs" for r in ok]
+    x = range(len(ok))
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, len(ok)), 7))
+    axes[0].bar([i - 0.2 for i in x], [r["speedup"] for r in ok], 0.4, label="primepar_fx (predicted)")
+    axes[0].bar([i + 0.2 for i in x], [r["paper_speedup"] for r in ok], 0.4, label="PrimePar paper (measured)")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set_ylabel("throughput / best Megatron")
+    axes[1].bar([i - 0.2 for i in x], [r["memory"] for r in ok], 0.4, label="primepar_fx (predicted)")
+    axes[1].bar([i + 0.2 for i in x], [r["paper_memory"] for r in ok], 0.4, label="PrimePar paper (measured)")
+    axes[1].axhline(100, color="gray", lw=0.8)
+    axes[1].set_ylabel("peak memory, % of Megatron")
+    for ax in axes:
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = os.path.splitext(out)[0] + ".png"
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    p.add_argument("--worlds", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--dtype", default="fp16")
+    p.add_argument("--out", default="docs/benchmarks/paper_fig7.md")
+    args = p.parse_args()
+    rows = run(args.models, args.worlds, args.batch, args.seq, args.dtype)
+    write(rows, args.out, args.batch, args.seq, args.dtype)
+
+
+if __name__ == "__main__":
+    main()
