@@ -95,9 +95,7 @@ def test_gpt2_tiny_column_and_row_linears():
     for n, style in bl.classify_linears(g).items():
         styles[module_of(g, n).split(".")[-1]].add(style)
     assert styles == {
-        "q_proj": {"column"},
-        "k_proj": {"column"},
-        "v_proj": {"column"},
+        "qkv_proj": {"column"},
         "up_proj": {"column"},
         "o_proj": {"row"},
         "down_proj": {"row"},
@@ -196,7 +194,7 @@ def test_gpt2_tiny_plans():
     g, mesh = graph_of("gpt2-tiny"), MESHES[4]
     mega = {n: str(s) for n, s in bl.megatron_assignment(g, mesh, dp=2, values=VALUES).items()}
     assert mega["embedding"] == "B,V" and mega["layer_norm"] == "B,R" and mega["add_1"] == "B,R"
-    assert mega["linear"] == "B,K" and mega["linear_3"] == "B,N" and mega["linear_12"] == "B,K"
+    assert mega["linear"] == "B,K" and mega["linear_3"] == "B,N" and mega["linear_8"] == "B,K"
     assert mega["scaled_dot_product_attention"] == "B,H" and mega["gelu"] == "B,d2" and mega["view"] == "B,d2"
     assert mega["reshape_2"] == "B,d1" and mega["cross_entropy_loss"] == "N,V" and mega["arange"] == "R,R"
     sp = {n: str(s) for n, s in bl.megatron_assignment(g, mesh, dp=1, sequence_parallel=True).items()}

@@ -276,3 +276,60 @@ def test_load_model_spec_errors_are_actionable(spec, message):
 
 def test_decoder_config_is_exported_from_the_package():
     assert isinstance(ZOO["gpt2"], DecoderConfig)
+
+
+# --- fused QKV -------------------------------------------------------------------------------------------
+
+FUSED = {"gpt2", "gpt2-tiny", "bloom-7b1", "bloom-176b", "bloom-tiny"}
+
+
+def test_gpt2_and_bloom_fuse_qkv_and_llama_and_opt_do_not():
+    assert {name for name, config in ZOO.items() if config.fused_qkv} == FUSED
+    for name in FUSED:
+        attn = build(name, device="meta").blocks[0].attn
+        assert attn.qkv_proj.out_features == 3 * ZOO[name].hidden
+        assert not hasattr(attn, "q_proj")
+
+
+def test_fused_qkv_needs_plain_multi_head_attention():
+    with pytest.raises(ValueError, match="fused_qkv needs kv_heads == heads"):
+        replace(get_config("llama-tiny"), fused_qkv=True)  # 4 query heads, 2 kv heads
+    with pytest.raises(ValueError, match="fused_qkv must be a bool"):
+        replace(get_config("gpt2-tiny"), fused_qkv=1)
+    assert replace(get_config("llama-tiny"), kv_heads=4, fused_qkv=True).fused_qkv
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bloom-tiny"])
+def test_fused_qkv_is_the_per_head_interleaved_layout_of_separate_projections(name):
+    """qkv_proj's rows are (heads, 3, head_dim): loading q, k, v interleaved per head gives the same model."""
+    fused = build(name)
+    plain = build(replace(fused.config, fused_qkv=False), seed=3)
+    assert fused.config.param_count() == plain.config.param_count() == sum(p.numel() for p in plain.parameters())
+    heads, head_dim = fused.config.heads, fused.config.head_dim
+    state = {}
+    for key, value in plain.state_dict().items():
+        module, _, kind = key.rpartition(".")
+        if module.endswith(("k_proj", "v_proj")):
+            continue
+        if module.endswith("q_proj"):
+            parts = [plain.state_dict()[f"{module[:-6]}{p}_proj.{kind}"] for p in "qkv"]
+            rows = torch.stack([p.reshape(heads, head_dim, -1) for p in parts], dim=1)  # (heads, 3, head_dim, ...)
+            key, value = f"{module[:-6]}qkv_proj.{kind}", rows.reshape(3 * fused.config.hidden, *value.shape[1:])
+        state[key] = value
+    fused.load_state_dict(state)
+    (ids,), kwargs = example_inputs(fused.config, batch=2, seq=10, seed=7)
+    torch.testing.assert_close(fused(ids), plain(ids))
+    torch.testing.assert_close(fused(ids, **kwargs), plain(ids, **kwargs))
+
+
+def test_fused_qkv_exports_dynamic_with_one_projection_and_an_unbind_per_layer():
+    model = build("gpt2-tiny").train()
+    config = model.config
+    args, kwargs = example_inputs(config, batch=2, seq=16)
+    ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes(config.max_seq))
+    assert_shapes_use_only_input_symbols(ep)
+    targets = [node.target for node in ep.graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.aten.linear.default) == 4 * config.layers + 1  # qkv, o, up, down; lm_head
+    assert targets.count(torch.ops.aten.unbind.int) == config.layers
+    (ids,), other = example_inputs(config, batch=5, seq=11, seed=2)
+    torch.testing.assert_close(ep.module()(ids, **other), model(ids, **other))

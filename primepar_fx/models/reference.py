@@ -32,6 +32,11 @@ class DecoderConfig:
 
     ``kv_heads`` defaults to ``heads`` (plain multi-head attention); a smaller
     divisor of ``heads`` gives grouped-query attention.
+
+    ``fused_qkv`` computes queries, keys and values with one ``qkv_proj`` linear
+    (hidden -> 3 * hidden) whose output is laid out per head as ``(heads, 3, head_dim)``,
+    Megatron-LM's interleaved layout (GPT-2 and BLOOM fuse QKV; Llama and OPT do not).
+    It needs plain multi-head attention (``kv_heads == heads``).
     """
 
     name: str
@@ -41,6 +46,7 @@ class DecoderConfig:
     heads: int
     kv_heads: int | None = None
     ffn_hidden: int
+    fused_qkv: bool = False
     norm: str = "layernorm"
     mlp: str = "gelu"
     position: str = "learned"
@@ -67,6 +73,13 @@ class DecoderConfig:
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"DecoderConfig {self.name!r}: heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})"
+            )
+        if not isinstance(self.fused_qkv, bool):
+            raise ValueError(f"DecoderConfig {self.name!r}: fused_qkv must be a bool, got {self.fused_qkv!r}")
+        if self.fused_qkv and self.kv_heads != self.heads:
+            raise ValueError(
+                f"DecoderConfig {self.name!r}: fused_qkv needs kv_heads == heads, "
+                f"got kv_heads={self.kv_heads}, heads={self.heads}"
             )
         self._check_choice("norm", self.norm, NORMS)
         self._check_choice("mlp", self.mlp, MLPS)
@@ -96,7 +109,10 @@ class DecoderConfig:
         return self.kv_heads * self.head_dim
 
     def param_count(self) -> int:
-        """Number of parameters of :class:`Decoder` built from this config (tied weights counted once)."""
+        """Number of parameters of :class:`Decoder` built from this config (tied weights counted once).
+
+        A fused ``qkv_proj`` (h -> 3h) holds exactly the weights and biases of separate q, k, v projections.
+        """
         h, b = self.hidden, int(self.bias)
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
         attn = 2 * (h * h + b * h) + 2 * (h * self.kv_dim + b * self.kv_dim)
@@ -186,14 +202,24 @@ class Attention(nn.Module):
         h, kv, b = config.hidden, config.kv_dim, config.bias
         self.heads, self.kv_heads, self.head_dim = config.heads, config.kv_heads, config.head_dim
         self.dropout = config.dropout
-        self.q_proj = nn.Linear(h, h, bias=b, **factory)
-        self.k_proj = nn.Linear(h, kv, bias=b, **factory)
-        self.v_proj = nn.Linear(h, kv, bias=b, **factory)
+        self.fused_qkv = config.fused_qkv
+        if self.fused_qkv:
+            self.qkv_proj = nn.Linear(h, 3 * h, bias=b, **factory)
+        else:
+            self.q_proj = nn.Linear(h, h, bias=b, **factory)
+            self.k_proj = nn.Linear(h, kv, bias=b, **factory)
+            self.v_proj = nn.Linear(h, kv, bias=b, **factory)
         self.o_proj = nn.Linear(h, h, bias=b, **factory)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         # (B, S, n*D) -> (B, n, S, D); sizes come from the tensor so nothing is specialised.
         return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
+
+    def _project_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # (B, S, 3*h) -> (B, S, n, 3, D), Megatron's per-head interleaved layout, then q, k, v as (B, n, S, D).
+        qkv = self.qkv_proj(x).view(x.shape[0], x.shape[1], self.heads, 3, self.head_dim)
+        q, k, v = qkv.unbind(3)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.heads // self.kv_heads
@@ -205,9 +231,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        q = self._split_heads(self.q_proj(x))
-        k = self._split_heads(self.k_proj(x))
-        v = self._split_heads(self.v_proj(x))
+        if self.fused_qkv:
+            q, k, v = self._project_fused(x)
+        else:
+            q = self._split_heads(self.q_proj(x))
+            k = self._split_heads(self.k_proj(x))
+            v = self._split_heads(self.v_proj(x))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k, v = self._repeat_kv(k), self._repeat_kv(v)

@@ -1,4 +1,8 @@
-"""Named :class:`DecoderConfig` presets: the paper's evaluation models plus tiny test-sized variants."""
+"""Named :class:`DecoderConfig` presets: the paper's evaluation models plus tiny test-sized variants.
+
+GPT-2 and BLOOM compute Q, K and V with one fused projection (``fused_qkv=True``, Megatron's per-head layout);
+Llama and OPT keep separate q, k, v projections.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ _GPT2 = DecoderConfig(
     layers=12,
     heads=12,
     ffn_hidden=3072,
+    fused_qkv=True,
     norm="layernorm",
     mlp="gelu",
     position="learned",
     bias=True,
     tied_embeddings=True,
     max_seq=1024,
-    description="GPT-2 small (124M): LayerNorm, GELU, learned positions, biases, tied embeddings",
+    description="GPT-2 small (124M): fused QKV, LayerNorm, GELU, learned positions, biases, tied embeddings",
 )
 
 _LLAMA2_7B = DecoderConfig(
@@ -62,6 +67,7 @@ _BLOOM_7B1 = DecoderConfig(
     layers=30,
     heads=32,
     ffn_hidden=16384,
+    fused_qkv=True,
     norm="layernorm",
     mlp="gelu",
     position="alibi",
@@ -69,7 +75,7 @@ _BLOOM_7B1 = DecoderConfig(
     tied_embeddings=True,
     max_seq=2048,
     embed_norm=True,
-    description="BLOOM 7.1B: LayerNorm, GELU, ALiBi, biases, tied embeddings, embedding LayerNorm",
+    description="BLOOM 7.1B: fused QKV, LayerNorm, GELU, ALiBi, biases, tied embeddings, embedding LayerNorm",
 )
 
 # replace() copies the resolved kv_heads, so presets that change `heads` pass kv_heads explicitly.
