@@ -44,14 +44,14 @@ READING = """## Reading the results (where we fall short of the paper, and why)
   so there is little left to win (1.00-1.01x). The paper's Megatron runs were presumably limited by the
   32 GB V100 memory. Those limits are not stated, and the full 175B models do not fit at all. Passing
   `--memory-budget` makes both sides respect a limit.
-* **8 GPUs:** we predict 1.06-1.12x against the paper's measured 1.18-1.43x, with P(S×S) chosen for
+* **8 GPUs:** we predict 1.05-1.12x against the paper's measured 1.18-1.43x, with P(S×S) chosen for
   hundreds of nodes. The rest of the gap comes from the model, not the measurements:
   * the `v100-paper` preset is not calibrated on that cluster, so all-reduce (Megatron's main cost) is
     priced at the nominal link bandwidth;
   * the Cannon-skew redistribution around P(S×S) is priced as an all-to-all rather than a P2P
     permutation;
   * collectives are not overlapped with compute in the model.
-* **Memory:** our plans use 60-80% of Megatron's peak memory at 8 GPUs, less than the paper's 78-91%,
+* **Memory:** our plans use 60-83% of Megatron's peak memory at 8 GPUs, less than the paper's 78-91%,
   because the model counts only parameter state, stashed activations and ring buffers (no allocator slack
   or workspace).
 * **16 and 32 GPUs are not in the table yet.** The per-node partition spaces (hundreds to thousands of
