@@ -49,6 +49,21 @@ def linear_dims(b: int, m: int, n: int, k: int) -> OpDims:
     )
 
 
+def biased_linear_dims(b: int, m: int, n: int, k: int) -> OpDims:
+    """The linear with a bias input ``[K]`` (input 2), both weights parameters."""
+    op = linear_dims(b, m, n, k)
+    return OpDims(
+        "matmul",
+        op.dims,
+        op.sizes,
+        inputs=(*op.inputs, (("K",),)),
+        outputs=op.outputs,
+        matmul=op.matmul,
+        matmul_operands=op.matmul_operands,
+        weights=frozenset({1, 2}),
+    )
+
+
 def block(full: np.ndarray, tslice) -> np.ndarray:
     idx = []
     for size, group in zip(full.shape, tslice):
@@ -302,17 +317,7 @@ def test_replicated_digits_compute_the_same_thing() -> None:
 
 
 def test_a_bias_gradient_under_prime_is_reduced_over_the_rows_sharing_its_slice() -> None:
-    op = linear_dims(2, 4, 4, 4)
-    biased = OpDims(
-        "matmul",
-        op.dims,
-        op.sizes,
-        inputs=(*op.inputs, (("K",),)),
-        outputs=op.outputs,
-        matmul=op.matmul,
-        matmul_operands=op.matmul_operands,
-        weights=frozenset({1, 2}),
-    )
+    biased = biased_linear_dims(2, 4, 4, 4)
     part = OpPartition(biased, PartitionSeq.parse("P2x2"), DeviceMesh((2, 2)))
     (coll,) = collectives(part)
     assert (coll.phase, coll.tensor, coll.digits) == (G, "d_in2", (0,))  # the row digit: same column, same K slice
@@ -323,17 +328,7 @@ def test_a_bias_gradient_under_prime_is_reduced_over_the_rows_sharing_its_slice(
 
 
 def test_a_row_parallel_bias_gradient_needs_no_reduction_over_the_contraction() -> None:
-    op = linear_dims(4, 4, 4, 4)
-    biased = OpDims(
-        "matmul",
-        op.dims,
-        op.sizes,
-        inputs=(*op.inputs, (("K",),)),
-        outputs=op.outputs,
-        matmul=op.matmul,
-        matmul_operands=op.matmul_operands,
-        weights=frozenset({1, 2}),
-    )
+    biased = biased_linear_dims(4, 4, 4, 4)
     part = OpPartition(biased, PartitionSeq.parse("B,N"), DeviceMesh((2, 2)))
     got = {(c.phase, c.tensor): c.digits for c in collectives(part)}
     assert got == {(F, "out0"): (1,), (G, "d_in1"): (0,), (G, "d_in2"): (0,)}  # bias: data-parallel digit only
