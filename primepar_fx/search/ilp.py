@@ -90,12 +90,32 @@ def _add_nodes(prob: pulp.LpProblem, graph: CostGraph) -> dict[str, list[pulp.Lp
     return x
 
 
-def _add_edges(prob: pulp.LpProblem, graph: CostGraph, x: dict[str, list[pulp.LpVariable]], with_cost: bool):
+def _objective_scale(graph: CostGraph, alpha: float, memory_only: bool) -> float:
+    """A factor that brings the largest objective coefficient to ~1e6.
+
+    Costs in seconds can be ~1e-9..1e-2; left as they are, they sit below the solver's absolute tolerances and a
+    worse plan passes as proven optimal. The choice is re-evaluated exactly afterwards, so scaling is harmless.
+    """
+    largest = 0.0
+    for n in graph.nodes:
+        w = graph.memory_of(n) if memory_only else graph.node_cost[n] + alpha * graph.memory_of(n)
+        finite = np.abs(w[np.isfinite(w)])
+        largest = max(largest, float(finite.max()) if finite.size else 0.0)
+    if not memory_only:
+        for e in graph.edge_cost.values():
+            finite = np.abs(e[np.isfinite(e)])
+            largest = max(largest, float(finite.max()) if finite.size else 0.0)
+    return 1e6 / largest if largest > 0 else 1.0
+
+
+def _add_edges(
+    prob: pulp.LpProblem, graph: CostGraph, x: dict[str, list[pulp.LpVariable]], with_cost: bool, scale: float = 1.0
+):
     """Linearised edges; returns the objective terms and the constant from constant edges."""
     terms, constant = [], 0.0
     for k, ((u, v), e) in enumerate(graph.edge_cost.items()):
         if _constant(e):
-            constant += float(e.flat[0]) if with_cost else 0.0
+            constant += scale * float(e.flat[0]) if with_cost else 0.0
             continue
         rows: list[list] = [[] for _ in range(e.shape[0])]
         cols: list[list] = [[] for _ in range(e.shape[1])]
@@ -104,7 +124,7 @@ def _add_edges(prob: pulp.LpProblem, graph: CostGraph, x: dict[str, list[pulp.Lp
             rows[p].append(y)
             cols[q].append(y)
             if with_cost and e[p, q] != 0.0:
-                terms.append(float(e[p, q]) * y)
+                terms.append(scale * float(e[p, q]) * y)
         for p, ys in enumerate(rows):
             prob += pulp.lpSum(ys) == x[u][p], f"row_{k}_{p}"
         for q, ys in enumerate(cols):
@@ -125,10 +145,11 @@ def _add_budget(
 def _solve_once(graph: CostGraph, alpha: float, budget: float | None, margin: float, memory_only: bool, limit):
     prob = pulp.LpProblem("primepar_search", pulp.LpMinimize)
     x = _add_nodes(prob, graph)
-    terms, constant = _add_edges(prob, graph, x, with_cost=not memory_only)
+    scale = _objective_scale(graph, alpha, memory_only)
+    terms, constant = _add_edges(prob, graph, x, with_cost=not memory_only, scale=scale)
     for n in graph.nodes:
         weights = graph.memory_of(n) if memory_only else graph.node_cost[n] + alpha * graph.memory_of(n)
-        terms += [float(w) * var for w, var in zip(weights, x[n]) if w != 0.0]
+        terms += [scale * float(w) * var for w, var in zip(weights, x[n]) if w != 0.0]
     prob += pulp.lpSum(terms) + constant
     if budget is not None:
         _add_budget(prob, graph, x, budget, margin)
