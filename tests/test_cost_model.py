@@ -1,0 +1,302 @@
+"""The intra-operator cost model (Eq. 7) and the pricing of an edge (Eq. 8-9), checked against hand derivations.
+
+A linear ``O[B,M,K] = I[B,M,N] . W[N,K]`` (W a parameter) is priced on four devices, digits ``(2, 2)``. Every
+expected byte count below is written out from the sizes; nothing is read back from the code under test.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import sympy
+
+from primepar_fx.cost.cluster import load_cluster, ring_factors
+from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
+from primepar_fx.cost.redistribute import redistribution_matrix
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences, transfers
+from primepar_fx.rules.spec import OpDims
+
+F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
+CLUSTER = load_cluster("v100-paper")
+MESH = DeviceMesh((2, 2))
+NO_VALUES: dict[sympy.Symbol, int] = {}
+
+# the small linear: B=8, M=16, N=32, K=64
+SB, SM, SN, SK = 8, 16, 32, 64
+I_ELEMS, W_ELEMS, O_ELEMS = SB * SM * SN, SN * SK, SB * SM * SK  # 4096, 2048, 8192
+
+
+def linear(b: int, m: int, n: int, k: int) -> OpDims:
+    """``O[B,M,K] = I[B,M,N] . W[N,K]`` with W a parameter and ``2 B M N K`` forward FLOPs."""
+    return OpDims(
+        "matmul",
+        ("B", "M", "N", "K"),
+        tuple(sympy.Integer(v) for v in (b, m, n, k)),
+        inputs=((("B",), ("M",), ("N",)), (("N",), ("K",))),
+        outputs=((("B",), ("M",), ("K",)),),
+        matmul=("M", "N", "K"),
+        matmul_operands=(0, 1),
+        flops=sympy.Integer(2 * b * m * n * k),
+        weights=frozenset({1}),
+    )
+
+
+def cost(op: OpDims, seq: str, dtype: str = "fp32", mesh: DeviceMesh = MESH) -> NodeCost:
+    part = OpPartition(op, PartitionSeq.parse(seq), mesh)
+    return node_cost(part, None, CLUSTER, NO_VALUES, CostOptions(dtype=dtype))
+
+
+def all_reduce_bytes(elems: int, itemsize: int, group: int) -> int:
+    """Bytes one device sends in a ring all-reduce of ``elems`` elements: ``bus(all-reduce, g) * block bytes``."""
+    return int(round(2 * (group - 1) / group * elems * itemsize))
+
+
+SMALL = linear(SB, SM, SN, SK)
+DTYPES = [("fp32", 4), ("bf16", 2)]
+
+
+# ------------------------------------------------------------------------------------------ communication bytes
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_batch_and_contraction_split_all_reduces_the_output_and_the_weight_gradient(dtype: str, item: int) -> None:
+    # "B,N": B on digit 0, N on digit 1.
+    # Forward sums over N (split on digit 1): all-reduce of the local O block (B/2, M, K) over 2 devices.
+    # Gradient sums dW over B and M (B split on digit 0): all-reduce of the local dW block (N/2, K) over 2 devices.
+    # Backward sums dI over K, which is whole: nothing.
+    forward = all_reduce_bytes(SB // 2 * SM * SK, item, 2)
+    gradient = all_reduce_bytes(SN // 2 * SK, item, 2)
+    assert forward == 4096 * item and gradient == 1024 * item  # bus(all-reduce, 2) = 1
+    assert cost(SMALL, "B,N", dtype).comm_bytes == {"all-reduce": forward + gradient}
+
+
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_batch_and_output_feature_split_all_reduces_the_input_gradient(dtype: str, item: int) -> None:
+    # "B,K": Backward sums dI over K (digit 1): all-reduce of the local dI block (B/2, M, N) over 2 devices;
+    # Gradient sums dW over B (digit 0): all-reduce of the local dW block (N, K/2); Forward sums over N, whole.
+    backward = all_reduce_bytes(SB // 2 * SM * SN, item, 2)
+    gradient = all_reduce_bytes(SN * SK // 2, item, 2)
+    assert cost(SMALL, "B,K", dtype).comm_bytes == {"all-reduce": backward + gradient}
+
+
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_contraction_and_output_feature_split_all_reduces_output_and_input_gradient(dtype: str, item: int) -> None:
+    # "N,K": Forward all-reduce of O (B, M, K/2) over digit 0 (N), Backward all-reduce of dI (B, M, N/2) over
+    # digit 1 (K); dW sums over B and M, both whole: nothing in Gradient.
+    forward = all_reduce_bytes(SB * SM * SK // 2, item, 2)
+    backward = all_reduce_bytes(SB * SM * SN // 2, item, 2)
+    assert cost(SMALL, "N,K", dtype).comm_bytes == {"all-reduce": forward + backward}
+
+
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_pure_data_parallel_all_reduces_the_whole_weight_gradient_over_four_devices(dtype: str, item: int) -> None:
+    # "B,B": dW (N, K) whole on every device, all-reduced over both digits: bus(all-reduce, 4) = 2 * 3 / 4 = 1.5
+    assert ring_factors("all-reduce", 4) == (1.5, 6)
+    assert cost(SMALL, "B,B", dtype).comm_bytes == {"all-reduce": int(1.5 * W_ELEMS * item)}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_full_replication_communicates_nothing(dtype: str) -> None:
+    c = cost(SMALL, "R,R", dtype)
+    assert c.comm_bytes == {}
+    assert c.collective_s == 0.0 and c.ring_s == 0.0 and c.buffer_bytes == 0
+
+
+# P(2x2) moves, derived by hand from the DSIs (r = row, c = column, every index mod 2, delta = 1 at t = 1):
+#   Forward   (M, N, K) = (r, r+c+t, c)      Backward (r, r+c-1, c+t)      Gradient (r+t, r+c-1+delta, c-1+delta)
+#   I  = (M, N): F0 (r, r+c) -> F1 (r, r+c+1) moves; F1 -> G0 (r, r+c+1) stays; G0 -> G1 (r+1, r+c) moves.
+#   W  = (N, K): F0 (r+c, c) -> F1 (r+c+1, c) moves; F1 -> B0 stays; B0 -> B1 (r+c+1, c+1) moves;
+#                the return shift B1 -> F0 (r+c, c) moves.
+#   dO = (M, K): B0 (r, c) -> B1 (r, c+1) moves; B1 -> G0 (r, c+1) stays; G0 -> G1 (r+1, c) moves.
+#   dW = (N, K): G0 (r+c+1, c+1) -> G1 (r+c, c) moves (the partial sum).   O and dI stay put.
+P2_MOVES = Counter(
+    {("in0", F): 1, ("in1", F): 1, ("d_out0", Bk): 1, ("in1", Bk): 2, ("in0", G): 1, ("d_out0", G): 1, ("d_in1", G): 1}
+)
+# local blocks under P(2x2): M, N and K are each cut in two
+P2_BLOCK = {"in0": SB * (SM // 2) * (SN // 2), "in1": (SN // 2) * (SK // 2), "d_out0": SB * (SM // 2) * (SK // 2)}
+P2_BLOCK["d_in1"] = P2_BLOCK["in1"]
+
+
+def test_p2x2_ring_moves_match_the_hand_derivation_from_the_dsis() -> None:
+    part = OpPartition(SMALL, PartitionSeq.parse("P2x2"), MESH)
+    moved = Counter((tr.tensor, tr.src[0]) for tr in transfers(part))
+    assert moved == P2_MOVES
+    assert all(tr.moves == 4 for tr in transfers(part))  # for S = 2 every device receives in every shift
+
+
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_p2x2_sends_the_moving_blocks_point_to_point_and_needs_no_all_reduce(dtype: str, item: int) -> None:
+    # Forward: I + W; Backward: dO + 2 W; Gradient: I + dO + dW  (blocks of the local shapes above)
+    expected = sum(n * P2_BLOCK[name] * item for (name, _), n in P2_MOVES.items())
+    assert expected == (2 * 1024 + 3 * 512 + 2 * 2048 + 512) * item
+    assert cost(SMALL, "P2x2", dtype).comm_bytes == {"p2p": expected}
+
+
+# -------------------------------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+@pytest.mark.parametrize(
+    ("seq", "w_block", "i_block"),
+    [
+        ("B,N", (SN // 2) * SK, (SB // 2) * SM * (SN // 2)),
+        ("B,K", SN * (SK // 2), (SB // 2) * SM * SN),
+        ("N,K", (SN // 2) * (SK // 2), SB * SM * (SN // 2)),
+        ("R,R", W_ELEMS, I_ELEMS),
+        ("B,B", W_ELEMS, I_ELEMS // 4),
+    ],
+)
+def test_memory_is_weight_block_times_four_plus_the_stashed_input_block(
+    seq: str, w_block: int, i_block: int, dtype: str, item: int
+) -> None:
+    c = cost(SMALL, seq, dtype)
+    assert c.param_bytes == w_block * item
+    assert c.stash_bytes == i_block * item  # a linear keeps its (local) input for the Gradient phase
+    assert c.buffer_bytes == 0  # one step: nothing moves, no ring buffers
+    # weights + their gradients + two Adam moments, the stash, the buffers
+    assert c.memory_bytes(optimizer_states=2) == 4 * w_block * item + i_block * item
+    assert c.memory_bytes(optimizer_states=0) == 2 * w_block * item + i_block * item
+
+
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_p2x2_memory_adds_one_receive_buffer_per_moving_block_of_the_busiest_phase(dtype: str, item: int) -> None:
+    # the receive buffers of a phase: one per tensor that moves in it (P2_MOVES); phases run one after another,
+    # so the largest phase counts: Forward I + W = 1536, Backward dO + W = 2560, Gradient I + dO + dW = 3584
+    per_phase = {
+        phase: sum(P2_BLOCK[name] for name in {n for (n, ph) in P2_MOVES if ph is phase}) for phase in (F, Bk, G)
+    }
+    assert per_phase == {F: 1536, Bk: 2560, G: 3584}
+    c = cost(SMALL, "P2x2", dtype)
+    w_block, i_block, buffers = P2_BLOCK["in1"] * item, P2_BLOCK["in0"] * item, 3584 * item
+    assert (c.param_bytes, c.stash_bytes, c.buffer_bytes) == (w_block, i_block, buffers)
+    assert c.memory_bytes(2) == 4 * w_block + i_block + buffers
+    opts = CostOptions(dtype=dtype, alpha=1e-9)
+    assert c.objective(opts) == pytest.approx(c.time_s + 1e-9 * c.memory_bytes(2), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------- time of a large linear
+# B=8, S=2048 (M), 4096 -> 4096, fp16, on one v100-paper node of 4 devices
+LB, LM, LN, LK, ITEM = 8, 2048, 4096, 4096, 2
+LARGE = linear(LB, LM, LN, LK)
+FLOPS = 2 * LB * LM * LN * LK
+LARGE_I, LARGE_W, LARGE_O = LB * LM * LN * ITEM, LN * LK * ITEM, LB * LM * LK * ITEM  # bytes of the whole tensors
+LARGE_MESH = CLUSTER.mesh(4)
+
+
+def compute(flops: float, nbytes: float) -> float:
+    return CLUSTER.device.compute_time("matmul", flops, nbytes, "fp16")
+
+
+def test_the_large_linear_lives_on_one_node() -> None:
+    assert LARGE_MESH.digits == (2, 2)
+    assert CLUSTER.group_level(LARGE_MESH, (0, 1)) == 0
+
+
+def test_replicating_a_linear_costs_three_unpartitioned_phases_and_nothing_else() -> None:
+    c = cost(LARGE, "R,R", "fp16", LARGE_MESH)
+    # every phase reads/writes the three whole tensors and does 2 B M N K FLOPs (dI and dW cost a forward each)
+    phase = compute(FLOPS, LARGE_I + LARGE_W + LARGE_O)
+    assert c.phase_s == pytest.approx((phase, phase, phase), rel=1e-12)
+    assert c.time_s == pytest.approx(3 * phase, rel=1e-12)
+    assert c.collective_s == 0.0
+
+
+def test_every_partition_of_a_large_linear_obeys_the_bounds_of_eq_7_and_beats_replication() -> None:
+    # sum_t max(compute, ring) lies between sum_t compute and sum_t (compute + ring); collectives add on top.
+    # Splitting over 4 devices cuts compute by ~3 x 5.8 ms, more than the largest collective here (a 4-way
+    # all-reduce of a 134 MB activation, ~1.7 ms), so every partition beats replication.
+    replicated = cost(LARGE, "R,R", "fp16", LARGE_MESH).time_s
+    seqs = enumerate_sequences(LARGE, LARGE_MESH)
+    assert len(seqs) > 20
+    for seq in seqs:
+        c = cost(LARGE, str(seq), "fp16", LARGE_MESH)
+        low, high = c.compute_s + c.collective_s, c.compute_s + c.ring_s + c.collective_s
+        assert low * (1 - 1e-12) <= c.time_s <= high * (1 + 1e-12), seq
+        if str(seq) != "R,R":
+            assert c.time_s < replicated, seq
+
+
+def test_p2x2_hides_its_ring_and_beats_megatron_column_and_row_splits() -> None:
+    prime = cost(LARGE, "P2x2", "fp16", LARGE_MESH)
+    # per step: 1/8 of the FLOPs (M, N, K each halved), quarter blocks of I, W and O (or dO, W, dI / dO, I, dW)
+    step = compute(FLOPS / 8, (LARGE_I + LARGE_W + LARGE_O) / 4)
+    shift = {name: CLUSTER.shift_time(nbytes / 4, [1, 0, 3, 2]) for name, nbytes in (("I", LARGE_I), ("W", LARGE_W))}
+    shift["O"] = CLUSTER.shift_time(LARGE_O / 4, [1, 0, 3, 2])
+    # rings per step (P2_MOVES): F0 I+W, B0 dO+W, B1 W (return), G0 I+dO+dW; nothing at F1 and G1
+    rings = [shift["I"] + shift["W"], shift["O"] + shift["W"], shift["W"], shift["I"] + shift["O"] + shift["W"]]
+    assert max(rings) < step  # every ring hides behind its step's compute
+    assert prime.ring_s == pytest.approx(sum(rings), rel=1e-12)
+    assert prime.time_s == pytest.approx(6 * step, rel=1e-12)
+    assert prime.collective_s == 0.0
+
+    # Megatron column parallel "K,K": a quarter of the FLOPs, the whole I, and a 4-way all-reduce of dI in Backward
+    column = cost(LARGE, "K,K", "fp16", LARGE_MESH)
+    col_phase = compute(FLOPS / 4, LARGE_I + (LARGE_W + LARGE_O) / 4)
+    col_reduce = CLUSTER.collective_time("all-reduce", LARGE_I, LARGE_MESH, (0, 1))
+    assert column.time_s == pytest.approx(3 * col_phase + col_reduce, rel=1e-12)
+    # row parallel "N,N": a quarter of I and W, the whole O, and a 4-way all-reduce of O in Forward
+    row = cost(LARGE, "N,N", "fp16", LARGE_MESH)
+    row_phase = compute(FLOPS / 4, LARGE_O + (LARGE_I + LARGE_W) / 4)
+    row_reduce = CLUSTER.collective_time("all-reduce", LARGE_O, LARGE_MESH, (0, 1))
+    assert row.time_s == pytest.approx(3 * row_phase + row_reduce, rel=1e-12)
+
+    assert prime.time_s < column.time_s and prime.time_s < row.time_s
+    # and it beats data parallelism, whose 4-way all-reduce of dW is not hidden
+    data = cost(LARGE, "B,B", "fp16", LARGE_MESH)
+    assert data.collective_s == pytest.approx(CLUSTER.collective_time("all-reduce", LARGE_W, LARGE_MESH, (0, 1)))
+    assert prime.time_s < data.time_s
+
+
+# --------------------------------------------------------------------------------------------------------- edges
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_edge_cost_is_the_redistribution_bytes_priced_as_an_all_to_all(dtype: str, item: int) -> None:
+    first, second = linear(SB, SM, SN, SK), linear(SB, SM, SK, SN)  # first's O[B,M,K] is second's I[B,M,N=K]
+    producers = [OpPartition(first, s, MESH) for s in enumerate_sequences(first, MESH)]
+    consumers = [OpPartition(second, s, MESH) for s in enumerate_sequences(second, MESH)]
+    fwd, bwd = redistribution_matrix(producers, 0, consumers, 0, NO_VALUES)
+    seconds, nbytes = edge_cost_matrix(producers, 0, consumers, 0, CLUSTER, NO_VALUES, CostOptions(dtype=dtype))
+
+    np.testing.assert_array_equal(nbytes, (fwd + bwd) * item)
+    moving = (fwd + bwd) > 0
+    assert moving.any() and (~moving).any()
+    assert (seconds[~moving] == 0.0).all()
+    assert (seconds[moving] > 0.0).all()
+    # four devices share one node: each direction with traffic is one intra-node all-to-all of the 4 devices
+    # carrying the mean per-device bytes
+    a2a = np.vectorize(lambda elems: CLUSTER.collective_time("all-to-all", elems * item / 4, MESH, (0, 1)))
+    expected = np.where(fwd > 0, a2a(fwd), 0.0) + np.where(bwd > 0, a2a(bwd), 0.0)
+    np.testing.assert_allclose(seconds, expected, rtol=1e-9, atol=0.0)
+
+    names = [str(p.seq) for p in producers], [str(c.seq) for c in consumers]
+    same = names[0].index("B,B"), names[1].index("B,B")
+    assert nbytes[same] == 0  # batch-split output feeds a batch-split input in place
+    # Megatron's column -> row pair (K,K then N,N) keeps the split features in place too
+    assert nbytes[names[0].index("K,K"), names[1].index("N,N")] == 0
+    # replicated output to a batch split: nothing moves forward (each device slices its own rows), but each
+    # device lacks 3/4 of the replicated gradient the producer needs: 4 devices x 3/4 of dO
+    rep = names[0].index("R,R"), names[1].index("B,B")
+    assert fwd[rep] == 0 and bwd[rep] == 4 * (3 * O_ELEMS // 4)
+    assert nbytes[rep] == 3 * O_ELEMS * item
+
+
+def test_edge_cost_prices_traffic_inside_a_node_when_every_device_finds_its_data_there() -> None:
+    # eight devices on two v100-paper nodes: digit 0 picks the node
+    mesh = CLUSTER.mesh(8)
+    assert mesh.digits == (2, 2, 2) and CLUSTER.group_level(mesh, (0,)) == 1
+    first, second = linear(SB, SM, SN, SK), linear(SB, SM, SK, SN)
+    producer = [OpPartition(first, PartitionSeq.parse("B,R,R"), mesh)]  # each node holds its half of the batch
+    consumers = [OpPartition(second, PartitionSeq.parse(s), mesh) for s in ("B,B,B", "R,B,B")]
+    seconds, nbytes = edge_cost_matrix(producer, 0, consumers, 0, CLUSTER, NO_VALUES, CostOptions())
+    intra, inter = CLUSTER.levels
+
+    def a2a(level, group: int, elems: int) -> float:  # mean bytes per device over all 8
+        return level.collective_time("all-to-all", group, elems * 4 / 8)
+
+    # "B,B,B" needs an eighth of the node's half: nothing moves forward. Backward the producer needs its node's
+    # half of dO on each device and holds an eighth: 8 devices x 3/8 of dO, all found on the node.
+    assert nbytes[0, 0] == 3 * O_ELEMS * 4
+    assert seconds[0, 0] == pytest.approx(a2a(intra, 4, 3 * O_ELEMS), rel=1e-12)
+    # "R,B,B" splits the batch in four inside each node: the devices whose quarter lies in the other node's
+    # half lack it (4 x 1/4 of O) and must fetch it across nodes. Backward each node holds all four quarters of
+    # dI, so the producer's 3 O of missing elements (4 x 1/4 + 4 x 1/2) stay inside the node.
+    assert nbytes[0, 1] == (O_ELEMS + 3 * O_ELEMS) * 4
+    expected = a2a(inter, 8, O_ELEMS) + a2a(intra, 4, 3 * O_ELEMS)
+    assert seconds[0, 1] == pytest.approx(expected, rel=1e-12)
