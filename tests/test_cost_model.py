@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import sympy
+from opdims import linear_dims as linear
 
 from primepar_fx.cost.cluster import load_cluster, ring_factors
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
@@ -26,21 +27,6 @@ NO_VALUES: dict[sympy.Symbol, int] = {}
 # the small linear: B=8, M=16, N=32, K=64
 SB, SM, SN, SK = 8, 16, 32, 64
 I_ELEMS, W_ELEMS, O_ELEMS = SB * SM * SN, SN * SK, SB * SM * SK  # 4096, 2048, 8192
-
-
-def linear(b: int, m: int, n: int, k: int) -> OpDims:
-    """``O[B,M,K] = I[B,M,N] . W[N,K]`` with W a parameter and ``2 B M N K`` forward FLOPs."""
-    return OpDims(
-        "matmul",
-        ("B", "M", "N", "K"),
-        tuple(sympy.Integer(v) for v in (b, m, n, k)),
-        inputs=((("B",), ("M",), ("N",)), (("N",), ("K",))),
-        outputs=((("B",), ("M",), ("K",)),),
-        matmul=("M", "N", "K"),
-        matmul_operands=(0, 1),
-        flops=sympy.Integer(2 * b * m * n * k),
-        weights=frozenset({1}),
-    )
 
 
 def cost(op: OpDims, seq: str, dtype: str = "fp32", mesh: DeviceMesh = MESH) -> NodeCost:

@@ -15,6 +15,7 @@ import pytest
 import sympy
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from opdims import biased_linear_dims, linear_dims
 
 from primepar_fx.partition import (
     DeviceMesh,
@@ -34,34 +35,6 @@ from primepar_fx.partition import (
 from primepar_fx.rules.spec import OpDims
 
 F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
-
-
-def linear_dims(b: int, m: int, n: int, k: int) -> OpDims:
-    return OpDims(
-        "matmul",
-        ("B", "M", "N", "K"),
-        tuple(sympy.Integer(v) for v in (b, m, n, k)),
-        inputs=((("B",), ("M",), ("N",)), (("N",), ("K",))),
-        outputs=((("B",), ("M",), ("K",)),),
-        matmul=("M", "N", "K"),
-        matmul_operands=(0, 1),
-        weights=frozenset({1}),
-    )
-
-
-def biased_linear_dims(b: int, m: int, n: int, k: int) -> OpDims:
-    """The linear with a bias input ``[K]`` (input 2), both weights parameters."""
-    op = linear_dims(b, m, n, k)
-    return OpDims(
-        "matmul",
-        op.dims,
-        op.sizes,
-        inputs=(*op.inputs, (("K",),)),
-        outputs=op.outputs,
-        matmul=op.matmul,
-        matmul_operands=op.matmul_operands,
-        weights=frozenset({1, 2}),
-    )
 
 
 def block(full: np.ndarray, tslice) -> np.ndarray:

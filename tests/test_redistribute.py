@@ -14,6 +14,7 @@ import pytest
 import sympy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from opdims import linear_dims as linear
 
 from primepar_fx.cost.redistribute import (
     Redistribution,
@@ -28,20 +29,6 @@ from primepar_fx.shapes import B, S
 
 F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
 Size = int | sympy.Expr
-
-
-def linear(b: Size, m: Size, n: Size, k: Size) -> OpDims:
-    """``O[B,M,K] = I[B,M,N] . W[N,K]`` with W a parameter."""
-    return OpDims(
-        "matmul",
-        ("B", "M", "N", "K"),
-        tuple(sympy.sympify(v) for v in (b, m, n, k)),
-        inputs=((("B",), ("M",), ("N",)), (("N",), ("K",))),
-        outputs=((("B",), ("M",), ("K",)),),
-        matmul=("M", "N", "K"),
-        matmul_operands=(0, 1),
-        weights=frozenset({1}),
-    )
 
 
 def pointwise(dims: dict[str, Size], tmap: TensorMap, kind: str = "pointwise", out: TensorMap | None = None) -> OpDims:
