@@ -9,6 +9,11 @@ comparison is like for like:
 * ``data_parallel``: the batch split over every digit.
 * ``split_only``: our own search with P(S x S) left out (the space Alpa and GSPMD-style planners search).
 
+:func:`forced_plan` builds a full :class:`~primepar_fx.plan.Plan` without the free search, to run or compare a
+named strategy: ``"megatron"`` (the configuration :func:`price_baselines` picks), ``"data_parallel"``,
+``"prime"`` (P(S x S) on every node where it is legal, the rest searched) or ``"random:SEED"`` (a seeded,
+uniformly random legal sequence per node).
+
 Whole-plan figures (:func:`summarize`): the step time is the sum of node times (Eq. 7) and edge times (Eq. 8-9);
 the peak memory per device is every node's parameter state and stashed activations (all live at the end of
 Forward) plus the largest ring double buffer (only one ring runs at a time); the communication is the bytes one
@@ -18,8 +23,10 @@ device sends per step (collectives and ring shifts, plus the mean per-device red
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 
@@ -28,7 +35,7 @@ from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.cost.costgraph import PricedGraph, price_graph
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
-from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.search import solve
 from primepar_fx.shapes import B, S
@@ -82,6 +89,30 @@ def _price_fixed(
     return summarize(graph, priced, {n: 0 for n in graph.nodes}, opts)
 
 
+def _best_megatron(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+) -> tuple[dict[str, Any], Summary, dict[str, PartitionSeq]]:
+    """The fastest Megatron configuration (that fits ``memory_budget``, if any does): config, summary, assignment."""
+    priced = []
+    for cfg in megatron_configs(mesh):
+        assignment = megatron_assignment(graph, mesh, values=values, **cfg)
+        summary = _price_fixed(graph, assignment, mesh, cluster, values, opts)
+        pred = summary.predicted
+        log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
+        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
+        priced.append((not fits, pred.step_time_s, len(priced), cfg, summary, assignment))
+    unfit, _, _, cfg, summary, assignment = min(priced, key=lambda row: row[:3])
+    config = {**cfg, "name": config_name(cfg)}
+    if memory_budget is not None:
+        config["fits_budget"] = not unfit
+    return config, summary, assignment
+
+
 def price_baselines(
     graph: OpGraph,
     mesh: DeviceMesh,
@@ -96,18 +127,7 @@ def price_baselines(
     marked ``"fits_budget": false``, when none does).
     """
     out: dict[str, Baseline] = {}
-    priced = []
-    for cfg in megatron_configs(mesh):
-        assignment = megatron_assignment(graph, mesh, values=values, **cfg)
-        summary = _price_fixed(graph, assignment, mesh, cluster, values, opts)
-        pred = summary.predicted
-        log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
-        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
-        priced.append((not fits, pred.step_time_s, len(priced), cfg, summary, assignment))
-    unfit, _, _, cfg, summary, assignment = min(priced, key=lambda row: row[:3])
-    config = {**cfg, "name": config_name(cfg)}
-    if memory_budget is not None:
-        config["fits_budget"] = not unfit
+    config, summary, assignment = _best_megatron(graph, mesh, cluster, values, opts, memory_budget)
     out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
     dp = data_parallel_assignment(graph, mesh, values=values)
     summary = _price_fixed(graph, dp, mesh, cluster, values, opts)
@@ -115,6 +135,44 @@ def price_baselines(
         "data_parallel", {"dp": mesh.size}, summary.predicted, {n: str(s) for n, s in dp.items()}
     )
     return out
+
+
+def _setup(
+    cluster: ClusterSpec | str, world_size: int, digits: tuple[int, ...] | None
+) -> tuple[ClusterSpec, DeviceMesh]:
+    spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    mesh = DeviceMesh(digits) if digits else spec.mesh(world_size)
+    if mesh.size != world_size:
+        raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not --world-size {world_size}")
+    return spec, mesh
+
+
+def _make_plan(
+    graph: OpGraph,
+    spec: ClusterSpec,
+    mesh: DeviceMesh,
+    summary: Summary,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str,
+    baselines: dict[str, Baseline],
+    search: dict[str, Any],
+) -> Plan:
+    return Plan(
+        model=graph.name,
+        model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
+        world_size=mesh.size,
+        digits=mesh.digits,
+        cluster=spec.name,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        nodes=summary.nodes,
+        predicted=summary.predicted,
+        baselines=baselines,
+        search=search,
+    )
 
 
 def plan_graph(
@@ -134,10 +192,7 @@ def plan_graph(
     canonical: bool = False,
 ) -> Plan:
     """Search the cheapest plan for ``graph`` and compare it with the baselines (module docstring)."""
-    spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    mesh = DeviceMesh(digits) if digits else spec.mesh(world_size)
-    if mesh.size != world_size:
-        raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not --world-size {world_size}")
+    spec, mesh = _setup(cluster, world_size, digits)
     values = {B: batch, S: seq}
     opts = CostOptions(dtype=dtype, alpha=alpha)
     t0 = time.perf_counter()
@@ -155,17 +210,14 @@ def plan_graph(
             base["split_only"] = Baseline(
                 "split_only", {"search": "no P(S x S)"}, split.predicted, {n.name: n.partition for n in split.nodes}
             )
-    return Plan(
-        model=graph.name,
-        model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
-        world_size=world_size,
-        digits=mesh.digits,
-        cluster=spec.name,
+    return _make_plan(
+        graph,
+        spec,
+        mesh,
+        ours,
         batch=batch,
         seq=seq,
         dtype=dtype,
-        nodes=ours.nodes,
-        predicted=ours.predicted,
         baselines=base,
         search={
             "method": sol.method,
@@ -179,3 +231,76 @@ def plan_graph(
             "canonical": canonical,
         },
     )
+
+
+FORCED_NAMES = ("megatron", "data_parallel", "prime", "random:SEED")
+
+
+def _forced_seed(name: Any) -> int | None:
+    """``None`` for a fixed name of :data:`FORCED_NAMES`, the seed of ``"random:SEED"``; raises on anything else."""
+    if name in FORCED_NAMES[:3]:
+        return None
+    if isinstance(name, str) and name.startswith("random:"):
+        text = name.removeprefix("random:")
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"forced plan {name!r}: seed {text!r} is not an integer (e.g. 'random:3')") from None
+    raise ValueError(f"unknown forced plan {name!r}; expected one of {list(FORCED_NAMES)} (SEED an integer)")
+
+
+def _prime_only(seqs: list[PartitionSeq]) -> list[PartitionSeq]:
+    """The sequences that use P(S x S), or all of them where none does."""
+    return [s for s in seqs if s.prime is not None] or seqs
+
+
+def _random_assignment(
+    graph: OpGraph, mesh: DeviceMesh, values: dict[sympy.Symbol, int], seed: int
+) -> dict[str, PartitionSeq]:
+    """A uniformly random legal sequence per node (constants included), drawn in graph order from ``seed``."""
+    rng = random.Random(seed)
+    return {
+        name: rng.choice(enumerate_sequences(node.dims, mesh, values=values, allow_prime=True))
+        for name, node in graph.nodes.items()
+    }
+
+
+def forced_plan(
+    graph: OpGraph,
+    name: str,
+    *,
+    world_size: int,
+    cluster: ClusterSpec | str = "cpu-gloo",
+    batch: int,
+    seq: int,
+    dtype: str = "fp32",
+    memory_budget: float | None = None,
+    digits: tuple[int, ...] | None = None,
+) -> Plan:
+    """A full :class:`Plan` that follows the named strategy instead of the free search (module docstring).
+
+    ``name`` is one of :data:`FORCED_NAMES`. ``memory_budget`` picks the Megatron configuration
+    (:func:`price_baselines`' rule) and bounds the ``"prime"`` search; the fixed strategies ignore it. The plan
+    has no baselines; ``search["forced"]`` names the strategy.
+    """
+    seed = _forced_seed(name)
+    spec, mesh = _setup(cluster, world_size, digits)
+    values = {B: batch, S: seq}
+    opts = CostOptions(dtype=dtype)
+    search: dict[str, Any] = {"forced": name, "memory_budget": memory_budget}
+    t0 = time.perf_counter()
+    if name == "megatron":
+        search["config"], summary, _ = _best_megatron(graph, mesh, spec, values, opts, memory_budget)
+    elif name == "data_parallel":
+        summary = _price_fixed(graph, data_parallel_assignment(graph, mesh, values=values), mesh, spec, values, opts)
+    elif name == "prime":
+        priced = price_graph(graph, mesh, spec, values, opts, restrict=lambda _, seqs: _prime_only(seqs))
+        sol = solve(priced.cost_graph, memory_budget=memory_budget, method="dp")
+        summary = summarize(graph, priced, sol.choice, opts)
+        search.update(method=sol.method, proven_optimal=sol.proven_optimal, objective=sol.cost)
+    else:
+        assert seed is not None
+        summary = _price_fixed(graph, _random_assignment(graph, mesh, values, seed), mesh, spec, values, opts)
+        search["seed"] = seed
+    search["seconds"] = round(time.perf_counter() - t0, 4)
+    return _make_plan(graph, spec, mesh, summary, batch=batch, seq=seq, dtype=dtype, baselines={}, search=search)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,7 @@ def price_graph(
     fixed: dict[str, PartitionSeq] | None = None,
     canonical: bool = False,
     replicate_constants: bool = True,
+    restrict: Callable[[str, list[PartitionSeq]], list[PartitionSeq]] | None = None,
 ) -> PricedGraph:
     """Build the :class:`CostGraph`; ``fixed`` pins some nodes to one sequence (used to price baselines).
 
@@ -68,23 +70,31 @@ def price_graph(
     shifted labels) replicated instead of searching their partitions: their compute is negligible, a replicated
     producer feeds any consumer layout without traffic, and they take no gradient. It keeps these nodes, which
     feed every layer, from entangling the layers in the DP.
+
+    ``restrict(name, seqs)`` narrows the enumerated sequences of each searched node (not the ``fixed`` or
+    replicated constant ones) to the ones it returns, e.g. to force P(S x S) wherever it is legal.
     """
     start = time.perf_counter()
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
     strategies: dict[str, list[PartitionSeq]] = {}
     costs: dict[str, list[NodeCost]] = {}
     node_cache: dict[tuple, tuple[list[PartitionSeq], list[NodeCost]]] = {}
+    legal: dict[tuple, list[PartitionSeq]] = {}
     for name, node in graph.nodes.items():
-        key = (node_key(node), node.requires_grad, None if fixed is None else str(fixed.get(name)))
+        if fixed is not None and name in fixed:
+            seqs = [fixed[name]]
+        elif replicate_constants and not node.requires_grad:
+            seqs = [PartitionSeq(tuple(Replicate() for _ in mesh.digits))]
+        else:
+            if node_key(node) not in legal:
+                legal[node_key(node)] = enumerate_sequences(
+                    node.dims, mesh, values=values, allow_prime=allow_prime, levels=levels
+                )
+            seqs = legal[node_key(node)] if restrict is None else restrict(name, legal[node_key(node)])
+        if not seqs:
+            raise ValueError(f"node {name} ({node.op}) has no legal partition on device digits {mesh.digits}")
+        key = (node_key(node), tuple(seqs))
         if key not in node_cache:
-            if fixed is not None and name in fixed:
-                seqs = [fixed[name]]
-            elif replicate_constants and not node.requires_grad:
-                seqs = [PartitionSeq(tuple(Replicate() for _ in mesh.digits))]
-            else:
-                seqs = enumerate_sequences(node.dims, mesh, values=values, allow_prime=allow_prime, levels=levels)
-            if not seqs:
-                raise ValueError(f"node {name} ({node.op}) has no legal partition on device digits {mesh.digits}")
             parts = [node_cost(OpPartition(node.dims, s, mesh), node.target, cluster, values, opts) for s in seqs]
             node_cache[key] = (seqs, parts)
         strategies[name], costs[name] = node_cache[key]
