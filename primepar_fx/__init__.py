@@ -6,6 +6,7 @@ Pipeline: capture (torch.export) -> symbolic shapes (B, S) -> op dimension rules
 
 from primepar_fx.api import analyze, plan
 from primepar_fx.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.compile import PrimeParModule, compile, gather_grads, gather_state_dict, load_state_dict
 from primepar_fx.graph import OpGraph, OpNode, build_graph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
 from primepar_fx.plan import Plan
@@ -23,10 +24,15 @@ __all__ = [
     "PartitionSeq",
     "Plan",
     "Prime",
+    "PrimeParModule",
     "Replicate",
     "ShapeSpecializationError",
     "Split",
     "analyze",
+    "compile",
+    "gather_grads",
+    "gather_state_dict",
+    "load_state_dict",
     "plan",
     "build_graph",
     "capture",

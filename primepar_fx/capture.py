@@ -81,6 +81,23 @@ class Captured:
 
 
 # ------------------------------------------------------------------------------------------------ capture
+def _unalias(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Copies of example tensors passed twice (``labels=input_ids``).
+
+    Export deduplicates an input passed under two names into one placeholder, which would bake the aliasing into
+    the graph: a later call with different ``labels`` would be read from ``input_ids``.
+    """
+    seen: set[int] = set()
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in seen:
+            return t.clone()
+        seen.add(id(t))
+        return t
+
+    return pytree.tree_map_only(torch.Tensor, fresh, (args, kwargs))
+
+
 def capture(
     model: nn.Module,
     example_args: tuple[Any, ...] = (),
@@ -110,6 +127,7 @@ def capture(
     model_name = name or _model_name(model)
     if _on_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    args, kwargs = _unalias(args, kwargs)
     batch, seq = _example_sizes(args, kwargs, batch_dim, seq_dim)
     if seq_max is None:
         seq_max = _config_seq_max(model)

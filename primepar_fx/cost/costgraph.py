@@ -48,6 +48,20 @@ def out_index(consumer: OpNode) -> int:
     return int(consumer.dims.extra.get("selects", 0))
 
 
+def shared_parameters(graph: OpGraph) -> list[tuple[str, int, str, int]]:
+    """``(u, k_u, v, k_v)`` for every parameter that several nodes read: ``u`` is its first reader (it stores the
+    parameter in its own layout, input ``k_u``) and ``v`` a later one (input ``k_v``). Tied embeddings are this."""
+    out = []
+    params = graph.captured.params
+    for ph in graph.captured.gm.graph.nodes:
+        if ph.op != "placeholder" or ph.name not in params:
+            continue
+        readers = [n for n in ph.users if n.name in graph.nodes]
+        for v in readers[1:]:
+            out.append((readers[0].name, readers[0].all_input_nodes.index(ph), v.name, v.all_input_nodes.index(ph)))
+    return out
+
+
 def price_graph(
     graph: OpGraph,
     mesh: DeviceMesh,
@@ -111,6 +125,13 @@ def price_graph(
             consumers = [OpPartition(pv.dims, s, mesh) for s in strategies[v]]
             edge_cache[key] = edge_cost_matrix(producers, k_out, consumers, k_in, cluster, values, opts)
         edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
+    for u, k_u, v, k_v in shared_parameters(graph):
+        producers = [OpPartition(graph.nodes[u].dims, s, mesh) for s in strategies[u]]
+        consumers = [OpPartition(graph.nodes[v].dims, s, mesh) for s in strategies[v]]
+        sec, nbytes = edge_cost_matrix(producers, k_u, consumers, k_v, cluster, values, opts, shared=True)
+        if (u, v) in edge_cost:
+            sec, nbytes = sec + edge_cost[(u, v)], nbytes + edge_bytes[(u, v)]
+        edge_cost[(u, v)], edge_bytes[(u, v)] = sec, nbytes
     cg = CostGraph(
         nodes=tuple(graph.nodes),
         node_cost={n: np.array([c.time_s for c in cs]) for n, cs in costs.items()},

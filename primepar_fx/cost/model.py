@@ -178,7 +178,7 @@ def node_cost(
         phase_s.append(total)
     coll_s = 0.0
     for c in collectives(part):
-        block = _block_bytes(part, _tmap(op, c.tensor), values, item)
+        block = c.count * _block_bytes(part, c.block if c.block is not None else _tmap(op, c.tensor), values, item)
         coll_s += cluster.collective_time(c.kind, block, part.mesh, c.digits)
         bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
         comm[c.kind] = comm.get(c.kind, 0) + int(round(bus * block))
@@ -211,21 +211,24 @@ def edge_cost_matrix(
     cluster: ClusterSpec,
     values: dict[sympy.Symbol, int],
     opts: CostOptions,
+    shared: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(seconds, bytes)`` of Eq. 8-9 redistribution for every (producer, consumer) partition pair.
+
+    ``shared``: a parameter both nodes read (see :func:`~primepar_fx.cost.redistribute.redistribution_matrix`).
 
     ``bytes`` is the Forward plus Backward traffic summed over devices. Each direction's mean per-device traffic
     is priced as an all-to-all: inside a node (over the node's devices) when every device finds what it needs on
     its own node, else across the whole mesh at the inter-node level.
     """
-    fwd, bwd = redistribution_matrix(producers, out_index, consumers, in_index, values)
+    fwd, bwd = redistribution_matrix(producers, out_index, consumers, in_index, values, shared)
     mesh = producers[0].mesh
     world = mesh.size
     total = (fwd + bwd) * opts.itemsize
     if world == 1:
         return np.zeros(total.shape), total
     per_node = min(world, cluster.devices_per_node)
-    local_f, local_b = redistribution_locality(producers, out_index, consumers, in_index, values, per_node)
+    local_f, local_b = redistribution_locality(producers, out_index, consumers, in_index, values, per_node, shared)
     seconds = np.zeros(total.shape)
     for direction, local in ((fwd, local_f), (bwd, local_b)):
         per_device = direction * (opts.itemsize / world)

@@ -51,6 +51,7 @@ from types import MappingProxyType
 import numpy as np
 import sympy
 
+from primepar_fx.partition.comm import gradient_phase_inputs
 from primepar_fx.partition.dsi import OpPartition, PartitionError, Phase
 from primepar_fx.partition.mesh import DeviceMesh
 from primepar_fx.partition.seq import PartitionSeq
@@ -219,7 +220,7 @@ def backward_held(consumer: OpPartition, in_index: int) -> EdgeUse | None:
     """The consumer holds ``d_in_k`` at the last step of Backward (Gradient for a parameter); ``None`` if no_grad."""
     if in_index in consumer.op.no_grad:
         return None
-    phase = Phase.GRADIENT if in_index in consumer.op.weights else Phase.BACKWARD
+    phase = Phase.GRADIENT if in_index in gradient_phase_inputs(consumer.op) else Phase.BACKWARD
     return EdgeUse(part_key(consumer), _in_map(consumer, in_index), phase, consumer.steps - 1)
 
 
@@ -228,11 +229,23 @@ def backward_needed(producer: OpPartition, out_index: int) -> EdgeUse:
     return EdgeUse(part_key(producer), _out_map(producer, out_index), Phase.BACKWARD, 0)
 
 
-def check_edge(producer: OpPartition, out_index: int, consumer: OpPartition, in_index: int, vkey: ValuesKey) -> None:
+def _source_held(producer: OpPartition, index: int, shared: bool) -> EdgeUse:
+    """What the source side holds: its output, or (``shared``) its Forward-start block of a parameter input."""
+    return forward_needed(producer, index) if shared else forward_held(producer, index)
+
+
+def _source_grad_needed(producer: OpPartition, index: int, shared: bool) -> EdgeUse:
+    """Where the source side needs the gradient: its ``d_out``, or a shared parameter's storage layout."""
+    return forward_needed(producer, index) if shared else backward_needed(producer, index)
+
+
+def check_edge(
+    producer: OpPartition, out_index: int, consumer: OpPartition, in_index: int, vkey: ValuesKey, shared: bool = False
+) -> None:
     """Raise ``ValueError`` unless both sides use one mesh and describe the same tensor shape at ``values``."""
     if producer.mesh != consumer.mesh:
         raise ValueError(f"producer mesh {producer.mesh.digits} differs from consumer mesh {consumer.mesh.digits}")
-    a = dim_sizes(producer.op, _out_map(producer, out_index), vkey)
+    a = dim_sizes(producer.op, _in_map(producer, out_index) if shared else _out_map(producer, out_index), vkey)
     b = dim_sizes(consumer.op, _in_map(consumer, in_index), vkey)
     if a != b:
         raise ValueError(f"producer output {out_index} has shape {a} but consumer input {in_index} has shape {b}")
@@ -379,12 +392,13 @@ def redistribution_locality(
     in_index: int,
     values: Mapping[sympy.Symbol, int],
     devices_per_node: int,
+    shared: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(fwd, bwd)`` boolean matrices: whether the redistribution of each pair stays inside every node."""
     vkey = values_key(values)
     node_of = [k // devices_per_node for k in range(producers[0].mesh.size)]
     fwd = node_local_matrix(
-        [forward_held(p, out_index).layout(vkey) for p in producers],
+        [_source_held(p, out_index, shared).layout(vkey) for p in producers],
         [forward_needed(c, in_index).layout(vkey) for c in consumers],
         node_of,
     )
@@ -393,7 +407,7 @@ def redistribution_locality(
         return fwd, np.ones_like(fwd)
     bwd = node_local_matrix(
         [g.layout(vkey) for g in grads if g is not None],
-        [backward_needed(p, out_index).layout(vkey) for p in producers],
+        [_source_grad_needed(p, out_index, shared).layout(vkey) for p in producers],
         node_of,
     )
     return fwd, np.ascontiguousarray(bwd.T)
@@ -405,29 +419,34 @@ def redistribution_matrix(
     consumers: Sequence[OpPartition],
     in_index: int,
     values: Mapping[sympy.Symbol, int],
+    shared: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(fwd, bwd)``: int64 arrays of shape ``(len(producers), len(consumers))`` of Eq. 9 traffic in elements.
 
     ``fwd[i, j]`` and ``bwd[i, j]`` equal ``redistribution(producers[i], ..., consumers[j], ...)``'s
     ``forward_elems`` and ``backward_elems``. All strategies of one side must share one op and one mesh.
+
+    ``shared``: the "edge" is a parameter read by two nodes (tied embeddings). The first reader stores it in its
+    Forward-start layout (its input ``out_index``); the other reader fetches its own block from there, and its
+    gradient goes back to that storage layout.
     """
     if not producers or not consumers:
         empty = np.zeros((len(producers), len(consumers)), np.int64)
         return empty, empty.copy()
     vkey = values_key(values)
-    check_edge(producers[0], out_index, consumers[0], in_index, vkey)
+    check_edge(producers[0], out_index, consumers[0], in_index, vkey, shared)
     for side in (producers, consumers):
         if len({(p.op, p.mesh) for p in side}) > 1:
             raise ValueError("all strategies of one side of an edge must share one op and one mesh")
     fwd = traffic_matrix(
-        [forward_held(p, out_index).layout(vkey) for p in producers],
+        [_source_held(p, out_index, shared).layout(vkey) for p in producers],
         [forward_needed(c, in_index).layout(vkey) for c in consumers],
     )
     grads = [backward_held(c, in_index) for c in consumers]
     if any(g is None for g in grads):
         return fwd, np.zeros_like(fwd)
     g_held = [g.layout(vkey) for g in grads if g is not None]
-    g_needed = [backward_needed(p, out_index).layout(vkey) for p in producers]
+    g_needed = [_source_grad_needed(p, out_index, shared).layout(vkey) for p in producers]
     return fwd, np.ascontiguousarray(traffic_matrix(g_held, g_needed).T)
 
 

@@ -27,6 +27,14 @@ class PhaseTensor:
     result: bool
 
 
+def gradient_phase_inputs(op: OpDims) -> frozenset[int]:
+    """Inputs whose gradient the Gradient phase produces: the parameters, and a matrix product's W operand
+    even when it is an activation (attention's ``K^T``, ``V``): Eq. 1 computes ``dW`` from ``I`` and ``dO``."""
+    if op.matmul_operands is not None:
+        return op.weights | {op.matmul_operands[1]}
+    return op.weights
+
+
 def phase_tensors(op: OpDims) -> dict[Phase, tuple[PhaseTensor, ...]]:
     """The tensors each phase reads and produces.
 
@@ -47,8 +55,9 @@ def phase_tensors(op: OpDims) -> dict[Phase, tuple[PhaseTensor, ...]]:
         grad_read = [PhaseTensor(f"in{i_idx}", op.inputs[i_idx], False)]  # type: ignore[arg-type]
     else:
         bwd_read = grad_read = [PhaseTensor(f"in{k}", m, False) for k, m in ins]
-    bwd = d_out + bwd_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k not in op.weights]
-    grd = d_out + grad_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k in op.weights]
+    late = gradient_phase_inputs(op)
+    bwd = d_out + bwd_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k not in late]
+    grd = d_out + grad_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k in late]
     return {Phase.FORWARD: tuple(fwd), Phase.BACKWARD: tuple(bwd), Phase.GRADIENT: tuple(grd)}
 
 
@@ -100,17 +109,24 @@ def _slices_at(part: OpPartition, tmap: TensorMap, use: Use) -> dict[int, Tensor
     return {k: part.tensor_slice(use[0], tmap, c, use[1]) for k, c in enumerate(part.mesh.devices())}
 
 
+def shift_senders(part: OpPartition, tmap: TensorMap, src: Use, dst: Use) -> tuple[int, ...]:
+    """For every rank, the rank it receives its ``dst`` slice of a tensor from, given the ``src`` layout."""
+    have, want = _slices_at(part, tmap, src), _slices_at(part, tmap, dst)
+    return tuple(_holder(part, have, want[k], k) for k in range(part.mesh.size))
+
+
 def transfers(part: OpPartition) -> list[Transfer]:
     """Every point-to-point shift the partition needs, derived from consecutive uses of each tensor."""
     out: list[Transfer] = []
     weights = {f"in{k}" for k in part.op.weights} | {f"d_in{k}" for k in part.op.weights}
     for name, (tmap, uses) in tensor_uses(part).items():
+        if _is_bias(part.op, name):
+            continue  # a bias gradient is summed from d_out once, after the ring (see collectives)
         pairs = list(zip(uses, uses[1:]))
         if name in weights and name.startswith("in"):
             pairs.append((uses[-1], uses[0]))  # a parameter returns to its Forward-start layout
         for src, dst in pairs:
-            have, want = _slices_at(part, tmap, src), _slices_at(part, tmap, dst)
-            senders = tuple(_holder(part, have, want[k], k) for k in range(part.mesh.size))
+            senders = shift_senders(part, tmap, src, dst)
             if any(s != k for k, s in enumerate(senders)):
                 out.append(Transfer(name, src, dst, senders, wrap=(dst == uses[0] and src == uses[-1])))
     return out
@@ -118,13 +134,25 @@ def transfers(part: OpPartition) -> list[Transfer]:
 
 @dataclass(frozen=True, slots=True)
 class Collective:
-    """An all-reduce of a phase's result over the devices that differ only in ``digits``."""
+    """An all-reduce of a phase's result over the devices that differ only in ``digits``.
+
+    ``count`` blocks of ``block`` are reduced (``block=None``: the result tensor's own map). A statistics
+    all-reduce reduces per-row statistics (the result's rows with the statistics dims collapsed), not the result.
+    """
 
     phase: Phase
     tensor: str
     dims: frozenset[str]
     digits: tuple[int, ...]
     kind: str = "all-reduce"
+    count: int = 1
+    block: TensorMap | None = None
+
+
+#: per rule kind, the statistics all-reduced per row when a statistics dim is split: ``(forward, backward)``.
+#: A norm all-reduces its mean and variance (two-pass) and, in backward, the gradients of both; a cross-entropy
+#: all-reduces the row max, the sum of exponentials and the target logit, and needs nothing in backward.
+STATISTICS = {"norm": (2, 2), "loss": (3, 0)}
 
 
 def _canonical_results(op: OpDims) -> set[tuple[Phase, str]]:
@@ -166,11 +194,9 @@ def collectives(part: OpPartition) -> list[Collective]:
         for pt in tensors:
             if not pt.result:
                 continue
-            summed = set(part.op.summed_dims(pt.tmap))
+            summed = set(part.op.summed_dims(pt.tmap)) - set(part.op.stats)
             if _is_bias(part.op, pt.name):  # added once per output element: summed only over the output's dims
                 summed = set(part.op.dims_of(part.op.outputs[0])) - set(part.op.dims_of(pt.tmap))
-            if phase is not Phase.GRADIENT:
-                summed |= set(part.op.stats) & set(part.op.dims_of(pt.tmap))
             hits = [
                 (e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if getattr(e, "dim", None) in summed
             ]
@@ -183,7 +209,24 @@ def collectives(part: OpPartition) -> list[Collective]:
                     digits += extra
                     split |= prime_summed
             if digits:
-                out.append(Collective(phase, pt.name, frozenset(split), tuple(sorted(digits))))
+                # a mean over split rows also all-reduces the count of rows it divides by
+                count = 2 if part.op.kind == "loss" and part.op.extra.get("reduction") == "mean" else 1
+                out.append(Collective(phase, pt.name, frozenset(split), tuple(sorted(digits)), count=count))
+    return out + statistics_collectives(part)
+
+
+def statistics_collectives(part: OpPartition) -> list[Collective]:
+    """All-reduces of per-row statistics when a statistics dim (the normalised dim, the classes) is split."""
+    op = part.op
+    hits = [(e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if getattr(e, "dim", None) in op.stats]
+    if not hits or op.inputs[0] is None:
+        return []
+    fwd, bwd = STATISTICS.get(op.kind, (1, 1))
+    rows = tuple(() if set(group) & op.stats else group for group in op.inputs[0])
+    dims, digits = frozenset(d for d, _ in hits), tuple(sorted(p for _, p in hits))
+    out = [Collective(Phase.FORWARD, "out0", dims, digits, count=fwd, block=rows)]
+    if bwd and 0 not in op.no_grad:
+        out.append(Collective(Phase.BACKWARD, "d_in0", dims, digits, count=bwd, block=rows))
     return out
 
 

@@ -1,0 +1,106 @@
+"""Local computations that need more than the ATen op on local blocks: a split vocabulary or normalised dim.
+
+* :class:`VocabEmbedding`: ``V`` split. Each rank looks up the ids in its own vocabulary range and writes zeros
+  for the others; the forward all-reduce of the plan (``V`` is summed) completes the rows.
+* :class:`ShardedLayerNorm`: the normalised dim split. The mean and the variance are all-reduced (two-pass, one
+  statistic each) in both directions, since every rank normalises its own slice with them.
+* :class:`ShardedCrossEntropy`: rows ``N`` and/or classes ``V`` split. With ``V`` split the row max, the sum of
+  exponentials and the target logit are all-reduced; with ``N`` split the loss sum and the count of non-ignored
+  targets are, so a ``mean`` divides by the global count exactly as one device does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from primepar_fx.runtime.collectives import all_reduce, all_reduce_autograd
+from primepar_fx.runtime.stats import CommStats
+
+Group = tuple[object | None, tuple[int, ...]]
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, lo: int, rows: int) -> None:
+        super().__init__()
+        self.lo, self.rows = lo, rows
+
+    def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), weight)
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.lo}, {self.lo + self.rows})"
+
+
+class ShardedLayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float, group: Group, stats: CommStats) -> None:
+        super().__init__()
+        self.size, self.eps, self.group, self.stats = size, eps, group, stats
+        self.node = ""
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        g, ranks = self.group
+        return all_reduce_autograd(x.sum(-1, keepdim=True), g, len(ranks), "both", self.stats, self.node)
+
+    def forward(self, x, weight=None, bias=None):
+        mean = self._sum(x) / self.size
+        centred = x - mean
+        var = self._sum(centred * centred) / self.size
+        y = centred * torch.rsqrt(var + self.eps)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return y
+
+    def extra_repr(self) -> str:
+        return f"normalised size {self.size}, eps={self.eps}, ranks={self.group[1]}"
+
+
+class ShardedCrossEntropy(nn.Module):
+    def __init__(
+        self, reduction: str, ignore_index: int, v_lo: int, v_group: Group, n_group: Group, stats: CommStats
+    ) -> None:
+        super().__init__()
+        self.reduction, self.ignore_index, self.v_lo = reduction, ignore_index, v_lo
+        self.v_group, self.n_group, self.stats = v_group, n_group, stats
+        self.node = ""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        vg, vranks = self.v_group
+        valid = target != self.ignore_index
+        if len(vranks) > 1:
+            rows = logits.shape[-1]
+            peak = all_reduce(
+                logits.detach().amax(-1), vg, len(vranks), self.stats, op=dist.ReduceOp.MAX, node=self.node
+            )
+            sumexp = all_reduce_autograd(
+                torch.exp(logits - peak.unsqueeze(-1)).sum(-1), vg, len(vranks), "forward", self.stats, self.node
+            )
+            local = target - self.v_lo
+            inside = (local >= 0) & (local < rows)
+            picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+            picked = all_reduce_autograd(picked, vg, len(vranks), "forward", self.stats, self.node)
+            loss = torch.log(sumexp) + peak - picked
+        else:
+            loss = F.cross_entropy(logits, target, reduction="none", ignore_index=self.ignore_index)
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        if self.reduction == "none":
+            return loss
+        ng, nranks = self.n_group
+        total = all_reduce_autograd(loss.sum(), ng, len(nranks), "forward", self.stats, self.node)
+        if self.reduction == "sum":
+            return total
+        count = all_reduce(valid.sum().to(loss.dtype), ng, len(nranks), self.stats, node=self.node)
+        return total / count
+
+    def extra_repr(self) -> str:
+        return (
+            f"reduction={self.reduction}, classes from {self.v_lo} over ranks {self.v_group[1]}, "
+            f"rows over ranks {self.n_group[1]}"
+        )

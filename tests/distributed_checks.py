@@ -1,0 +1,117 @@
+"""Checks that run on every rank of a gloo process group (started by ``primepar_fx.testing.spawn``).
+
+Each function returns a JSON-serialisable report from rank 0; the tests assert on it. Every rank builds the same
+single-device reference (deterministic seeds), so no reference data has to travel between processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from primepar_fx.capture import capture
+from primepar_fx.compile import compile_graph
+from primepar_fx.graph import build_graph
+from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
+from primepar_fx.partition import PartitionSeq
+from primepar_fx.planner import plan_graph
+
+BATCH, SEQ = 4, 16
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def make(name: str):
+    if name.startswith("hf:"):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        model = build_hf_tiny(name[3:])
+        args, kwargs = hf_example_inputs(model, BATCH, SEQ)
+    else:
+        model = build(name)
+        args, kwargs = example_inputs(get_config(name), BATCH, SEQ)
+        kwargs = {"labels": kwargs["labels"].clone()}
+    return model, args, kwargs
+
+
+def loss_of(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _steps(model, params, args, kwargs, steps: int) -> list[float]:
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_of(model(*args, **kwargs))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _mismatch(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n, t in ref.items() if n not in full or not torch.allclose(full[n], t, rtol=RTOL, atol=ATOL)]
+
+
+def _summed(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps: int = 3) -> dict:
+    """For each plan: loss and gradients vs one device, parameters after ``steps`` AdamW steps, bytes sent."""
+    ref, args, kwargs = make(model_name)
+    ref_loss = loss_of(ref(*args, **kwargs))
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_losses = _steps(ref, list(ref.parameters()), args, kwargs, steps)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+    model, _, _ = make(model_name)
+    graph = build_graph(capture(model, args, kwargs))
+    report = {"reference_loss": float(ref_loss)}
+    for plan in plans:
+        budget = None
+        if plan == "searched:budget":  # a budget that replication cannot meet, so the search must shard
+            free = plan_graph(graph, world_size=world, cluster="cpu-gloo", batch=BATCH, seq=SEQ, baselines=False)
+            budget = 0.6 * free.predicted.peak_memory_bytes
+        module = compile_graph(graph, plan=None if plan.startswith("searched") else plan, memory_budget=budget)
+        module.comm_stats.reset()
+        loss = loss_of(module(*args, **kwargs))
+        loss.backward()
+        sent = dict(module.comm_stats.bytes)
+        planned = _summed([float(module.comm_stats.planned)])[0]
+        grads = module.gather_grads()
+        local = module.local_parameters()
+        prime_weights = sorted(
+            {
+                fqn
+                for n in module.plan.nodes
+                if PartitionSeq.parse(n.partition).prime is not None
+                for fqn in graph.nodes[n.name].params
+            }
+        )
+        held = _summed([float(local[f].numel()) for f in prime_weights if f in local])
+        losses = _steps(module, list(module.parameters()), args, kwargs, steps)
+        params = module.gather_state_dict()
+        report[plan] = {
+            "loss": float(loss.detach()),
+            "bad_grads": _mismatch(grads, ref_grads),
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "bad_params": _mismatch(params, ref_params),
+            "sent_planned_total": planned,
+            "predicted_total": module.plan.predicted.comm_bytes * world,
+            "sent_rank0": sent,
+            "fallbacks": list(module.fallbacks),
+            "partitions": {n.name: n.partition for n in module.plan.nodes},
+            "prime_weights": {
+                f: [h, float(graph.captured.program.state_dict[f].numel())]
+                for f, h in zip([f for f in prime_weights if f in local], held)
+            },
+            "sharded_elems": _summed([float(sum(p.numel() for p in local.values()))])[0],
+            "full_elems": float(sum(p.numel() for p in ref.parameters())),
+        }
+    return report
