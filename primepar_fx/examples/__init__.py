@@ -1,0 +1,1 @@
+"""Runnable examples of :func:`primepar_fx.compile`; ``python -m primepar_fx.examples.train --help``."""
