@@ -47,7 +47,7 @@ def _broadcast_text(text: str | None, rank: int, world: int) -> str:
     if world == 1:
         assert text is not None
         return text
-    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    device = _comm_device()
     size = torch.tensor(
         [len(text.encode()) if rank == 0 and text is not None else -1], dtype=torch.int64, device=device
     )
@@ -191,9 +191,9 @@ class PrimeParModule(nn.Module):
             if local is None:
                 continue
             shape = tuple(sum(b - a for a, b in s) for s in full_layout_dims(layout))
-            out[fqn] = Exchange.plan(layout, full_layout(shape, self.mesh.size), self.mesh, self.rank).run(
-                local.detach().contiguous()
-            )
+            gather = Exchange.plan(layout, full_layout(shape, self.mesh.size), self.mesh, self.rank)
+            full = gather.run(local.detach().contiguous())
+            out[fqn] = full.clone() if gather.identity else full  # never an alias of the live parameter
         for alias, fqn in self._aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]
@@ -210,12 +210,18 @@ class PrimeParModule(nn.Module):
         return self._gather({fqn: p.grad for fqn, p in self.local_parameters().items()})
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        missing = [fqn for fqn in self._layouts if fqn not in state]
+        """Shard a full state dict (original names) into this rank's parameters.
+
+        A tied parameter may appear under either of its names (checkpoints often keep only one).
+        """
+        other = {used: unused for unused, used in self._aliases.items()}
+        found = {fqn: fqn if fqn in state else other.get(fqn) for fqn in self._layouts}
+        missing = [fqn for fqn, key in found.items() if key not in state]
         if missing:
             raise KeyError(f"the state dict lacks {len(missing)} parameters, e.g. {missing[0]!r}")
         with torch.no_grad():
             for fqn, layout in self._layouts.items():
-                full = state[fqn]
+                full = state[found[fqn]]  # type: ignore[index]
                 p = self.shards[self._key_of[fqn]]
                 if tuple(full.shape) != tuple(sum(b - a for a, b in s) for s in full_layout_dims(layout)):
                     raise ValueError(f"parameter {fqn!r} has shape {tuple(full.shape)} in the state dict")
@@ -300,7 +306,12 @@ def compile_graph(
 
 
 def _broadcast_fail() -> None:
-    dist.broadcast(torch.tensor([-1], dtype=torch.int64), 0)
+    """Tell the other ranks, waiting in :func:`_broadcast_text`, that rank 0 has no plan."""
+    dist.broadcast(torch.tensor([-1], dtype=torch.int64, device=_comm_device()), 0)
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
 
 def gather_state_dict(module: PrimeParModule) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ def _assert_trains_like_one_device(report: dict, plans: list[str]) -> None:
         assert r["bad_grads"] == [], f"{plan}: gradients differ from one device: {r['bad_grads'][:5]}"
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=RTOL, abs=ATOL), plan
         assert r["bad_params"] == [], f"{plan}: parameters after AdamW differ: {r['bad_params'][:5]}"
+        assert r["reloaded_loss"] == pytest.approx(report["reference_loss"], rel=RTOL, abs=ATOL), plan
 
 
 def _assert_bytes_match(report: dict, plans: list[str]) -> None:

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import sympy
+import torch
+from torch import fx
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.search import CostGraph
+from primepar_fx.shapes import META_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,16 @@ def node_key(node: OpNode) -> tuple:
 def out_index(consumer: OpNode) -> int:
     """Which output of its producer an edge carries: ``getitem`` picks one, everything else reads output 0."""
     return int(consumer.dims.extra.get("selects", 0))
+
+
+def tensor_itemsize(node: fx.Node, out: int, opts: CostOptions) -> int:
+    """Bytes per element of output ``out`` of ``node``: the plan's dtype for floating-point tensors, the tensor's
+    own for integer and boolean ones (token ids, masks), which a dtype choice does not change."""
+    dtypes = node.meta.get(META_DTYPES) or ()
+    dtype = dtypes[out] if out < len(dtypes) else None
+    if dtype is None or dtype.is_floating_point or dtype.is_complex:
+        return opts.itemsize
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def shared_parameters(graph: OpGraph) -> list[tuple[str, int, str, int]]:
@@ -113,17 +126,27 @@ def price_graph(
             node_cache[key] = (seqs, parts)
         strategies[name], costs[name] = node_cache[key]
     edge_cost, edge_bytes = {}, {}
+    fx_nodes = {n.name: n for n in graph.captured.gm.graph.nodes}
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     for u, v, data in graph.graph.edges(data=True):
         pu, pv = graph.nodes[u], graph.nodes[v]
         k_in, k_out = data["dst_in"], out_index(pv)
         if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
             continue
-        key = (node_key(pu), node_key(pv), k_out, k_in, tuple(map(str, strategies[u])), tuple(map(str, strategies[v])))
+        key = (
+            node_key(pu),
+            node_key(pv),
+            k_out,
+            k_in,
+            tuple(map(str, strategies[u])),
+            tuple(map(str, strategies[v])),
+            tensor_itemsize(fx_nodes[u], k_out, opts),
+        )
         if key not in edge_cache:
             producers = [OpPartition(pu.dims, s, mesh) for s in strategies[u]]
             consumers = [OpPartition(pv.dims, s, mesh) for s in strategies[v]]
-            edge_cache[key] = edge_cost_matrix(producers, k_out, consumers, k_in, cluster, values, opts)
+            item = tensor_itemsize(fx_nodes[u], k_out, opts)
+            edge_cache[key] = edge_cost_matrix(producers, k_out, consumers, k_in, cluster, values, opts, itemsize=item)
         edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
     for u, k_u, v, k_v in shared_parameters(graph):
         producers = [OpPartition(graph.nodes[u].dims, s, mesh) for s in strategies[u]]

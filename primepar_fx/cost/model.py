@@ -212,10 +212,13 @@ def edge_cost_matrix(
     values: dict[sympy.Symbol, int],
     opts: CostOptions,
     shared: bool = False,
+    itemsize: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(seconds, bytes)`` of Eq. 8-9 redistribution for every (producer, consumer) partition pair.
 
     ``shared``: a parameter both nodes read (see :func:`~primepar_fx.cost.redistribute.redistribution_matrix`).
+    ``itemsize``: bytes per element of this tensor when it is not a floating-point activation of ``opts.dtype``
+    (token ids, masks).
 
     ``bytes`` is the Forward plus Backward traffic summed over devices. Each direction's mean per-device traffic
     is priced as an all-to-all: inside a node (over the node's devices) when every device finds what it needs on
@@ -224,14 +227,15 @@ def edge_cost_matrix(
     fwd, bwd = redistribution_matrix(producers, out_index, consumers, in_index, values, shared)
     mesh = producers[0].mesh
     world = mesh.size
-    total = (fwd + bwd) * opts.itemsize
+    item = opts.itemsize if itemsize is None else itemsize
+    total = (fwd + bwd) * item
     if world == 1:
         return np.zeros(total.shape), total
     per_node = min(world, cluster.devices_per_node)
     local_f, local_b = redistribution_locality(producers, out_index, consumers, in_index, values, per_node, shared)
     seconds = np.zeros(total.shape)
     for direction, local in ((fwd, local_f), (bwd, local_b)):
-        per_device = direction * (opts.itemsize / world)
+        per_device = direction * (item / world)
         for level, group, mask in ((0, per_node, local), (len(cluster.levels) - 1, world, ~local)):
             if group < 2 or not mask.any():
                 continue

@@ -1,4 +1,30 @@
-"""Graph passes (GraphModule -> GraphModule): sharding, collectives and ring operators.
+"""Graph passes, each ``GraphModule -> GraphModule``, that turn the captured graph and a plan into one rank's graph.
 
-Not built yet: reserved for the runtime issue.
+In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of the captured graph):
+
+1. :func:`~primepar_fx.passes.annotate.annotate_plan`: bind every node to its partition; mark fallbacks.
+2. :func:`~primepar_fx.passes.shard.shard_parameters`: the slice of every parameter this rank keeps.
+3. :func:`~primepar_fx.passes.redistribute.insert_redistributions`: point-to-point layout changes on edges,
+   input slicing, output gathering.
+4. :func:`~primepar_fx.passes.collectives.insert_collectives`: forward / backward all-reduces of each partition.
+5. :func:`~primepar_fx.passes.ring.replace_ring_products`: one ring operator per P(S x S) product.
+6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block.
 """
+
+from primepar_fx.passes.annotate import annotate_plan
+from primepar_fx.passes.collectives import insert_collectives
+from primepar_fx.passes.localize import RankGraph, localize, rewrite_local_ops
+from primepar_fx.passes.redistribute import insert_redistributions
+from primepar_fx.passes.ring import replace_ring_products
+from primepar_fx.passes.shard import shard_parameters
+
+__all__ = [
+    "RankGraph",
+    "annotate_plan",
+    "insert_collectives",
+    "insert_redistributions",
+    "localize",
+    "replace_ring_products",
+    "rewrite_local_ops",
+    "shard_parameters",
+]
