@@ -4,9 +4,11 @@ Pipeline: capture (torch.export) -> symbolic shapes (B, S) -> op dimension rules
 -> cost model -> search -> plan -> graph passes -> per-rank runtime.
 """
 
+from primepar_fx import explain  # a module you can call: primepar_fx.explain(plan, node, graph=graph)
 from primepar_fx.api import analyze, plan
 from primepar_fx.capture import Captured, ShapeSpecializationError, capture
 from primepar_fx.compile import PrimeParModule, compile, gather_grads, gather_state_dict, load_state_dict
+from primepar_fx.explain import Explanation, explain_choice
 from primepar_fx.graph import OpGraph, OpNode, build_graph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
 from primepar_fx.plan import Plan
@@ -17,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Captured",
     "DeviceMesh",
+    "Explanation",
     "MissingRuleError",
     "OpGraph",
     "OpNode",
@@ -30,6 +33,8 @@ __all__ = [
     "Split",
     "analyze",
     "compile",
+    "explain",
+    "explain_choice",
     "gather_grads",
     "gather_state_dict",
     "load_state_dict",

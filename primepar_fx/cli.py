@@ -3,6 +3,7 @@
     primepar-fx explain MODEL --world-size N [--batch B --seq S]
     primepar-fx plan MODEL --world-size N --cluster NAME|spec.toml --batch B --seq S [-o plan.json]
     primepar-fx calibrate [--world-size N] [--quick] -o spec.toml
+    primepar-fx dump MODEL --world-size N [--plan plan.json|searched|megatron|prime|...] [--batch B --seq S] -o DIR
 
 MODEL is a zoo name (``primepar-fx explain --list`` shows them), ``hf:FAMILY`` for a tiny Hugging Face model
 (gpt2, llama, opt, bloom; needs ``transformers``), or ``package.module:callable`` returning a module, or a tuple
@@ -23,21 +24,26 @@ import torch
 log = logging.getLogger("primepar_fx")
 
 
-def _example_inputs(model: torch.nn.Module, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _example_inputs(
+    model: torch.nn.Module, device: torch.device, batch: int = 2, seq: int = 16
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     from primepar_fx.models import Decoder, example_inputs, hf_example_inputs
 
     if isinstance(model, Decoder):
-        return example_inputs(model.config, 2, 16, device=device)
+        return example_inputs(model.config, batch, seq, device=device)
     if hasattr(getattr(model, "config", None), "vocab_size"):
-        args, kwargs = hf_example_inputs(model, 2, 16)
+        args, kwargs = hf_example_inputs(model, batch, seq)
         return args, {k: v.to(device) for k, v in kwargs.items()}
     raise SystemExit(
         f"cannot make example inputs for {type(model).__name__}: have your callable return (model, args, kwargs)"
     )
 
 
-def load_model(spec: str, *, meta: bool = True) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
-    """Resolve a MODEL argument to ``(module, example_args, example_kwargs, name)``."""
+def load_model(
+    spec: str, *, meta: bool = True, batch: int = 2, seq: int = 16
+) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
+    """Resolve a MODEL argument to ``(module, example_args, example_kwargs, name)``; example inputs of ``batch`` x
+    ``seq`` tokens unless a ``package.module:callable`` returns its own."""
     from primepar_fx.models import ZOO, build, build_hf_tiny, load_model_spec
 
     if spec in ZOO:
@@ -54,7 +60,7 @@ def load_model(spec: str, *, meta: bool = True) -> tuple[torch.nn.Module, tuple[
             return model, tuple(args), dict(kwargs), spec
         model = got
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    args, kwargs = _example_inputs(model, device)
+    args, kwargs = _example_inputs(model, device, batch, seq)
     return model, args, kwargs, spec
 
 
@@ -153,6 +159,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dump(args: argparse.Namespace) -> int:
+    from primepar_fx.api import analyze
+    from primepar_fx.compile import resolve_plan
+    from primepar_fx.dump import dump
+    from primepar_fx.plan import Plan
+
+    t0 = time.perf_counter()
+    given = Plan.load(args.plan) if args.plan.endswith(".json") or os.path.isfile(args.plan) else None
+    batch = args.batch or (given.batch if given else 2)
+    seq = args.seq or (given.seq if given else 16)
+    if given is not None and (given.batch, given.seq, given.world_size) != (batch, seq, args.world_size):
+        raise SystemExit(
+            f"error: {args.plan} is for B={given.batch}, S={given.seq} on {given.world_size} devices, not "
+            f"B={batch}, S={seq} on {args.world_size}"
+        )
+    model, ex_args, ex_kwargs, name = load_model(args.model, batch=batch, seq=seq)
+    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback)
+    if (graph.captured.example_batch, graph.captured.example_seq) != (batch, seq):
+        raise SystemExit(
+            f"error: {name} returned example inputs of B={graph.captured.example_batch}, "
+            f"S={graph.captured.example_seq}; pass those as --batch/--seq"
+        )
+    plan = given or resolve_plan(
+        graph, args.plan, world_size=args.world_size, cluster=args.cluster, memory_budget=None, dtype=args.dtype
+    )
+    files = dump(graph, plan, args.output)
+    p = plan.predicted
+    print(f"{plan.model} on {plan.world_size} devices {list(plan.digits)}, B={batch}, S={seq}, plan {args.plan}:")
+    print(f"  predicted step {p.step_time_s * 1e3:.4g} ms, peak memory {p.peak_memory_bytes / 2**20:.4g} MiB")
+    print(f"wrote {len(files)} files to {args.output}: {', '.join(f.name for f in files)}")
+    print(f"dumped in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", "-n", type=int, default=1, help="number of devices (default 1)")
     p.add_argument("--digits", help="device-ID digit radices, most significant first, e.g. 3,2,2")
@@ -187,6 +227,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument("-o", "--output", help="write the plan JSON here")
     pl.set_defaults(func=cmd_plan)
+    d = sub.add_parser("dump", help="write the captured graph, plan, per-node table, per-rank code and a picture")
+    d.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
+    d.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
+    d.add_argument(
+        "--plan",
+        default="searched",
+        help="a plan JSON, 'searched' (default), 'megatron', 'data_parallel', 'prime' or 'random:SEED'",
+    )
+    d.add_argument("--batch", type=int, help="global batch size (default: the plan's, else 2)")
+    d.add_argument("--seq", type=int, help="sequence length (default: the plan's, else 16)")
+    d.add_argument("--cluster", default="cpu-gloo", help="preset name or spec file the plan is priced on")
+    d.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    d.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
+    d.add_argument("-o", "--output", required=True, help="the folder to write into (created if missing)")
+    d.set_defaults(func=cmd_dump)
     from primepar_fx.cost.calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub)

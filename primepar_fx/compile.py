@@ -302,7 +302,12 @@ def compile_graph(
             len(rank_graph.fallbacks),
             ", ".join(rank_graph.fallbacks[:8]),
         )
-    return PrimeParModule(graph, chosen, rank_graph, mesh, rank)
+    module = PrimeParModule(graph, chosen, rank_graph, mesh, rank)
+    if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code
+        from primepar_fx.dump import dump_module
+
+        dump_module(graph, module, os.environ["PRIMEPAR_DUMP_DIR"])
+    return module
 
 
 def _broadcast_fail() -> None:

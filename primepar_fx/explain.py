@@ -1,15 +1,37 @@
-"""``primepar-fx explain``: a per-node table of the captured graph and the size of its partition space."""
+"""Explanations: what the graph is, and why a plan chose what it chose.
+
+* :func:`explain_table` (``primepar-fx explain``): a per-node table of the captured graph and the size of its
+  partition space.
+* :func:`explain_choice`: why one node of a :class:`~primepar_fx.plan.Plan` got its partition. The node's legal
+  sequences are priced with the plan's cost model (:func:`~primepar_fx.cost.model.node_cost`, Eq. 7) and with the
+  redistribution to and from its neighbours (:func:`~primepar_fx.cost.model.edge_cost_matrix`, Eq. 8-9), every
+  other node held at the plan's choice::
+
+      objective(s) = node_time(s) + alpha * memory(s) + sum_{u -> n} edge(p_u, s) + sum_{n -> v} edge(s, p_v)
+
+  This is exactly the change in the search's objective when node ``n`` alone switches to ``s``, so no alternative
+  of a plan the search proved optimal (without a memory budget) is cheaper.
+
+This module is also callable: ``primepar_fx.explain(plan, node_name, graph=graph)`` is :func:`explain_choice`.
+"""
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import sympy
 from tabulate import tabulate
 
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.costgraph import PricedGraph, price_graph
+from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
-from primepar_fx.partition import DeviceMesh, enumerate_sequences
+from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
+from primepar_fx.plan import MiB, Plan
 from primepar_fx.rules.spec import OpDims, Shape
 from primepar_fx.shapes import B, S
 
@@ -100,3 +122,213 @@ def explain_table(
         f"(device digits {mesh.digits or '()'}), forward FLOPs {sympy.factor(total_flops)}"
     )
     return head + "\n" + table
+
+
+# ---------------------------------------------------------------------------------------------- explain_choice
+def price_plan(
+    graph: OpGraph, plan: Plan, *, free: str | None = None, cluster: ClusterSpec | str | None = None
+) -> PricedGraph:
+    """``graph`` priced as ``plan`` prices it, every node pinned to the plan's partition except ``free``.
+
+    ``free`` gets every legal sequence (the plan's own first among equals, added if the enumeration lacks it).
+    ``cluster`` defaults to the plan's (a preset name or a spec file path).
+    """
+    spec = load_cluster(cluster or plan.cluster) if not isinstance(cluster, ClusterSpec) else cluster
+    plan.check_model((n.name, n.op) for n in graph.nodes.values())
+    mesh = DeviceMesh(tuple(plan.digits))
+    chosen = plan.partitions()
+    fixed = {n: s for n, s in chosen.items() if n != free}
+    opts = CostOptions(dtype=plan.dtype, alpha=float(plan.search.get("alpha") or 0.0))
+
+    def keep_chosen(_: str, seqs: list[PartitionSeq]) -> list[PartitionSeq]:
+        return seqs if free is None or chosen[free] in seqs else [*seqs, chosen[free]]
+
+    return price_graph(
+        graph,
+        mesh,
+        spec,
+        {B: plan.batch, S: plan.seq},
+        opts,
+        allow_prime=bool(plan.search.get("allow_prime", True)),
+        canonical=bool(plan.search.get("canonical", False)),
+        fixed=fixed,
+        replicate_constants=False,  # every other node is pinned; the free one shows its whole space
+        restrict=keep_chosen,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One partition of a node, priced with its neighbours held at the plan's choice (seconds per step; bytes
+    per device and step)."""
+
+    partition: str
+    objective_s: float  # node_s + redistribution_s (+ alpha * memory)
+    node_s: float  # Eq. 7: sum_t max(compute, ring) + collectives
+    compute_s: float
+    ring_s: float
+    collective_s: float
+    redistribution_s: float  # to and from the neighbours (Eq. 8-9)
+    comm_bytes: int  # ring shifts and collectives
+    redistribution_bytes: int  # mean per device, to and from the neighbours
+    memory_bytes: int
+    chosen: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why ``node`` got its partition: the chosen :class:`Option` and every alternative, cheapest first."""
+
+    node: str
+    op: str
+    shape: str
+    constant: bool  # gradient-free: the search runs it replicated
+    plan: str  # one line about the plan
+    why_not: str  # why the plan may pass over a cheaper alternative (forced, memory budget, not proven optimal)
+    chosen: Option
+    alternatives: tuple[Option, ...]
+
+    @property
+    def cheaper(self) -> tuple[Option, ...]:
+        """Alternatives with a lower objective than the chosen one (none for an optimal, unconstrained plan)."""
+        return tuple(o for o in self.alternatives if o.objective_s < self.chosen.objective_s * (1 - 1e-9))
+
+    def reason(self) -> str:
+        c = self.chosen
+        if not self.alternatives:
+            return f"{self.node} has no other legal partition on these devices."
+        if self.constant:
+            return f"{self.node} is gradient-free (mask, position table, labels): the search runs it replicated."
+        if self.cheaper:
+            best = self.cheaper[0]
+            return (
+                f"{len(self.cheaper)} alternative(s) are cheaper with the neighbours held fixed "
+                f"(best {best.partition}, {_ms(c.objective_s - best.objective_s)} ms less): {self.why_not}."
+            )
+        best = self.alternatives[0]
+        parts = {
+            "compute and ring": (best.node_s - best.collective_s) - (c.node_s - c.collective_s),
+            "collectives": best.collective_s - c.collective_s,
+            "redistribution": best.redistribution_s - c.redistribution_s,
+        }
+        what, gap = max(parts.items(), key=lambda kv: kv[1])
+        return (
+            f"{c.partition} is the cheapest with the neighbours held fixed; the runner-up {best.partition} costs "
+            f"{_ms(best.objective_s - c.objective_s)} ms more, mostly {what} (+{_ms(gap)} ms)."
+        )
+
+    def table(self, top: int = 5, tablefmt: str = "simple") -> str:
+        """The chosen partition first (marked ``*``), then the ``top`` cheapest alternatives."""
+        rows = []
+        for o in (self.chosen, *self.alternatives[:top]):
+            delta = o.objective_s - self.chosen.objective_s
+            rows.append(
+                [
+                    "*" if o.chosen else "",
+                    o.partition,
+                    _ms(o.objective_s),
+                    "" if o.chosen else f"{'+' if delta >= 0 else '-'}{_ms(abs(delta))}",
+                    _ms(o.node_s),
+                    _ms(o.collective_s),
+                    _ms(o.redistribution_s),
+                    f"{o.comm_bytes:,}",
+                    f"{o.redistribution_bytes:,}",
+                    f"{o.memory_bytes / MiB:.3f}",
+                ]
+            )
+        head = ["", "partition", "objective ms", "vs chosen", "node ms", "collective ms", "redistr. ms"]
+        head += ["comm B", "redistr. B", "memory MiB"]
+        return tabulate(rows, head, tablefmt=tablefmt, disable_numparse=True)
+
+    def __str__(self) -> str:
+        more = len(self.alternatives) - 5
+        tail = f"\n... and {more} more alternative(s)" if more > 0 else ""
+        head = f"{self.node} ({self.op}, output {self.shape}) in {self.plan}"
+        return f"{head}\n{self.table()}{tail}\n{self.reason()}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def explain_choice(
+    plan: Plan, node_name: str, *, graph: OpGraph, cluster: ClusterSpec | str | None = None
+) -> Explanation:
+    """Why ``plan`` gave ``node_name`` its partition (module docstring); ``print()`` the result for a table.
+
+    ``graph`` is the model's :class:`OpGraph` (the plan stores partitions, not the model); ``cluster`` overrides the
+    plan's cluster (needed when the plan was made from a spec file that is not at hand).
+    """
+    if node_name not in graph.nodes:
+        raise KeyError(f"no node {node_name!r} in {graph.name}; nodes are e.g. {list(graph.nodes)[:5]}")
+    priced = price_plan(graph, plan, free=node_name, cluster=cluster)
+    seqs, costs = priced.strategies[node_name], priced.node_costs[node_name]
+    opts = CostOptions(dtype=plan.dtype, alpha=float(plan.search.get("alpha") or 0.0))
+    world = plan.world_size
+    redis_s = [0.0] * len(seqs)
+    redis_b = [0.0] * len(seqs)
+    for (u, v), mat in priced.cost_graph.edge_cost.items():
+        if node_name not in (u, v):
+            continue
+        nbytes = priced.edge_bytes[(u, v)]
+        sec, byt = (mat[0, :], nbytes[0, :]) if v == node_name else (mat[:, 0], nbytes[:, 0])
+        for i in range(len(seqs)):
+            redis_s[i] += float(sec[i])
+            redis_b[i] += float(byt[i]) / world
+    chosen_seq = plan.partitions()[node_name]
+    options = []
+    for i, (seq, c) in enumerate(zip(seqs, costs)):
+        memory = c.memory_bytes(opts.optimizer_states)
+        options.append(
+            Option(
+                partition=str(seq),
+                objective_s=c.time_s + redis_s[i] + opts.alpha * memory,
+                node_s=c.time_s,
+                compute_s=c.compute_s,
+                ring_s=c.ring_s,
+                collective_s=c.collective_s,
+                redistribution_s=redis_s[i],
+                comm_bytes=sum(c.comm_bytes.values()),
+                redistribution_bytes=int(round(redis_b[i])),
+                memory_bytes=memory,
+                chosen=seq == chosen_seq,
+            )
+        )
+    chosen = next(o for o in options if o.chosen)
+    others = sorted((o for o in options if not o.chosen), key=lambda o: (o.objective_s, o.partition))
+    node = graph.nodes[node_name]
+    how = plan.search.get("forced") or plan.search.get("method") or "given"
+    budget = plan.search.get("memory_budget")
+    plan_line = (
+        f"plan for {plan.model} on {world} devices {list(plan.digits)} of {plan.cluster} "
+        f"(B={plan.batch}, S={plan.seq}, {plan.dtype}; {how}{f', memory budget {budget:.4g} B' if budget else ''})"
+    )
+    if plan.search.get("forced"):
+        why_not = f"the plan was forced ({plan.search['forced']!r}), not searched"
+    elif budget:
+        why_not = "the plan was searched under a memory budget, which the cheaper ones may exceed"
+    elif not plan.search.get("proven_optimal", False):
+        why_not = "the search did not prove its plan optimal"
+    else:
+        why_not = "unexpected for a proven-optimal plan without a memory budget: was it priced on another cluster?"
+    return Explanation(
+        node=node_name,
+        op=node.op,
+        shape=fmt_shape(node.out_shapes[0] if node.out_shapes else None),
+        constant=not node.requires_grad,
+        plan=plan_line,
+        why_not=why_not,
+        chosen=chosen,
+        alternatives=tuple(others),
+    )
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``primepar_fx.explain(plan, node_name, graph=graph)`` call :func:`explain_choice` while
+    ``from primepar_fx.explain import explain_table`` keeps working."""
+
+    def __call__(self, plan: Plan, node_name: str, **kwargs: Any) -> Explanation:
+        return explain_choice(plan, node_name, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
