@@ -8,6 +8,7 @@ from primepar_fx import explain  # a module you can call: primepar_fx.explain(pl
 from primepar_fx.api import analyze, plan
 from primepar_fx.capture import Captured, ShapeSpecializationError, capture
 from primepar_fx.compile import PrimeParModule, compile, gather_grads, gather_state_dict, load_state_dict
+from primepar_fx.dynamo import backend  # also registers torch.compile(backend="primepar")
 from primepar_fx.explain import Explanation, explain_choice
 from primepar_fx.graph import OpGraph, OpNode, build_graph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
@@ -32,6 +33,7 @@ __all__ = [
     "ShapeSpecializationError",
     "Split",
     "analyze",
+    "backend",
     "compile",
     "explain",
     "explain_choice",

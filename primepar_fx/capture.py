@@ -107,12 +107,16 @@ def capture(
     seq_dim: int = 1,
     seq_max: int | None = None,
     name: str | None = None,
+    dynamic: bool = True,
 ) -> Captured:
     """Export ``model`` with a symbolic batch (dim ``batch_dim``) and sequence length (dim ``seq_dim``).
 
     The model keeps its current train/eval mode. ``seq_max`` defaults to ``model.config.max_position_embeddings``
     or ``model.config.max_seq`` when the model has one. A model on the ``meta`` device is captured with its
     example inputs moved to ``meta``.
+
+    ``dynamic=False`` captures at the example's sizes (no ``B``/``S`` symbols: every size is an integer), for
+    graphs that are already specialised, such as the first graph ``torch.compile`` hands a backend.
 
     Raises:
         ValueError: unusable example inputs (no tensor, a batch or sequence of 1, equal batch and sequence sizes).
@@ -149,7 +153,9 @@ def capture(
     log.info("exporting %s (batch=%d, seq=%d, seq_max=%s)", model_name, batch, seq, seq_max)
     with _record_shape_events() as events:
         try:
-            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            program = torch.export.export(
+                model, args, kwargs, dynamic_shapes=dynamic_shapes if dynamic else None, strict=False
+            )
         except Exception as exc:
             if _is_constraint_violation(exc):
                 raise _specialization_error(str(exc), events, {"batch": batch, "seq": seq}) from exc
@@ -161,7 +167,7 @@ def capture(
     captured = Captured(
         program=program,
         gm=program.graph_module,
-        symbol_map=_symbol_map(program, batch_dim, seq_dim),
+        symbol_map=_symbol_map(program, batch_dim, seq_dim) if dynamic else {},
         params=dict(sig.inputs_to_parameters),
         buffers=buffers,
         user_inputs=tuple(sig.user_inputs),

@@ -105,6 +105,7 @@ class PrimeParModule(nn.Module):
         self.graph_module = rank_graph.gm
         self.comm_stats: CommStats = rank_graph.stats
         self.fallbacks = tuple(rank_graph.fallbacks)
+        self.pass_counts = list(rank_graph.pass_counts)
         self._in_spec = program.call_spec.in_spec
         self._out_spec = program.call_spec.out_spec
         self._inputs: list[tuple[str, str | None]] = []  # (kind, key) per graph placeholder
@@ -273,7 +274,19 @@ def compile_graph(
     Parameters are copied from the captured program, so modules compiled from one graph train independently.
     """
     world, rank = _world()
-    captured = graph.captured
+    chosen = agree_plan(graph, plan, cluster=cluster, memory_budget=memory_budget, dtype=dtype)
+    mesh = DeviceMesh(tuple(chosen.digits))
+    module = PrimeParModule(graph, chosen, rank_graph_for(graph, chosen, rank), mesh, rank)
+    if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code
+        from primepar_fx.dump import dump_module
+
+        dump_module(graph, module, os.environ["PRIMEPAR_DUMP_DIR"])
+    return module
+
+
+def agree_plan(graph: OpGraph, plan: Any, *, cluster: str, memory_budget: float | None, dtype: str | None) -> Plan:
+    """Rank 0 resolves the plan (:func:`resolve_plan`) and broadcasts it; every rank checks it fits."""
+    world, rank = _world()
     if dtype is None:
         first = next(iter(graph.param_dtypes.values()), torch.float32)
         dtype = _DTYPES.get(first, "fp32")
@@ -292,22 +305,36 @@ def compile_graph(
     if chosen.world_size != world:
         raise ValueError(f"the plan is for {chosen.world_size} devices but the process group has {world} ranks")
     chosen.check_model((n.name, n.op) for n in graph.nodes.values())
+    return chosen
+
+
+def rank_graph_for(graph: OpGraph, chosen: Plan, rank: int, *, whole_params: bool = False) -> RankGraph:
+    """This rank's rewritten graph of ``chosen``, at the captured example's ``B`` and ``S``."""
+    captured = graph.captured
     mesh = DeviceMesh(tuple(chosen.digits))
     values: dict[sympy.Symbol, int] = {B: captured.example_batch, S: captured.example_seq}
-    groups = ProcessGroups(mesh, rank)
-    rank_graph = localize(graph, chosen.partitions(), mesh, rank, values, groups)
+    rank_graph = localize(
+        graph, chosen.partitions(), mesh, rank, values, _groups(mesh, rank), whole_params=whole_params
+    )
     if rank_graph.fallbacks:
         log.warning(
             "%d nodes run whole (no local form for their partition): %s",
             len(rank_graph.fallbacks),
             ", ".join(rank_graph.fallbacks[:8]),
         )
-    module = PrimeParModule(graph, chosen, rank_graph, mesh, rank)
-    if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code
-        from primepar_fx.dump import dump_module
+    return rank_graph
 
-        dump_module(graph, module, os.environ["PRIMEPAR_DUMP_DIR"])
-    return module
+
+_GROUPS: dict[tuple, ProcessGroups] = {}
+
+
+def _groups(mesh: DeviceMesh, rank: int) -> ProcessGroups:
+    """One :class:`ProcessGroups` per mesh and default process group, so recompiling creates no new groups."""
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    key = (mesh.digits, rank, id(world))
+    if key not in _GROUPS:
+        _GROUPS[key] = ProcessGroups(mesh, rank)
+    return _GROUPS[key]
 
 
 def _broadcast_fail() -> None:
@@ -316,7 +343,9 @@ def _broadcast_fail() -> None:
 
 
 def _comm_device() -> torch.device:
-    return torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def gather_state_dict(module: PrimeParModule) -> dict[str, torch.Tensor]:

@@ -129,3 +129,35 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
             "full_elems": float(sum(p.numel() for p in ref.parameters())),
         }
     return report
+
+
+def check_backend(rank: int, world: int, model_name: str, plans: list[str]) -> dict:
+    """``torch.compile(model, backend=primepar_fx.backend(plan=...))``: loss and gradients vs one device, also after
+    Dynamo recompiles for a second batch and sequence length."""
+    import torch._dynamo
+
+    import primepar_fx
+
+    ref, args, kwargs = make(model_name)
+    ref_loss = loss_of(ref(*args, **kwargs))
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    other = dict(kwargs)
+    for key in ("input_ids", "labels"):
+        if key in other:
+            other[key] = other[key][: BATCH // 2, : SEQ // 2].clone()
+    other_args = tuple(a[: BATCH // 2, : SEQ // 2].clone() for a in args)
+    ref.zero_grad()
+    ref_other = float(loss_of(ref(*other_args, **other)).detach())
+    report: dict = {"reference_loss": float(ref_loss.detach()), "reference_other": ref_other}
+    for plan in plans:
+        torch._dynamo.reset()
+        model, _, _ = make(model_name)
+        compiled = torch.compile(model, backend=primepar_fx.backend(plan=None if plan == "searched" else plan))
+        loss = loss_of(compiled(*args, **kwargs))
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        with torch.no_grad():
+            again = float(loss_of(compiled(*other_args, **other)))
+        report[plan] = {"loss": float(loss.detach()), "bad_grads": _mismatch(grads, ref_grads), "other": again}
+    return report

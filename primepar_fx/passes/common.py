@@ -35,6 +35,8 @@ class RankContext:
     groups: ProcessGroups
     stats: CommStats = field(default_factory=CommStats)
     fallbacks: list[str] = field(default_factory=list)
+    #: parameters arrive whole on every call (the torch.compile path) instead of as this rank's shards
+    whole_params: bool = False
 
     @property
     def captured(self) -> Captured:

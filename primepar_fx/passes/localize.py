@@ -73,6 +73,8 @@ class RankGraph:
     param_layouts: dict[str, Layout]  # placeholder name -> storage layout
     fallbacks: list[str] = field(default_factory=list)
     stats: CommStats = field(default_factory=CommStats)
+    #: ``(pass name, op counts after it)``, starting with the captured graph
+    pass_counts: list[tuple[str, dict[str, int]]] = field(default_factory=list)
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, prefix: str, mod: nn.Module, *args: Any) -> fx.Node:
@@ -182,8 +184,13 @@ def localize(
     rank: int,
     values: dict[sympy.Symbol, int],
     groups: ProcessGroups,
+    *,
+    whole_params: bool = False,
 ) -> RankGraph:
-    """Run the passes (module docstring) on a copy of ``graph``'s captured GraphModule for rank ``rank``."""
+    """Run the passes (module docstring) on a copy of ``graph``'s captured GraphModule for rank ``rank``.
+
+    ``whole_params``: parameters arrive whole on every call (the ``torch.compile`` backend) rather than sharded.
+    """
     captured = graph.captured
     specs = captured.program.graph_signature.output_specs
     bad = [s for s in specs if s.kind.name != "USER_OUTPUT"]
@@ -199,12 +206,28 @@ def localize(
     out = copy.graph_copy(captured.gm.graph, {})
     copy.output(out)
     gm = fx.GraphModule(nn.Module(), copy, class_name=f"PrimeParRank{rank}")
-    ctx = RankContext(graph, mesh, rank, values, groups)
-    for p in (annotate_plan,):
-        gm = p(gm, ctx, partitions)
+    ctx = RankContext(graph, mesh, rank, values, groups, whole_params=whole_params)
+    counts = [("captured", op_counts(gm))]
+    gm = annotate_plan(gm, ctx, partitions)
     for p in (shard_parameters, insert_redistributions, insert_collectives, replace_ring_products, rewrite_local_ops):
         gm = p(gm, ctx)
+        counts.append((p.__name__, op_counts(gm)))
     gm.graph.lint()
     gm.recompile()
     layouts = {n.name: n.meta[STORAGE] for n in gm.graph.nodes if n.op == "placeholder" and STORAGE in n.meta}
-    return RankGraph(gm, layouts, ctx.fallbacks, ctx.stats)
+    return RankGraph(gm, layouts, ctx.fallbacks, ctx.stats, counts)
+
+
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """How many nodes of each kind the graph has: ATen ops by name, inserted modules by their class."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            key = getattr(node.target, "__name__", str(node.target))
+            key = str(node.target) if key in ("default", "Tensor", "int") else key
+        elif node.op == "call_module":
+            key = type(gm.get_submodule(node.target)).__name__
+        else:
+            continue
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))

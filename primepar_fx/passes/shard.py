@@ -5,6 +5,9 @@ holds only its own slices (a P(S x S) weight: one block per rank, no copies). A 
 (tied embeddings) fetches its block from there, as the cost model prices it
 (:func:`primepar_fx.cost.costgraph.shared_parameters`). :class:`~primepar_fx.compile.PrimeParModule` cuts the
 tensors by these layouts.
+
+On the ``torch.compile`` path parameters arrive whole on every call (``ctx.whole_params``): their layout is then
+the whole tensor, every reader takes its block locally, and their gradients are gathered whole on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
         if node.op != "placeholder" or node.name not in ctx.captured.params:
             continue
         reader = next((u for u in node.users if info(u) is not None), None)
-        if reader is None:
+        if reader is None or ctx.whole_params:
             shape = tuple(int(s) for s in node.meta["val"].shape)
             node.meta[STORAGE] = full_layout(shape, ctx.mesh.size)
         else:
