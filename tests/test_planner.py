@@ -63,3 +63,29 @@ def test_the_searched_plan_is_never_predicted_slower_than_its_baselines() -> Non
     for name, base in plan.baselines.items():
         assert plan.predicted.step_time_s <= base.predicted.step_time_s * (1 + 1e-9), name
     assert plan.baselines["megatron"].config["name"].startswith("megatron dp")
+
+
+def test_a_budget_at_the_free_plans_peak_keeps_the_free_plan():
+    """The search budget is the reported peak (static memory + the largest ring buffer), not a sum of buffers."""
+    from dataclasses import replace
+
+    from primepar_fx.api import analyze
+    from primepar_fx.models import build, example_inputs, get_config
+    from primepar_fx.planner import plan_graph
+    from primepar_fx.search import InfeasibleBudget
+
+    config = replace(get_config("gpt2-tiny"), hidden=256, layers=2, ffn_hidden=1024, vocab_size=1024, max_seq=128)
+    graph = analyze(build(config), *example_inputs(config, 4, 16))
+    kw = {"world_size": 4, "cluster": "cpu-gloo", "batch": 8, "seq": 128, "baselines": False, "method": "dp"}
+    free = plan_graph(graph, **kw)
+    buffers = sum(n.cost.memory_bytes for n in free.nodes) - free.predicted.peak_memory_bytes
+    assert buffers > 0  # the free plan has ring buffers in several nodes, so a summed budget would exclude it
+    tight = plan_graph(graph, memory_budget=free.predicted.peak_memory_bytes, **kw)
+    assert tight.predicted.step_time_s == pytest.approx(free.predicted.step_time_s)
+    assert tight.predicted.peak_memory_bytes <= free.predicted.peak_memory_bytes
+    with pytest.raises(InfeasibleBudget) as info:
+        plan_graph(graph, memory_budget=1000.0, **kw)
+    smallest = info.value.min_memory  # the smallest feasible budget it reports is feasible
+    assert 1000.0 < smallest <= free.predicted.peak_memory_bytes
+    lean = plan_graph(graph, memory_budget=smallest, **kw)
+    assert lean.predicted.peak_memory_bytes <= smallest
