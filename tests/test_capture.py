@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -256,14 +255,12 @@ def test_hf_tiny_models_capture_with_labels_in_b_and_s(family: str) -> None:
     _assert_all_shapes_in_b_and_s(captured)
 
 
-def test_llama2_70b_on_meta_captures_in_reasonable_time() -> None:
+def test_llama2_70b_captures_on_meta() -> None:
+    """The 80-layer model captures on the meta device; its time is measured in bench/explain_time.py, not here."""
     model = models.build("llama2-70b", device="meta")
     args, kwargs = models.example_inputs(model.config, batch=2, seq=16)
-    start = time.perf_counter()
     captured = capture(model, args, kwargs)
     annotate(captured)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 90, f"llama2-70b capture took {elapsed:.1f}s"
     linears = [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.linear.default]
     assert len(linears) == 80 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
     for node in captured.gm.graph.nodes:
