@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 
 import pytest
@@ -128,10 +127,8 @@ def test_gpt2_param_count_is_124m_on_meta_device():
 
 
 @pytest.mark.parametrize(("name", "billions"), [("llama2-70b", 69.0), ("bloom-176b", 176.2)])
-def test_llama2_70b_and_bloom_176b_build_on_meta_device_quickly(name, billions):
-    start = time.perf_counter()
+def test_llama2_70b_and_bloom_176b_build_on_meta_device(name, billions):
     model = build(name, device="meta")
-    assert time.perf_counter() - start < 5.0
     params = list(model.parameters())
     assert all(p.is_meta for p in params)
     assert sum(p.numel() for p in params) == model.config.param_count()
