@@ -7,7 +7,14 @@ Pipeline: capture (torch.export) -> symbolic shapes (B, S) -> op dimension rules
 from primepar_fx import explain  # a module you can call: primepar_fx.explain(plan, node, graph=graph)
 from primepar_fx.api import analyze, plan
 from primepar_fx.capture import Captured, ShapeSpecializationError, capture
-from primepar_fx.compile import PrimeParModule, compile, gather_grads, gather_state_dict, load_state_dict
+from primepar_fx.compile import (
+    PrimeParModule,
+    RankFailureError,
+    compile,
+    gather_grads,
+    gather_state_dict,
+    load_state_dict,
+)
 from primepar_fx.dynamo import backend  # also registers torch.compile(backend="primepar")
 from primepar_fx.explain import Explanation, explain_choice
 from primepar_fx.graph import OpGraph, OpNode, build_graph
@@ -29,6 +36,7 @@ __all__ = [
     "Plan",
     "Prime",
     "PrimeParModule",
+    "RankFailureError",
     "Replicate",
     "ShapeSpecializationError",
     "Split",

@@ -4,13 +4,24 @@ Every rank calls :func:`compile` with the same model and example inputs after ``
 captures, plans (or loads / forces a plan) and broadcasts the plan as JSON, so every rank rewrites the same graph;
 each rank then keeps only its own parameter slices (:func:`primepar_fx.passes.localize`). The returned
 :class:`PrimeParModule` takes the same global inputs on every rank and returns the same global outputs.
+
+Bad input fails before anything is built (no process group, no module), with one error naming the culprit: no
+process group (pass ``world_size=1`` to run as one process), a plan for another world size or model, a plan whose
+partition does not divide a dim at the example's ``B`` and ``S`` (:class:`~primepar_fx.partition.PartitionError`
+naming the node and the dim). When rank 0 cannot make the plan, every other rank raises with rank 0's message.
+
+At run time a batch or sequence length other than the compiled one rebuilds this rank's graph for the new sizes
+(the capture is symbolic in ``B`` and ``S``; the plan is reused, and the parameters stay where they are: their
+storage layouts do not depend on ``B`` or ``S``). Every rank must see the same sizes, as it sees the same inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import sympy
@@ -22,7 +33,8 @@ from torch.utils import _pytree as pytree
 
 from primepar_fx.capture import capture
 from primepar_fx.graph import OpGraph, build_graph
-from primepar_fx.partition import DeviceMesh
+from primepar_fx.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
 from primepar_fx.passes.localize import RankGraph, localize
 from primepar_fx.plan import Plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
@@ -34,39 +46,71 @@ log = logging.getLogger(__name__)
 
 FORCED = ("megatron", "data_parallel", "prime", "random:SEED")
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+#: what gloo and nccl say when a peer died or stopped answering
+_PEER_FAILURE = ("connection closed", "connection reset", "timed out", "broken pipe", "nccl error", "watchdog")
+
+
+class RankFailureError(RuntimeError):
+    """A collective or point-to-point transfer of a compiled step failed: another rank died, raised or timed out."""
 
 
 def _world() -> tuple[int, int]:
+    """``(world size, rank)`` of the default process group, ``(1, 0)`` without one (the ``torch.compile`` path)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
 
 
-def _broadcast_text(text: str | None, rank: int, world: int) -> str:
-    """Rank 0's ``text`` on every rank, sent as UTF-8 bytes in a tensor (no pickling)."""
+def checked_world(world_size: int | None) -> tuple[int, int]:
+    """``(world size, rank)`` for :func:`compile`: a process group is required unless ``world_size=1``."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world_size is not None and world_size != world:
+            raise ValueError(f"world_size={world_size} but the default process group has {world} ranks")
+        return world, rank
+    if world_size == 1:
+        return 1, 0
+    wanted = "" if world_size is None else f" of {world_size} ranks"
+    raise RuntimeError(
+        f"primepar_fx.compile needs an initialised torch.distributed process group{wanted}: call "
+        "torch.distributed.init_process_group on every rank first (torchrun sets up its environment), or pass "
+        "world_size=1 to run the model as one process"
+    )
+
+
+def _broadcast_text(text: str | None, rank: int, world: int, *, failure: str | None = None) -> str:
+    """Rank 0's ``text`` on every rank, sent as UTF-8 bytes in a tensor (no pickling).
+
+    Rank 0 sends ``failure`` instead when it could not make the text; every other rank then raises with it.
+    """
     if world == 1:
         assert text is not None
         return text
     device = _comm_device()
-    size = torch.tensor(
-        [len(text.encode()) if rank == 0 and text is not None else -1], dtype=torch.int64, device=device
-    )
-    dist.broadcast(size, 0)
-    if int(size) < 0:
-        raise RuntimeError("rank 0 failed to make a plan; see its error")
-    buf = torch.zeros(int(size), dtype=torch.uint8, device=device)
-    if rank == 0:
-        buf.copy_(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8))  # type: ignore[union-attr]
+    payload = (failure if failure is not None else text or "").encode() if rank == 0 else b""
+    head = torch.tensor([len(payload), int(failure is not None)], dtype=torch.int64, device=device)
+    dist.broadcast(head, 0)
+    buf = torch.zeros(int(head[0]), dtype=torch.uint8, device=device)
+    if rank == 0 and payload:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buf, 0)
-    return bytes(buf.cpu().tolist()).decode()
+    received = bytes(buf.cpu().tolist()).decode()
+    if int(head[1]) and rank != 0:  # rank 0 raises its own error
+        raise RuntimeError(f"rank 0 could not make the plan: {received}")
+    return received
 
 
 def resolve_plan(
     graph: OpGraph, plan: Any, *, world_size: int, cluster: str, memory_budget: float | None, dtype: str
 ) -> Plan:
     """A :class:`Plan` from ``None`` (search), a Plan, a JSON path or a forced-plan name."""
+    from primepar_fx.cost.cluster import load_cluster
     from primepar_fx.planner import forced_plan, plan_graph
 
+    if isinstance(cluster, (str, os.PathLike)):
+        load_cluster(cluster)  # a bad name or spec file fails here, naming its field, whatever the plan
     common = {
         "world_size": world_size,
         "cluster": cluster,
@@ -86,6 +130,18 @@ def resolve_plan(
     raise ValueError(f"plan must be None, a Plan, a path to a plan JSON or one of {FORCED}; got {plan!r}")
 
 
+def check_plan_fits(graph: OpGraph, plan: Plan, values: Mapping[sympy.Symbol, int]) -> None:
+    """Raise :class:`PartitionError` naming the node and the dim when ``plan`` cannot run at sizes ``values``."""
+    mesh = DeviceMesh(tuple(plan.digits))
+    at = ", ".join(f"{k}={v}" for k, v in values.items())
+    for node in plan.nodes:
+        opnode = graph.nodes[node.name]
+        try:
+            OpPartition(opnode.dims, node.seq, mesh).check_divisible(dict(values))
+        except PartitionError as e:
+            raise PartitionError(f"plan node {node.name!r} ({node.op}) cannot run at {at}: {e}") from None
+
+
 class PrimeParModule(nn.Module):
     """One rank's part of a compiled model: its parameter shards and its rewritten graph.
 
@@ -93,11 +149,20 @@ class PrimeParModule(nn.Module):
         plan: the :class:`Plan` it runs.
         comm_stats: bytes this rank has sent, by kind (:class:`~primepar_fx.runtime.CommStats`); ``reset()`` it
             between steps.
-        graph_module: the rewritten per-rank ``GraphModule`` (print ``graph_module.code`` to read it).
+        graph_module: the rewritten per-rank ``GraphModule`` of the sizes last run (print ``graph_module.code``).
         fallbacks: nodes that run whole because their partition has no local form.
     """
 
-    def __init__(self, graph: OpGraph, plan: Plan, rank_graph: RankGraph, mesh: DeviceMesh, rank: int) -> None:
+    def __init__(
+        self,
+        graph: OpGraph,
+        plan: Plan,
+        rank_graph: RankGraph,
+        mesh: DeviceMesh,
+        rank: int,
+        *,
+        timeout: timedelta | None = None,
+    ) -> None:
         super().__init__()
         captured = graph.captured
         program = captured.program
@@ -106,11 +171,15 @@ class PrimeParModule(nn.Module):
         self.comm_stats: CommStats = rank_graph.stats
         self.fallbacks = tuple(rank_graph.fallbacks)
         self.pass_counts = list(rank_graph.pass_counts)
+        self._graph, self._timeout = graph, timeout
+        self._sizes = (captured.example_batch, captured.example_seq)
+        self._rank_graphs: dict[tuple[int, int], RankGraph] = {self._sizes: rank_graph}
         self._in_spec = program.call_spec.in_spec
         self._out_spec = program.call_spec.out_spec
         self._inputs: list[tuple[str, str | None]] = []  # (kind, key) per graph placeholder
         self._layouts: dict[str, Any] = {}  # fqn -> storage layout
-        self._example_shapes: list[tuple[int, ...]] = []
+        self._param_of: dict[str, str] = {}  # placeholder name -> fqn
+        self._user_specs: list[InputSpec] = []  # per user input: name, symbolic shape (in B and S), dtype
         self.shards = nn.ParameterDict()
         self._key_of: dict[str, str] = {}
         buffers: dict[str, torch.Tensor] = {}
@@ -134,6 +203,7 @@ class PrimeParModule(nn.Module):
                 key = fqn.replace(".", "__")
                 self._key_of[fqn] = key
                 self._layouts[fqn] = layout
+                self._param_of[node.name] = fqn
                 local = Exchange.plan(full_layout(tuple(full.shape), mesh.size), layout, mesh, rank).run(full.detach())
                 self.shards[key] = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
                 self._inputs.append(("param", key))
@@ -147,21 +217,27 @@ class PrimeParModule(nn.Module):
                 self.register_buffer(key, value.detach().clone(), persistent=False)
                 self._inputs.append(("buffer", key))
             elif spec.kind is InputKind.USER_INPUT:
-                val = node.meta.get("val")
-                self._example_shapes.append(tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else ())
+                self._user_specs.append(input_spec(node, captured.symbol_map))
                 self._inputs.append(("user", None))
             else:
                 raise NotImplementedError(f"input {spec.target} of kind {spec.kind.name} is not supported")
+        self._ranges = size_ranges(captured)
 
+    # ------------------------------------------------------------------------------------------------ running
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
 
             kwargs = reorder_kwargs(kwargs, self._in_spec)
         flat, _ = pytree.tree_flatten((args, kwargs))
+        if len(flat) < len(self._user_specs):
+            raise ValueError(
+                f"{len(flat)} inputs but the module was compiled with {len(self._user_specs)} "
+                f"({', '.join(spec.name for spec in self._user_specs)})"
+            )
+        rank_graph = self._rank_graph_for_sizes(sizes_of(self._user_specs, flat, self._ranges, self._sizes))
         users = iter(flat)
         call: list[Any] = []
-        shapes = iter(self._example_shapes)
         for kind, key in self._inputs:
             if kind == "param":
                 call.append(self.shards[key])  # type: ignore[index]
@@ -170,31 +246,67 @@ class PrimeParModule(nn.Module):
             elif kind == "buffer":
                 call.append(getattr(self, key))  # type: ignore[arg-type]
             else:
-                try:
-                    x = next(users)
-                except StopIteration:
-                    raise ValueError("fewer inputs than the example inputs the model was compiled with") from None
-                want = next(shapes)
-                if isinstance(x, torch.Tensor) and tuple(x.shape) != want:
-                    raise ValueError(
-                        f"input of shape {tuple(x.shape)} but the module was compiled for {want}; "
-                        "compile again with example inputs of this shape"
-                    )
-                call.append(x)
-        out = self.graph_module(*call)
+                call.append(next(users))
+        try:
+            out = rank_graph.gm(*call)
+        except RuntimeError as e:
+            if self.mesh.size > 1 and any(k in str(e).lower() for k in _PEER_FAILURE):
+                raise RankFailureError(
+                    f"rank {self.rank}: a collective or transfer of the compiled step failed; another rank has "
+                    f"probably died, raised or stopped answering ({_timeout_text(self._timeout)}): {e}"
+                ) from e
+            raise
         return pytree.tree_unflatten(list(out), self._out_spec)
 
-    # ------------------------------------------------------------------------------------ full tensors
-    def _gather(self, tensors: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    def _rank_graph_for_sizes(self, sizes: tuple[int, int]) -> RankGraph:
+        """This rank's graph for ``(B, S)``: built once per sizes, the plan reused (module docstring)."""
+        if sizes not in self._rank_graphs:
+            values = {B: sizes[0], S: sizes[1]}
+            check_plan_fits(self._graph, self.plan, values)
+            _check_same_sizes_everywhere(sizes, self.mesh.size)
+            log.info("rank %d: rebuilding the graph for B=%d, S=%d (the plan is reused)", self.rank, *sizes)
+            at = at_sizes(self._graph, values)
+            built = rank_graph_for(at, self.plan, self.rank, values=values, timeout=self._timeout)
+            for name, fqn in self._param_of.items():
+                if built.param_layouts[name] != self._layouts[fqn]:
+                    raise RuntimeError(f"parameter {fqn!r} would be stored differently at B={sizes[0]}, S={sizes[1]}")
+            for f in dataclasses.fields(CommStats):  # one counter for every size: share its dicts
+                setattr(built.stats, f.name, getattr(self.comm_stats, f.name))
+            self._rank_graphs[sizes] = built
+        built = self._rank_graphs[sizes]
+        if built.gm is not self.graph_module:
+            self.graph_module = built.gm
+        return built
+
+    # ------------------------------------------------------------------------------------------------ full tensors
+    def full_shape(self, fqn: str) -> tuple[int, ...]:
+        """The whole shape of parameter ``fqn`` (every rank holds a block of it)."""
+        return tuple(sum(b - a for a, b in s) for s in full_layout_dims(self._layouts[fqn]))
+
+    def gather_tensors(self, local: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Whole tensors from this rank's blocks laid out like the parameters of the same names (collective).
+
+        ``local`` maps parameter names to tensors shaped like this rank's shard (gradients, optimizer state);
+        ``None`` values and names it lacks are skipped (on every rank alike).
+        """
         out = {}
         for fqn, layout in self._layouts.items():
-            local = tensors[fqn]
-            if local is None:
+            value = local.get(fqn)
+            if value is None:
                 continue
-            shape = tuple(sum(b - a for a, b in s) for s in full_layout_dims(layout))
-            gather = Exchange.plan(layout, full_layout(shape, self.mesh.size), self.mesh, self.rank)
-            full = gather.run(local.detach().contiguous())
-            out[fqn] = full.clone() if gather.identity else full  # never an alias of the live parameter
+            gather = Exchange.plan(layout, full_layout(self.full_shape(fqn), self.mesh.size), self.mesh, self.rank)
+            full = gather.run(value.detach().contiguous())
+            out[fqn] = full.clone() if gather.identity else full  # never an alias of the live tensor
+        return out
+
+    def shard_tensor(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a whole tensor laid out like parameter ``fqn`` (local: no communication)."""
+        if tuple(full.shape) != self.full_shape(fqn):
+            raise ValueError(f"{fqn!r} has shape {tuple(full.shape)}, the model's is {self.full_shape(fqn)}")
+        layout = self._layouts[fqn]
+        return Exchange.plan(full_layout(tuple(full.shape), self.mesh.size), layout, self.mesh, self.rank).run(full)
+
+    def _with_aliases(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for alias, fqn in self._aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]
@@ -205,29 +317,53 @@ class PrimeParModule(nn.Module):
         return {fqn: self.shards[key] for fqn, key in self._key_of.items()}  # type: ignore[index]
 
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._gather({fqn: p for fqn, p in self.local_parameters().items()})
+        return self._with_aliases(self.gather_tensors(self.local_parameters()))
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
-        return self._gather({fqn: p.grad for fqn, p in self.local_parameters().items()})
+        return self._with_aliases(self.gather_tensors({fqn: p.grad for fqn, p in self.local_parameters().items()}))
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Shard a full state dict (original names) into this rank's parameters.
 
-        A tied parameter may appear under either of its names (checkpoints often keep only one).
+        A tied parameter may appear under either of its names (checkpoints often keep only one). Every name and
+        shape is checked before any parameter changes.
         """
         other = {used: unused for unused, used in self._aliases.items()}
         found = {fqn: fqn if fqn in state else other.get(fqn) for fqn in self._layouts}
         missing = [fqn for fqn, key in found.items() if key not in state]
         if missing:
             raise KeyError(f"the state dict lacks {len(missing)} parameters, e.g. {missing[0]!r}")
+        for fqn, key in found.items():
+            if tuple(state[key].shape) != self.full_shape(fqn):  # type: ignore[index]
+                raise ValueError(
+                    f"parameter {fqn!r} has shape {tuple(state[key].shape)} in the state dict, "  # type: ignore[index]
+                    f"{self.full_shape(fqn)} in the model"
+                )
         with torch.no_grad():
-            for fqn, layout in self._layouts.items():
-                full = state[found[fqn]]  # type: ignore[index]
+            for fqn, key in found.items():
                 p = self.shards[self._key_of[fqn]]
-                if tuple(full.shape) != tuple(sum(b - a for a, b in s) for s in full_layout_dims(layout)):
-                    raise ValueError(f"parameter {fqn!r} has shape {tuple(full.shape)} in the state dict")
-                ex = Exchange.plan(full_layout(tuple(full.shape), self.mesh.size), layout, self.mesh, self.rank)
-                p.copy_(ex.run(full.detach().to(p.dtype)))
+                p.copy_(self.shard_tensor(fqn, state[key].detach().to(p.dtype)))  # type: ignore[index]
+
+
+def _check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:
+    """Every rank must rebuild for the same sizes (it must see the same inputs); raise if they differ."""
+    if world == 1:
+        return
+    mine = torch.tensor(sizes, dtype=torch.int64, device=_comm_device())
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        raise ValueError(
+            f"the ranks got inputs of different sizes (B in [{int(low[0])}, {int(high[0])}], S in "
+            f"[{int(low[1])}, {int(high[1])}]); every rank must get the same global inputs"
+        )
+
+
+def _timeout_text(timeout: timedelta | None) -> str:
+    if timeout is None:
+        return "timeout of the process group"
+    return f"timeout {timeout.total_seconds():g} s"
 
 
 def full_layout_dims(layout) -> tuple:
@@ -249,16 +385,39 @@ def compile(
     plan: Any = None,
     memory_budget: float | None = None,
     dtype: str | None = None,
+    fallback: str | None = None,
+    world_size: int | None = None,
+    timeout: float | None = None,
 ) -> PrimeParModule:
     """Partition ``model`` over the ranks of the default process group (module docstring).
 
     ``plan``: ``None`` searches the best plan for ``cluster``; a :class:`Plan` or a path to a plan JSON is used
     as is; ``"megatron"``, ``"data_parallel"``, ``"prime"`` (P(S x S) wherever legal) or ``"random:SEED"`` force
-    one. Call it on every rank after ``torch.distributed.init_process_group`` (or without one, as one rank).
+    one. Call it on every rank after ``torch.distributed.init_process_group``. Without a process group it raises,
+    unless ``world_size=1`` asks for one process; with one, ``world_size`` (if given) must be its size.
+
+    ``fallback="replicate"`` runs ops that have no dimension rule replicated instead of raising
+    :class:`~primepar_fx.rules.MissingRuleError`. ``timeout`` (seconds) bounds how long a step waits for the other
+    ranks before raising: it is the timeout of the process groups this creates and, because the module's
+    point-to-point transfers run on it, of the default process group too (``None`` keeps the default group's
+    timeout, from ``init_process_group(timeout=...)``, for every group).
     """
+    checked_world(world_size)  # before the capture: no work for a call that cannot run
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    graph = build_graph(capture(model, args, example_kwargs))
-    return compile_graph(graph, cluster=cluster, plan=plan, memory_budget=memory_budget, dtype=dtype)
+    graph = build_graph(capture(model, args, example_kwargs), fallback=fallback)
+    module = compile_graph(
+        graph,
+        cluster=cluster,
+        plan=plan,
+        memory_budget=memory_budget,
+        dtype=dtype,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    program = graph.captured.program
+    for fqn in graph.captured.params.values():  # the module holds its shards; let the whole weights go
+        program.state_dict[fqn] = program.state_dict[fqn].detach().to("meta")
+    return module
 
 
 def compile_graph(
@@ -268,15 +427,22 @@ def compile_graph(
     plan: Any = None,
     memory_budget: float | None = None,
     dtype: str | None = None,
+    world_size: int | None = None,
+    timeout: float | None = None,
 ) -> PrimeParModule:
     """:func:`compile` from an already captured graph (capture once, compile several plans).
 
     Parameters are copied from the captured program, so modules compiled from one graph train independently.
     """
-    world, rank = _world()
+    world, rank = checked_world(world_size)
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    wait = timedelta(seconds=timeout) if timeout is not None else None
     chosen = agree_plan(graph, plan, cluster=cluster, memory_budget=memory_budget, dtype=dtype)
+    if wait is not None and world > 1:
+        _set_default_timeout(wait)
     mesh = DeviceMesh(tuple(chosen.digits))
-    module = PrimeParModule(graph, chosen, rank_graph_for(graph, chosen, rank), mesh, rank)
+    module = PrimeParModule(graph, chosen, rank_graph_for(graph, chosen, rank, timeout=wait), mesh, rank, timeout=wait)
     if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code
         from primepar_fx.dump import dump_module
 
@@ -285,7 +451,11 @@ def compile_graph(
 
 
 def agree_plan(graph: OpGraph, plan: Any, *, cluster: str, memory_budget: float | None, dtype: str | None) -> Plan:
-    """Rank 0 resolves the plan (:func:`resolve_plan`) and broadcasts it; every rank checks it fits."""
+    """Rank 0 resolves the plan (:func:`resolve_plan`) and broadcasts it; every rank checks it fits.
+
+    Every check runs on every rank, before any process group or module exists, so a bad plan fails everywhere
+    with the same message and leaves nothing half-built.
+    """
     world, rank = _world()
     if dtype is None:
         first = next(iter(graph.param_dtypes.values()), torch.float32)
@@ -297,25 +467,38 @@ def agree_plan(graph: OpGraph, plan: Any, *, cluster: str, memory_budget: float 
                 graph, plan, world_size=world, cluster=cluster, memory_budget=memory_budget, dtype=dtype
             )
             text = chosen.to_json(indent=None)
-        except Exception:
+        except Exception as e:
             if world > 1:
-                _broadcast_fail()
+                _broadcast_text(None, rank, world, failure=f"{type(e).__name__}: {e}")
             raise
     chosen = Plan.from_json(_broadcast_text(text, rank, world))
     if chosen.world_size != world:
-        raise ValueError(f"the plan is for {chosen.world_size} devices but the process group has {world} ranks")
+        raise ValueError(
+            f"the plan is for {chosen.world_size} devices (digits {list(chosen.digits)}) but the process group has "
+            f"{world} ranks; make a plan for {world} devices or run on {chosen.world_size} ranks"
+        )
     chosen.check_model((n.name, n.op) for n in graph.nodes.values())
+    check_plan_fits(graph, chosen, {B: graph.captured.example_batch, S: graph.captured.example_seq})
     return chosen
 
 
-def rank_graph_for(graph: OpGraph, chosen: Plan, rank: int, *, whole_params: bool = False) -> RankGraph:
-    """This rank's rewritten graph of ``chosen``, at the captured example's ``B`` and ``S``."""
+def rank_graph_for(
+    graph: OpGraph,
+    chosen: Plan,
+    rank: int,
+    *,
+    whole_params: bool = False,
+    values: Mapping[sympy.Symbol, int] | None = None,
+    timeout: timedelta | None = None,
+) -> RankGraph:
+    """This rank's rewritten graph of ``chosen``, at ``values`` of ``B`` and ``S`` (default: the example's)."""
     captured = graph.captured
     mesh = DeviceMesh(tuple(chosen.digits))
-    values: dict[sympy.Symbol, int] = {B: captured.example_batch, S: captured.example_seq}
-    rank_graph = localize(
-        graph, chosen.partitions(), mesh, rank, values, _groups(mesh, rank), whole_params=whole_params
-    )
+    sizes: dict[sympy.Symbol, int] = {B: captured.example_batch, S: captured.example_seq, **(values or {})}
+    with no_specialisation(captured):
+        rank_graph = localize(
+            graph, chosen.partitions(), mesh, rank, sizes, _groups(mesh, rank, timeout), whole_params=whole_params
+        )
     if rank_graph.fallbacks:
         log.warning(
             "%d nodes run whole (no local form for their partition): %s",
@@ -325,21 +508,37 @@ def rank_graph_for(graph: OpGraph, chosen: Plan, rank: int, *, whole_params: boo
     return rank_graph
 
 
-_GROUPS: dict[tuple, ProcessGroups] = {}
+#: ``(digits, rank, id(world), timeout)`` -> (the world group, held so that its id is not reused, its groups)
+_GROUPS: dict[tuple, tuple[object, ProcessGroups]] = {}
 
 
-def _groups(mesh: DeviceMesh, rank: int) -> ProcessGroups:
-    """One :class:`ProcessGroups` per mesh and default process group, so recompiling creates no new groups."""
+def _groups(mesh: DeviceMesh, rank: int, timeout: timedelta | None = None) -> ProcessGroups:
+    """One :class:`ProcessGroups` per mesh, default process group and timeout: recompiling creates no new groups."""
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    key = (mesh.digits, rank, id(world))
+    key = (mesh.digits, rank, id(world), timeout)
     if key not in _GROUPS:
-        _GROUPS[key] = ProcessGroups(mesh, rank)
-    return _GROUPS[key]
+        _GROUPS[key] = (world, ProcessGroups(mesh, rank, timeout=timeout or _default_timeout()))
+    return _GROUPS[key][1]
 
 
-def _broadcast_fail() -> None:
-    """Tell the other ranks, waiting in :func:`_broadcast_text`, that rank 0 has no plan."""
-    dist.broadcast(torch.tensor([-1], dtype=torch.int64, device=_comm_device()), 0)
+def _default_timeout() -> timedelta | None:
+    """The default process group's timeout (what ``init_process_group(timeout=...)`` set), if it can be read."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(_comm_device()).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _set_default_timeout(timeout: timedelta) -> None:
+    """Set the default process group's timeout (its point-to-point transfers carry the compiled module's data)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        log.warning("this torch cannot change the default process group's timeout; set it in init_process_group")
+        return
+    setter(timeout)
 
 
 def _comm_device() -> torch.device:

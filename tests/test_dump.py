@@ -188,7 +188,7 @@ def test_dump_dir_makes_compile_write_the_whole_dump_on_rank_0(tmp_path, monkeyp
     monkeypatch.setenv("PRIMEPAR_DUMP_DIR", str(tmp_path))
     model = build("gpt2-tiny")
     args, kwargs = example_inputs(model.config, 4, 16)
-    module = primepar_fx.compile(model, args, kwargs, plan="megatron")  # no process group: one rank
+    module = primepar_fx.compile(model, args, kwargs, plan="megatron", world_size=1)  # one process
     assert {"captured.txt", "plan.json", "nodes.md", "passes.md", "rank0.py"} <= set(os.listdir(tmp_path))
     assert Plan.load(tmp_path / "plan.json") == module.plan
 

@@ -242,7 +242,13 @@ def run(opts: argparse.Namespace, ranks: Ranks, parser: argparse.ArgumentParser)
         parser.error(str(e))
     try:
         module = primepar_fx.compile(
-            model, args, kwargs, cluster=opts.cluster, plan=opts.plan, memory_budget=opts.memory_budget
+            model,
+            args,
+            kwargs,
+            cluster=opts.cluster,
+            plan=opts.plan,
+            memory_budget=opts.memory_budget,
+            world_size=ranks.world,  # 1 without torchrun: one process, no process group
         )
     except USER_ERRORS as e:  # a plan that cannot be made or loaded, or rank 0 failing to make one
         log.debug("compile failed", exc_info=True)

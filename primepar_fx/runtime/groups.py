@@ -8,6 +8,8 @@ graph passes ask in graph order, which is the same on every rank.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from primepar_fx.partition import DeviceMesh
@@ -16,8 +18,8 @@ from primepar_fx.partition import DeviceMesh
 class ProcessGroups:
     """The process group of this rank for every digit pattern, plus global-rank helpers for P2P."""
 
-    def __init__(self, mesh: DeviceMesh, rank: int) -> None:
-        self.mesh = mesh
+    def __init__(self, mesh: DeviceMesh, rank: int, timeout: timedelta | None = None) -> None:
+        self.mesh, self.timeout = mesh, timeout
         self.rank = rank
         self.coords = mesh.coords(rank)
         self._cache: dict[tuple[int, ...], tuple[object | None, tuple[int, ...]]] = {}
@@ -34,7 +36,7 @@ class ProcessGroups:
                 if len(ranks) == self.mesh.size:
                     handle = dist.group.WORLD
                 else:
-                    handle = dist.new_group(ranks)
+                    handle = dist.new_group(ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     mine = (handle, tuple(ranks))
             self._cache[key] = mine

@@ -1,0 +1,132 @@
+"""Checks for bad input and rank failures that run on the ranks of a gloo process group.
+
+Started by ``primepar_fx.testing.spawn`` / ``spawn_each`` from ``test_errors.py`` and ``test_faults.py``. Each
+returns a JSON-serialisable report; bit-exact comparisons happen here, on the ranks, against files in ``tmp``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from distributed_checks import ATOL, RTOL, make
+
+import primepar_fx
+from primepar_fx.capture import capture
+from primepar_fx.compile import compile_graph
+from primepar_fx.graph import build_graph
+from primepar_fx.models import example_inputs, get_config
+from primepar_fx.partition import PartitionError
+from primepar_fx.planner import forced_plan
+
+
+def inputs(name: str, batch: int, seq: int) -> tuple[tuple, dict]:
+    args, kwargs = example_inputs(get_config(name), batch, seq)
+    return args, {"labels": kwargs["labels"].clone()}
+
+
+def step(module, opt, args, kwargs) -> float:
+    opt.zero_grad()
+    loss = module(*args, **kwargs)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def adamw(params) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1)
+
+
+def _error(e: BaseException) -> list[str]:
+    return [type(e).__name__, str(e)]
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def errors_on_ranks(rank: int, world: int, tmp: str) -> None:
+    """Run-time sizes and plans a real group cannot use; every rank writes ``tmp/rank{r}.json``."""
+    report: dict = {}
+    name = "gpt2-tiny"
+    ref, args, kwargs = make(name)
+    model, _, _ = make(name)
+    graph = build_graph(capture(model, args, kwargs))
+    for plan in ("megatron", "data_parallel"):  # new B and S: the plan is reused, the numbers are one device's
+        module = compile_graph(graph, plan=plan)
+        for b, s in ((4, 16), (2, 8), (6, 12)):
+            a, k = inputs(name, b, s)
+            module.zero_grad()
+            ref.zero_grad()
+            loss = module(*a, **k)
+            loss.backward()
+            ref_loss = ref(*a, **k)
+            ref_loss.backward()
+            grads = module.gather_grads()
+            bad = [n for n, p in ref.named_parameters() if not torch.allclose(grads[n], p.grad, rtol=RTOL, atol=ATOL)]
+            close = abs(float(loss) - float(ref_loss)) <= ATOL + RTOL * abs(float(ref_loss))
+            report[f"{plan} {b}x{s}"] = {"close": close, "bad_grads": bad}
+        report[f"{plan} graphs"] = [list(k) for k in module._rank_graphs]
+        try:
+            module(*inputs(name, 3, 8)[0], **inputs(name, 3, 8)[1])
+            report[f"{plan} odd batch"] = None
+        except (PartitionError, ValueError) as e:
+            report[f"{plan} odd batch"] = _error(e)
+    if rank == 0:
+        cap = graph.captured
+        plan4 = forced_plan(graph, "megatron", world_size=2 * world, batch=cap.example_batch, seq=cap.example_seq)
+        plan4.save(Path(tmp, "plan4.json"))
+        bad = json.loads(plan4.to_json())
+        bad["world_size"], bad["digits"] = world, [world]
+        bad["nodes"][0]["bogus"] = 1
+        Path(tmp, "tampered.json").write_text(json.dumps(bad))
+    dist.barrier()
+    for label, plan in (("other world", Path(tmp, "plan4.json")), ("tampered", Path(tmp, "tampered.json"))):
+        try:
+            compile_graph(graph, plan=plan)
+            report[label] = None
+        except Exception as e:  # noqa: BLE001  (the report names the type)
+            report[label] = _error(e)
+    try:
+        compile_graph(graph, plan="megatron", world_size=2 * world)
+        report["world_size"] = None
+    except ValueError as e:
+        report["world_size"] = _error(e)
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+# ---------------------------------------------------------------------------------------------------- faults
+def rank_fails_mid_step(rank: int, world: int, how: str, at: str, timeout: float, plan: str) -> dict:
+    """Rank 1 fails in the second step, before its ``at`` (forward or backward); the others report what they raised.
+
+    ``how="kill"``: rank 1's process is killed (SIGKILL). ``how="raise"``: rank 1 raises, catches it and stays
+    alive without taking part, so the others can only notice through the timeout.
+    """
+    name = "gpt2-tiny"
+    model, _, _ = make(name)
+    args, kwargs = inputs(name, 2 * world, 8)
+    module = primepar_fx.compile(model, args, kwargs, plan=plan, timeout=timeout)
+    opt = adamw(module.parameters())
+    step(module, opt, args, kwargs)
+    start = time.monotonic()
+
+    def fail_here(where: str) -> None:
+        if rank == 1 and where == at:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on rank 1 before the {at}")
+
+    try:
+        opt.zero_grad()
+        fail_here("forward")
+        loss = module(*args, **kwargs)
+        fail_here("backward")
+        loss.backward()
+        return {"rank": rank, "error": None, "seconds": time.monotonic() - start}
+    except Exception as e:  # noqa: BLE001  (the report names the type)
+        if rank == 1:
+            time.sleep(timeout + 5)  # alive and silent: the others must time out
+            return {"rank": rank, "injected": str(e)}
+        return {"rank": rank, "error": _error(e), "seconds": time.monotonic() - start}
