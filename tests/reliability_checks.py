@@ -1,7 +1,8 @@
-"""Checks for bad input and rank failures that run on the ranks of a gloo process group.
+"""Checks for bad input, rank failures and checkpoints that run on the ranks of a gloo process group.
 
-Started by ``primepar_fx.testing.spawn`` / ``spawn_each`` from ``test_errors.py`` and ``test_faults.py``. Each
-returns a JSON-serialisable report; bit-exact comparisons happen here, on the ranks, against files in ``tmp``.
+Started by ``primepar_fx.testing.spawn`` / ``spawn_each`` from ``test_errors.py``, ``test_faults.py`` and
+``test_checkpoint.py``. Each returns a JSON-serialisable report; bit-exact comparisons happen here, on the ranks,
+against files in ``tmp``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from distributed_checks import ATOL, RTOL, make
 
 import primepar_fx
+from primepar_fx import checkpoint
 from primepar_fx.capture import capture
 from primepar_fx.compile import compile_graph
 from primepar_fx.graph import build_graph
@@ -130,3 +132,85 @@ def rank_fails_mid_step(rank: int, world: int, how: str, at: str, timeout: float
             time.sleep(timeout + 5)  # alive and silent: the others must time out
             return {"rank": rank, "injected": str(e)}
         return {"rank": rank, "error": _error(e), "seconds": time.monotonic() - start}
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def _full_optimizer_state(module, opt) -> dict[str, torch.Tensor]:
+    params = module.local_parameters()
+    out = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        for fqn, full in module.gather_tensors({f: opt.state[p][key] for f, p in params.items()}).items():
+            out[f"{fqn}/{key}"] = full
+    return out
+
+
+def _compare_to_file(module, opt, path: Path) -> list[str]:
+    """Names whose gathered parameter or optimizer state is not bit-identical to the consolidated file's."""
+    saved = torch.load(path, weights_only=True)
+    params = module.gather_state_dict()
+    bad = [n for n, t in saved["model"].items() if not torch.equal(params[n], t)]
+    state = _full_optimizer_state(module, opt)
+    for fqn, keys in saved["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(state[f"{fqn}/{key}"], keys[key]):
+                bad.append(f"{fqn}/{key}")
+        if float(keys["step"]) != float(opt.state[module.local_parameters()[fqn]]["step"]):
+            bad.append(f"{fqn}/step")
+    return bad
+
+
+def checkpoint_save(rank: int, world: int, name: str, plan: str, tmp: str, before: int, after: int) -> dict:
+    """Train ``before`` steps, save both ways, train ``after`` more; resume from each and train the same steps."""
+    model, args, kwargs = make(name)
+    graph = build_graph(capture(model, args, kwargs))
+    module = compile_graph(graph, plan=plan)
+    opt = adamw(module.parameters())
+    first = [step(module, opt, args, kwargs) for _ in range(before)]
+    t0 = time.monotonic()
+    checkpoint.save(module, Path(tmp, "dcp"), opt)
+    t1 = time.monotonic()
+    checkpoint.save_consolidated(module, Path(tmp, "full.pt"), opt)
+    t2 = time.monotonic()
+    report = {
+        "first": first,
+        "save_s": t1 - t0,
+        "save_consolidated_s": t2 - t1,
+        "file_differs": _compare_to_file(module, opt, Path(tmp, "full.pt")),
+        "uninterrupted": [step(module, opt, args, kwargs) for _ in range(after)],
+        "partitions": sorted({n.partition for n in module.plan.nodes}),
+    }
+    ref, _, _ = make(name)  # the trained weights at other sizes: the module rebuilds its graph, reusing its plan
+    ref.load_state_dict(module.gather_state_dict())
+    a, k = inputs(name, 2, 8)
+    with torch.no_grad():
+        report["other sizes"] = [float(module(*a, **k)), float(ref(*a, **k))]
+    for how in ("dcp", "consolidated"):
+        fresh = compile_graph(graph, plan=plan)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)  # the checkpoint's hyperparameters win
+        if how == "dcp":
+            checkpoint.load(fresh, Path(tmp, "dcp"), fresh_opt)
+        else:
+            checkpoint.load_consolidated(fresh, Path(tmp, "full.pt"), fresh_opt)
+        report[f"{how} lr"] = fresh_opt.param_groups[0]["lr"]
+        report[f"{how} resumed"] = [step(fresh, fresh_opt, args, kwargs) for _ in range(after)]
+    return report
+
+
+def checkpoint_load(rank: int, world: int, name: str, plan: str, tmp: str, after: int) -> dict:
+    """Load a checkpoint written under another plan or world size; compare with the consolidated file; resume."""
+    model, args, kwargs = make(name)
+    graph = build_graph(capture(model, args, kwargs))
+    report: dict = {}
+    for how in ("dcp", "consolidated"):
+        module = compile_graph(graph, plan=plan)
+        opt = torch.optim.AdamW(module.parameters(), lr=1.0)
+        t0 = time.monotonic()
+        if how == "dcp":
+            checkpoint.load(module, Path(tmp, "dcp"), opt)
+        else:
+            checkpoint.load_consolidated(module, Path(tmp, "full.pt"), opt)
+        report[f"{how} load_s"] = time.monotonic() - t0
+        report[f"{how} differs"] = _compare_to_file(module, opt, Path(tmp, "full.pt"))
+        report[f"{how} resumed"] = [step(module, opt, args, kwargs) for _ in range(after)]
+    report["partitions"] = sorted({n.partition for n in module.plan.nodes})
+    return report
