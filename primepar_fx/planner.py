@@ -136,11 +136,21 @@ def solve_for_peak(
     exhaustive = len(caps) <= 24
     if not exhaustive:
         caps = sorted({float(np.quantile(caps, q, method="higher")) for q in np.linspace(0, 1, 24)})
+
+    def peak(choice: dict[str, int]) -> float:
+        return max(float(b[choice[n]]) for n, b in buffers.items()) + sum(
+            float(graph.node_memory[n][choice[n]] - buffers[n][choice[n]])  # type: ignore[index]
+            for n in graph.nodes
+        )
+
     best: tuple[float, dict[str, int], Solution] | None = None
     smallest = math.inf
-    for cap in caps:
+    free = solve(graph, method=method)  # type: ignore[arg-type]
+    if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
+        return free
+    for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
         if cap > memory_budget:
-            break
+            continue
         keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
         if any(len(k) == 0 for k in keep.values()):
             continue
@@ -151,24 +161,25 @@ def solve_for_peak(
             node_memory={n: (graph.node_memory[n] - buffers[n])[keep[n]] for n in graph.nodes},  # type: ignore[index]
             node_key=graph.node_key,
         )
-        try:
-            sol = solve(sub, memory_budget=memory_budget - cap, method=method)  # type: ignore[arg-type]
-        except InfeasibleBudget as exc:
-            smallest = min(smallest, exc.min_memory + cap)
+        relaxed = solve(sub, method=method)  # type: ignore[arg-type]  # a lower bound for this cap, in milliseconds
+        if best is not None and relaxed.cost >= best[0]:
             continue
+        if relaxed.memory <= memory_budget - cap:
+            sol = relaxed
+        else:
+            try:
+                sol = solve(sub, memory_budget=memory_budget - cap, method=method)  # type: ignore[arg-type]
+            except InfeasibleBudget as exc:
+                smallest = min(smallest, exc.min_memory + cap)
+                continue
         choice = {n: int(keep[n][i]) for n, i in sol.choice.items()}
         if best is None or sol.cost < best[0]:
             best = (sol.cost, choice, sol)
     if best is None:
         raise InfeasibleBudget(memory_budget, smallest)
     cost, choice, sol = best
-    memory = max(float(b[choice[n]]) for n, b in buffers.items()) + sum(
-        float(graph.node_memory[n][choice[n]] - buffers[n][choice[n]])
-        for n in graph.nodes  # type: ignore[index]
-    )
-    return Solution(
-        choice, cost, memory, sol.method, sol.proven_optimal and exhaustive, time.perf_counter() - start, sol.bound
-    )
+    proven = sol.proven_optimal and exhaustive
+    return Solution(choice, cost, peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
 
 
 def price_baselines(
