@@ -39,9 +39,11 @@ class InfeasibleBudget(SearchError):
     def __init__(self, budget: float, min_memory: float) -> None:
         self.budget = budget
         self.min_memory = min_memory
+        need = math.ceil(min_memory) if math.isfinite(min_memory) else min_memory
         super().__init__(
-            f"memory budget {budget:.6g} is infeasible: the smallest achievable memory per device is "
-            f"{min_memory:.6g} (raise the budget to at least that, or allow more devices)"
+            f"memory budget {budget:,.0f} bytes ({budget / 2**20:.3f} MiB) is infeasible: the smallest achievable "
+            f"memory per device is {need:,} bytes ({min_memory / 2**20:.3f} MiB); raise the budget to at least "
+            "that, or allow more devices"
         )
 
 
