@@ -1,0 +1,380 @@
+"""Differential fuzzing: random small decoders x world sizes x random legal plans, each against one device.
+
+A :class:`Case` is a small :class:`~primepar_fx.models.DecoderConfig` (1-3 layers; hidden, heads, kv heads and MLP
+width drawn from choices that 2 and 3 divide; LayerNorm or RMSNorm; GELU, ReLU or SwiGLU; learned, rotary or ALiBi
+positions; fused or separate QKV; tied or untied embeddings; with or without biases), a world size in
+{1, 2, 3, 4, 6, 8}, a batch and sequence length, and a plan: mostly ``"random:SEED"`` (a uniformly random legal
+partition sequence per node, not only the optimal one), sometimes ``"prime"`` (on 4 or 8), ``"megatron"``,
+``"data_parallel"`` or the searched plan, and on 6 ranks sometimes the other digit order (2, 3). One training step
+of the compiled per-rank module must give the single-device loss and, gathered, every single-device gradient
+(``RTOL``, ``ATOL``).
+
+How examples are drawn, and why. One definition, :func:`draw_case`, draws a case through a ``choose(options)``
+callable, so the same generator serves two drivers:
+
+* a seeded ``random.Random`` (:func:`draw_cases`) for the bounded CI run and the long mode. Its cases are bucketed
+  by world size and every bucket runs in **one** process-group start (:func:`run_bucket` on every rank; one rank
+  runs in this process, without a group). That is what makes a dozen examples affordable: on 2 cores, starting
+  8 gloo ranks takes about half a minute (each imports torch), a case a few seconds. Hypothesis cannot drive
+  this: it calls the test once per example, and shrinks by calling it again, while a bucket has to be known before
+  its ranks start.
+* hypothesis (``st.composite`` over the same :func:`draw_case`, see ``tests/test_fuzz.py``) for two examples on
+  2 ranks, one process-group start each, and for cheap single-process properties of the generator. Hypothesis
+  only draws there; the ranks run in fresh ``spawn`` processes, never forked from the hypothesis engine.
+
+A failing case (wrong numbers, an exception, or a bucket past its deadline) is written to a folder with the plan
+JSON rank 0 compiled, which ``case.json`` then names instead of the drawn plan (so the rerun does not depend on
+the planner); the message prints the config and the one-line command that reruns it alone::
+
+    PYTHONPATH=. python tests/fuzz_checks.py /tmp/.../case-3/case.json
+
+``python tests/fuzz_checks.py --examples N [--seed S]`` runs N fresh examples the same way as the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from distributed_checks import ATOL, RTOL, _mismatch
+
+WORLDS = (1, 2, 3, 4, 6, 8)
+CI_WORLDS = (2, 4, 1, 3, 8, 6, 2, 1, 4, 3, 2, 1)  # world sizes of the first cases (draw_cases)
+TIMEOUT_PER_CASE = 120.0  # seconds a bucket may take per case before every rank is killed
+
+Choose = Callable[[Sequence[Any]], Any]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fuzz example: the model, where it runs and how it is partitioned (all JSON data)."""
+
+    config: dict[str, Any]
+    world: int
+    plan: str  # "random:SEED", "prime", "megatron", "data_parallel", "searched" or a path to a plan JSON
+    batch: int
+    seq: int
+    seed: int = 0  # weights and token ids
+    digits: tuple[int, ...] | None = None  # device digits other than the cluster's default (forced plans only)
+    index: int = 0
+    note: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["digits"] = list(self.digits) if self.digits else None
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Case:
+        data = dict(data)
+        data["digits"] = tuple(data["digits"]) if data.get("digits") else None
+        return cls(**data)
+
+    def label(self) -> str:
+        c = self.config
+        parts = [
+            f"L{c['layers']} h{c['hidden']} heads{c['heads']}/{c['kv_heads']} ffn{c['ffn_hidden']}",
+            f"{c['norm']} {c['mlp']} {c['position']}",
+            "fused" if c["fused_qkv"] else "qkv",
+            "tied" if c["tied_embeddings"] else "untied",
+            "bias" if c["bias"] else "nobias",
+            f"V{c['vocab_size']} B{self.batch} S{self.seq} world {self.world} plan {self.plan}",
+        ]
+        if self.digits:
+            parts.append(f"digits {self.digits}")
+        return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ drawing
+
+
+def draw_config(choose: Choose) -> dict[str, Any]:
+    """A small decoder whose dims 2 and 3 divide (as ``DecoderConfig`` keyword arguments)."""
+    hidden = choose((24, 48, 96))
+    heads = choose([h for h in (2, 3, 4, 6) if hidden % h == 0])
+    kv_heads = choose([k for k in (1, 2, 3, heads) if heads % k == 0])
+    fused = kv_heads == heads and choose((False, True))
+    return {
+        "name": "fuzz",
+        "vocab_size": choose((96, 192)),
+        "hidden": hidden,
+        "layers": choose((1, 2, 3)),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "ffn_hidden": hidden * choose((2, 4)),
+        "fused_qkv": fused,
+        "norm": choose(("layernorm", "rmsnorm")),
+        "mlp": choose(("gelu", "relu", "swiglu")),
+        "position": choose(("learned", "rotary", "alibi")),
+        "bias": choose((True, False)),
+        "tied_embeddings": choose((True, False)),
+        "embed_norm": choose((False, False, True)),
+        "max_seq": 24,
+    }
+
+
+def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Case:
+    """A :class:`Case`; ``choose(options)`` returns one of ``options`` (``random.Random.choice``, hypothesis)."""
+    config = draw_config(choose)
+    world = world if world is not None else choose(WORLDS)
+    plans = ["random"] * 6 + ["megatron", "data_parallel", "searched"] + (["prime"] * 2 if world in (4, 8) else [])
+    plan = choose(plans)
+    if plan == "random":
+        plan = f"random:{choose(range(10_000))}"
+    digits = None
+    if world == 6 and plan.startswith("random") and choose((False, True)):
+        digits = (2, 3)  # the cluster's default is (3, 2)
+    batch, seq = choose(((6, 12), (6, 24), (12, 24)))  # B != S: capture tells the two apart by size
+    return Case(
+        config=config,
+        world=world,
+        plan=plan,
+        batch=batch,
+        seq=seq,
+        seed=choose(range(1000)),
+        digits=digits,
+        index=index,
+    )
+
+
+def draw_cases(n: int, seed: int) -> list[Case]:
+    """``n`` cases from a ``random.Random(seed)``.
+
+    The first cases take their world sizes from :data:`CI_WORLDS` (every size present, the cheap ones more
+    often: 8 ranks on 2 cores take a minute to start); later ones cycle through :data:`WORLDS` evenly.
+    """
+    import random
+
+    rng = random.Random(seed)
+    worlds = [CI_WORLDS[i] if i < len(CI_WORLDS) else WORLDS[i % len(WORLDS)] for i in range(n)]
+    return [draw_case(rng.choice, world=w, index=i) for i, w in enumerate(worlds)]
+
+
+def by_world(cases: Sequence[Case], most: int = 20) -> list[tuple[int, list[Case]]]:
+    """Buckets of at most ``most`` cases of one world size, smallest world first (a hang loses one bucket)."""
+    worlds: dict[int, list[Case]] = {}
+    for case in cases:
+        worlds.setdefault(case.world, []).append(case)
+    return [(w, group[i : i + most]) for w, group in sorted(worlds.items()) for i in range(0, len(group), most)]
+
+
+# ------------------------------------------------------------------------------------------------ on every rank
+
+
+def _model_and_inputs(case: Case):
+    from primepar_fx.models import DecoderConfig, build, example_inputs
+
+    config = DecoderConfig(**case.config)
+    model = build(config, seed=case.seed)
+    (ids,), kwargs = example_inputs(config, case.batch, case.seq, seed=case.seed)
+    return model, (ids,), {"labels": kwargs["labels"].clone()}
+
+
+def _plan_for(case: Case, graph, world: int, rank: int):
+    """What ``compile_graph`` gets: the name, a plan path, or (other digits) a Plan forced on rank 0."""
+    if case.digits is None:
+        return case.plan
+    if rank != 0:
+        return None  # rank 0's plan is broadcast
+    from primepar_fx.planner import forced_plan
+
+    cap = graph.captured
+    return forced_plan(
+        graph, case.plan, world_size=world, batch=cap.example_batch, seq=cap.example_seq, digits=case.digits
+    )
+
+
+def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) -> dict[str, Any]:
+    """One training step compiled over the ranks vs one device: every rank's loss, the gradients that differ.
+
+    Rank 0 writes the plan it compiled to ``out_dir/plan-I.json`` before the step, so a case that raises or hangs
+    later still has its plan.
+    """
+    import torch.distributed as dist
+
+    from primepar_fx.capture import capture
+    from primepar_fx.compile import compile_graph
+    from primepar_fx.graph import build_graph
+
+    ref, args, kwargs = _model_and_inputs(case)
+    ref_loss = ref(*args, **kwargs)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    model, _, _ = _model_and_inputs(case)
+    graph = build_graph(capture(model, args, kwargs))
+    module = compile_graph(graph, plan=_plan_for(case, graph, world, rank), world_size=world)
+    if rank == 0 and out_dir is not None:
+        Path(out_dir, f"plan-{case.index}.json").write_text(module.plan.to_json())
+    loss = module(*args, **kwargs)
+    loss.backward()
+    grads = module.gather_grads()
+    bad = _mismatch(grads, ref_grads)
+    losses = torch.zeros(world, dtype=torch.float64)  # every rank must return the same loss
+    losses[rank] = float(loss.detach())
+    if world > 1:
+        dist.all_reduce(losses)
+    report = {
+        "loss": [float(x) for x in losses],
+        "ref_loss": float(ref_loss.detach()),
+        "bad_grads": bad,
+        "fallbacks": list(module.fallbacks),
+    }
+    report["ok"] = not bad and all(
+        abs(x - report["ref_loss"]) <= ATOL + RTOL * abs(report["ref_loss"]) for x in report["loss"]
+    )
+    return report
+
+
+def run_bucket(rank: int, world: int, cases: list[dict[str, Any]], out_dir: str) -> list[dict[str, Any]]:
+    """Every case of one world size in one process group (``spawn`` target); rank 0 returns the reports.
+
+    Before each case rank 0 writes ``progress-WORLD.json`` (so a bucket killed at its deadline names the case that
+    hung). An exception on a rank is recorded, and every rank agrees
+    on whether any rank failed before the next case starts.
+    """
+    import torch.distributed as dist
+
+    reports = []
+    for data in cases:
+        case = Case.from_dict(data)
+        if rank == 0:
+            Path(out_dir, f"progress-{world}.json").write_text(json.dumps(case.to_dict()))
+        t0 = time.perf_counter()
+        try:
+            report = check_case(case, rank, world, out_dir)
+            error = None
+        except Exception:
+            report, error = {"ok": False}, traceback.format_exc()
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        if world > 1:
+            errors = torch.zeros(world, dtype=torch.int64)
+            errors[rank] = failed[0]
+            dist.all_reduce(errors)
+        else:
+            errors = failed
+        if error is not None:
+            Path(out_dir, f"error-{case.index}-rank{rank}.txt").write_text(error)
+        if rank == 0:
+            report.update(
+                index=case.index,
+                seconds=round(time.perf_counter() - t0, 2),
+                error_ranks=[r for r in range(world) if errors[r]],
+            )
+            report["ok"] = report["ok"] and not report["error_ranks"]
+            reports.append(report)
+    return reports
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def save_failure(case: Case, report: dict[str, Any], out_dir: str) -> Path:
+    """``case-I/case.json`` (+ ``plan.json`` pinning the exact plan, + error texts); returns the case file."""
+    folder = Path(out_dir, f"case-{case.index}")
+    folder.mkdir(parents=True, exist_ok=True)
+    plan_src = Path(out_dir, f"plan-{case.index}.json")
+    pinned = case
+    if plan_src.exists():
+        (folder / "plan.json").write_text(plan_src.read_text())
+        pinned = replace(case, plan=str(folder / "plan.json"), digits=None, note={"drawn_plan": case.plan})
+    for err in sorted(Path(out_dir).glob(f"error-{case.index}-rank*.txt")):
+        (folder / err.name).write_text(err.read_text())
+    (folder / "case.json").write_text(json.dumps({**pinned.to_dict(), "report": report}, indent=2))
+    return folder / "case.json"
+
+
+def repro_command(case_file: Path) -> str:
+    return f"PYTHONPATH=. python tests/fuzz_checks.py {case_file}"
+
+
+def describe(case: Case, report: dict[str, Any], case_file: Path) -> str:
+    lines = [f"case {case.index}: {case.label()}", f"  config: {case.config}"]
+    if report.get("error_ranks"):
+        first = next(iter(sorted(case_file.parent.glob("error-*.txt"))), None)
+        tail = first.read_text().strip().splitlines()[-1] if first else "?"
+        lines.append(f"  raised on ranks {report['error_ranks']}: {tail}")
+    if "loss" in report:
+        lines.append(f"  loss {report['loss'][:2]} vs one device {report['ref_loss']}")
+    if report.get("bad_grads"):
+        lines.append(f"  gradients differ: {report['bad_grads'][:4]}")
+    if report.get("timeout"):
+        lines.append(f"  {report['timeout']}")
+    lines.append(f"  repro: {repro_command(case_file)}")
+    return "\n".join(lines)
+
+
+def run_cases(cases: Sequence[Case], out_dir: str, *, log: Callable[[str], None] = lambda s: None) -> list[str]:
+    """Run ``cases`` (one process-group start per world size); a description of each failure (empty: all pass)."""
+    from primepar_fx.testing import spawn
+
+    os.makedirs(out_dir, exist_ok=True)
+    failures = []
+    for world, bucket in by_world(cases):
+        t0 = time.perf_counter()
+        try:
+            if world == 1:  # one rank needs no process group (compile's documented single-rank path)
+                reports = run_bucket(0, 1, [c.to_dict() for c in bucket], out_dir)
+            else:
+                reports = spawn(
+                    run_bucket,
+                    world,
+                    [c.to_dict() for c in bucket],
+                    out_dir,
+                    timeout=60.0 + TIMEOUT_PER_CASE * len(bucket),
+                )
+        except TimeoutError as e:  # the case in progress hung; the rest of the bucket is unknown
+            stuck = Case.from_dict(json.loads(Path(out_dir, f"progress-{world}.json").read_text()))
+            report = {"ok": False, "timeout": f"{e}; case {stuck.index} was running"}
+            failures.append(describe(stuck, report, save_failure(stuck, report, out_dir)))
+            continue
+        for case, report in zip(bucket, reports):
+            if not report["ok"]:
+                failures.append(describe(case, report, save_failure(case, report, out_dir)))
+        each = ", ".join(f"{r['seconds']:.1f}" for r in reports)
+        whole = sum(len(r.get("fallbacks", ())) for r in reports)
+        log(
+            f"world {world}: {len(bucket)} cases in {time.perf_counter() - t0:.1f} s ({each}); {whole} nodes ran "
+            f"whole; {len(failures)} failures so far"
+        )
+    return failures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("case", nargs="?", help="a case.json to rerun alone")
+    parser.add_argument("--examples", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="folder for failing cases (default: a new temporary one)")
+    opts = parser.parse_args(argv)
+    out = opts.out or tempfile.mkdtemp(prefix="primepar-fuzz-")
+    os.makedirs(out, exist_ok=True)
+    if opts.case:
+        data = json.loads(Path(opts.case).read_text())
+        data.pop("report", None)
+        cases = [Case.from_dict(data)]
+    else:
+        cases = draw_cases(opts.examples, opts.seed)
+    for case in cases:
+        print(f"case {case.index}: {case.label()}", flush=True)
+    failures = run_cases(cases, out, log=lambda s: print(s, flush=True))
+    print("\n\n".join(failures) if failures else f"all {len(cases)} cases match one device")
+    print(f"{len(cases)} examples, {len(failures)} failures (cases under {out})")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fuzz_checks  # the ranks unpickle run_bucket from the module, not from __main__
+
+    sys.exit(fuzz_checks.main())
