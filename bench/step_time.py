@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from measure import describe, interleave, machine, reduce, tensor_bytes, timed_step
 from tabulate import tabulate
 
-import primepar_fx
 from primepar_fx.capture import capture
 from primepar_fx.compile import compile_graph
 from primepar_fx.graph import build_graph
 from primepar_fx.models import DecoderConfig, build, example_inputs, get_config
-from primepar_fx.partition import PartitionSeq, Replicate
 from primepar_fx.testing import spawn
 
 # name -> (config, batch, seq); gpt2-h256 is a custom GPT-2 style config, larger than gpt2-tiny
@@ -67,48 +64,24 @@ def _timed_step(module, opt, args, kwargs, distributed: bool) -> tuple[float, li
     """Seconds of one forward + backward + AdamW step (between barriers); bytes sent by kind, then messages."""
     if distributed:
         module.comm_stats.reset()
-        dist.barrier()
-    t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    loss = module(*args, **kwargs)
-    loss.backward()
-    opt.step()
-    if distributed:
-        dist.barrier()
-    seconds = time.perf_counter() - t0
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        module(*args, **kwargs).backward()
+        opt.step()
+
+    seconds = timed_step(step, distributed).wall
     if not distributed:
         return seconds, []
     stats = module.comm_stats
     return seconds, [stats.bytes[k] for k in KINDS] + [sum(stats.calls[k] for k in KINDS)]
 
 
-def _reduce(values: list[float], op: dist.ReduceOp) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def _param_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def describe(plan) -> str:
-    """A few words on a plan: the Megatron configuration, or how many nodes use P(S x S) or replicate."""
-    if "config" in plan.search:
-        return plan.search["config"]["name"].removeprefix("megatron ")
-    seqs = [PartitionSeq.parse(n.partition) for n in plan.nodes]
-    replicated = sum(all(isinstance(e, Replicate) for e in q.elements) for q in seqs)
-    if replicated == len(seqs):
-        return "all replicated"
-    primes = sum(q.prime is not None for q in seqs)
-    return f"{primes}/{len(seqs)} nodes P(SxS), {replicated} replicated"
-
-
 def _row(label: str, run: dict, steps: int, world: int) -> dict:
     module = run["module"]
-    slowest = _reduce(run["times"], dist.ReduceOp.MAX)  # a step ends when the last rank is done
-    *by_kind, calls = [b / steps / world for b in _reduce(run["sent"], dist.ReduceOp.SUM)]  # mean: ranks, steps
-    held_max = _reduce([float(_param_bytes(module.local_parameters().values()))], dist.ReduceOp.MAX)[0]
+    slowest = reduce(run["times"], dist.ReduceOp.MAX)  # a step ends when the last rank is done
+    *by_kind, calls = [b / steps / world for b in reduce(run["sent"], dist.ReduceOp.SUM)]  # mean: ranks, steps
+    held_max = reduce([float(tensor_bytes(module.local_parameters().values()))], dist.ReduceOp.MAX)[0]
     pred = module.plan.predicted
     return {
         "plan": label,
@@ -136,7 +109,7 @@ def bench_rank(rank: int, world: int, name: str, warmup: int, steps: int, plans:
     t0 = time.perf_counter()
     graph = build_graph(capture(model, args, kwargs))
     capture_s = time.perf_counter() - t0
-    full_bytes = _param_bytes(model.parameters())
+    full_bytes = tensor_bytes(model.parameters())
     del model
     runs: dict[str, dict] = {}
     # the budgeted search needs the Megatron plan's predicted peak memory: Megatron is compiled first
@@ -148,14 +121,16 @@ def bench_rank(rank: int, world: int, name: str, warmup: int, steps: int, plans:
         runs[label] = {"module": module, "opt": opt, "budget": budget, "compile_s": time.perf_counter() - t0}
         runs[label].update(times=[], sent=[0.0] * (len(KINDS) + 1))
     load = [os.getloadavg()[0]]
+
+    def one(label: str, timed: bool) -> None:
+        run = runs[label]
+        seconds, sent = _timed_step(run["module"], run["opt"], args, kwargs, distributed=True)
+        if timed:
+            run["times"].append(seconds)
+            run["sent"] = [a + b for a, b in zip(run["sent"], sent)]
+
     # one step of each plan in turn (the order rotating), so load from other processes falls on all plans alike
-    for i in range(warmup + steps):
-        for label in plans[i % len(plans) :] + plans[: i % len(plans)]:
-            run = runs[label]
-            seconds, sent = _timed_step(run["module"], run["opt"], args, kwargs, distributed=True)
-            if i >= warmup:
-                run["times"].append(seconds)
-                run["sent"] = [a + b for a, b in zip(run["sent"], sent)]
+    interleave(plans, warmup, steps, one)
     load.append(os.getloadavg()[0])
     rows = [_row(label, runs[label], steps, world) for label in plans]
     return {"capture_s": capture_s, "full_param_bytes": full_bytes, "rows": rows, "load": load}
@@ -261,26 +236,11 @@ READING = """## Reading the results
 """
 
 
-def code_version() -> str:
-    """The git commit of the primepar_fx that ran, and whether its package had uncommitted changes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(primepar_fx.__file__)))
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "primepar_fx")
-    except (OSError, subprocess.CalledProcessError):
-        return "primepar_fx from outside a git checkout"
-    return f"primepar_fx at commit {head}" + (" with uncommitted changes" if dirty else "")
-
-
 def markdown(results: dict, args: argparse.Namespace, total_s: float) -> str:
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
     lines = [
         "# Measured training-step time of the plans on gloo (CPU)",
         "",
-        f"Machine: {machine}, torch {torch.__version__}, no GPU; {code_version()}. {args.world_size} gloo ranks on "
+        f"Machine: {machine()}. {args.world_size} gloo ranks on "
         "this one machine (loopback TCP), one thread each. Cost model: the `cpu-gloo` preset (not calibrated on "
         "this machine). Every plan of a model is compiled from one captured graph inside one run, and the plans' "
         "steps are interleaved (one step of each in turn), so load from other processes falls on all of them alike.",
