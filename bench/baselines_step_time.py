@@ -1,0 +1,549 @@
+"""Benchmark: primepar's plans against PyTorch's own parallelisms on the same model, 4 gloo ranks, one run.
+
+Systems, all training the same reference decoder (:data:`CONFIG`, built from one seed) on the same global batch:
+
+* ``primepar searched``: the plan :func:`primepar_fx.compile_graph` searches with the ``cpu-gloo`` preset, and
+  ``primepar searched (calibrated)`` with ``--spec``, a cluster spec from ``primepar-fx calibrate`` on this machine,
+  also under a memory budget (``(calibrated, budget)``: the predicted peak of Megatron dp1 x mp4 +SP on that spec);
+  ``primepar megatron``: the forced Megatron plan (the configuration the cost model finds cheapest), for
+  reference, and ``primepar megatron dp1 x mp4 +SP``: Megatron with sequence parallelism over all ranks, the
+  layout of ``dtensor tp``, planned and run by primepar.
+* ``dtensor tp``: ``parallelize_module`` on a 1-D ``DeviceMesh("cpu", ...)`` with torchtitan's Llama plan:
+  ``ColwiseParallel`` q/k/v/gate/up, ``RowwiseParallel`` o/down, ``SequenceParallel`` norms, the embedding
+  ``RowwiseParallel`` and the LM head ``ColwiseParallel`` (output replicated; no loss parallelism). Every figure's
+  ratio is to this row. ``dtensor tp (no sp)``: the same column/row plan on the blocks only, activations and the
+  rest of the model replicated (attention and MLP inputs made DTensors once, so q/k/v share one backward
+  all-reduce).
+* ``fsdp2``: ``fully_shard`` on every block, then on the model; ``ddp``: ``DistributedDataParallel``. Each rank
+  gets ``B / world`` of the batch (the same global batch; the loss is a mean over equal shards, so the gradient is
+  the same).
+
+A step is zero_grad + forward + backward + ``AdamW.step``; ``--warmup`` steps, then the median of ``--steps``, each
+between two barriers and taken as the slowest rank's time, the systems' steps interleaved (:mod:`measure`). Bytes
+per rank per step: the bus volume of every collective and transfer (:class:`measure.CommCounter`, in one extra
+step; for primepar also its ``comm_stats``, which must agree) and the bytes really written to the sockets
+(``/proc/self/io``, mean over the timed steps, less two barriers' worth). Memory per rank: :func:`measure.memory_probe`.
+The attention heads are local: the reference ``Attention`` splits heads with ``view(B, S, -1, head_dim)`` and
+merges them with ``reshape(B, S, -1)``, so a rank's column shard of q/k/v holds whole heads (``heads`` is a
+multiple of the world size) and no reshape names the global head count.
+
+    python bench/baselines_step_time.py [--steps 15] [--spec calibrated.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from measure import (
+    CommCounter,
+    describe,
+    interleave,
+    machine,
+    memory_probe,
+    mib,
+    page_for,
+    pyplot,
+    ratio,
+    reduce,
+    run_options,
+    save_chart,
+    tensor_bytes,
+    timed_step,
+    wire_bytes,
+    write_page,
+)
+from plans import megatron_config, megatron_plan
+from tabulate import tabulate
+
+from primepar_fx.capture import capture
+from primepar_fx.compile import compile_graph
+from primepar_fx.graph import build_graph
+from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.testing import spawn
+
+#: Llama style (RMSNorm, SwiGLU, rotary, no biases, untied embeddings), separate q/k/v, plain multi-head attention
+CONFIG = replace(
+    get_config("llama-tiny"),
+    name="llama-h256",
+    hidden=256,
+    layers=4,
+    heads=8,
+    kv_heads=None,
+    ffn_hidden=704,
+    vocab_size=1024,
+    max_seq=128,
+    description="Llama style, hidden 256, 4 layers, 8 heads (head dim 32), SwiGLU 704, vocab 1024, untied",
+)
+BATCH, SEQ = 8, 128
+QUICK = (replace(CONFIG, name="llama-h64", hidden=64, layers=2, ffn_hidden=176, vocab_size=256), 4, 32)
+REFERENCE = "dtensor tp"
+PAGE = "docs/benchmarks/baselines.md"
+MEGATRON_TP = "primepar megatron dp1 x mp4 +SP"  # dtensor tp's layout, planned and run by primepar
+BUDGETED = "primepar searched (calibrated, budget)"  # within the predicted peak of MEGATRON_TP
+SYSTEMS = (
+    "primepar searched",
+    "primepar searched (calibrated)",
+    BUDGETED,
+    "primepar megatron",
+    MEGATRON_TP,
+    REFERENCE,
+    "dtensor tp (no sp)",
+    "fsdp2",
+    "ddp",
+)
+LR = 1e-3
+PARTS = ("wall", "compute", "queued", "blocked", "comm_cpu")  # measure.Timing
+
+
+# ------------------------------------------------------------------------------------------------ the systems
+def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> torch.nn.Module:
+    """torchtitan's column/row plan for a Llama ``Decoder`` (module docstring), in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    if sequence_parallel:
+        top = {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "final_norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        parallelize_module(model, mesh, top)
+    for block in model.blocks:
+        plan = {
+            "attn": PrepareModuleInput(
+                input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(output_layouts=between),
+            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=between),
+        }
+        if sequence_parallel:
+            plan |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()}
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+def make_system(label: str, graph, config, rank: int, world: int, spec: str | None) -> dict:
+    """``{"module", "opt", "args", "kwargs", ...}`` of one system on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    batch, seq = graph.captured.example_batch, graph.captured.example_seq
+    args, kwargs = example_inputs(config, batch, seq)
+    run: dict = {"args": args, "kwargs": kwargs, "extra_state": 0}
+    t0 = time.perf_counter()
+    if label.startswith("primepar"):
+        cluster = spec if "(calibrated" in label else "cpu-gloo"
+        plan, budget = ("megatron" if label.endswith("megatron") else None), None
+        if label in (MEGATRON_TP, BUDGETED):
+            tp = megatron_config(world, cluster, dp=1, sequence_parallel=True)
+            plan = megatron_plan(graph, tp, world_size=world, cluster=cluster, batch=batch, seq=seq)
+        if label == BUDGETED:
+            plan, budget = None, plan.predicted.peak_memory_bytes
+        module = compile_graph(graph, plan=plan, cluster=cluster, memory_budget=budget)
+        run |= {"plan": module.plan, "budget": budget}
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        module = build(config)
+        if label.startswith("dtensor tp"):
+            tensor_parallel(module, mesh, sequence_parallel=label == REFERENCE)
+        else:  # data parallel: this rank's share of the global batch
+            share = batch // world
+            ids = args[0][rank * share : (rank + 1) * share]
+            run |= {"args": (ids,), "kwargs": {"labels": ids}}
+            if label == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                for block in module.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(module, mesh=mesh)
+            else:
+                module = torch.nn.parallel.DistributedDataParallel(module)
+                run["extra_state"] = tensor_bytes(module.parameters())  # its gradient buckets, one grad's worth
+    run |= {"module": module, "opt": torch.optim.AdamW(module.parameters(), lr=LR)}
+    run |= {"setup_s": time.perf_counter() - t0, "times": [], "wire": []}
+    return run
+
+
+def train_step(run: dict) -> torch.Tensor:
+    run["opt"].zero_grad(set_to_none=True)
+    loss = run["module"](*run["args"], **run["kwargs"])
+    loss.backward()
+    run["opt"].step()
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def bench_rank(rank: int, world: int, quick: bool, warmup: int, steps: int, labels: list[str], spec: str | None):
+    """On every rank: build every system, check they compute the same first loss, time them, probe them."""
+    config, batch, seq = QUICK if quick else (CONFIG, BATCH, SEQ)
+    args, kwargs = example_inputs(config, batch, seq)
+    graph = build_graph(capture(build(config), args, kwargs))
+    runs = {label: make_system(label, graph, config, rank, world, spec) for label in labels}
+    # the same model: every system's loss on the first batch, averaged over the data-parallel ranks
+    first = {
+        label: reduce([float(train_step(run).detach())], dist.ReduceOp.SUM)[0] / world for label, run in runs.items()
+    }
+    dist.barrier()
+    w0 = wire_bytes()
+    barrier_bytes = (timed_step(lambda: None), wire_bytes() - w0)[1]  # what two barriers write
+    load = [os.getloadavg()[0]]
+
+    def one(label: str, timed: bool) -> None:
+        run = runs[label]
+        w0 = wire_bytes()
+        timing = timed_step(lambda: train_step(run))
+        if timed:
+            run["times"].append(timing)
+            run["wire"].append(wire_bytes() - w0 - barrier_bytes)
+
+    interleave(labels, warmup, steps, one)
+    load.append(os.getloadavg()[0])
+    rows = [row(label, runs[label], world) for label in labels]
+    return {"rows": rows, "load": load, "first_loss": first, "barrier_bytes": barrier_bytes}
+
+
+def row(label: str, run: dict, world: int) -> dict:
+    """One system's figures on rank 0 (collective: every rank calls it)."""
+    module = run["module"]
+    slowest = reduce([t.wall for t in run["times"]], dist.ReduceOp.MAX)
+    parts = [statistics.mean(getattr(t, k) for t in run["times"]) for k in PARTS]
+    counter = CommCounter()
+    comm_stats = getattr(module, "comm_stats", None)
+    if comm_stats is not None:
+        comm_stats.reset()
+    with counter:
+        loss = train_step(run)
+    planned = comm_stats.planned if comm_stats is not None else None
+    mem = memory_probe(module, run["opt"], lambda: module(*run["args"], **run["kwargs"]), run["extra_state"])
+    wire = statistics.mean(run["wire"])
+    per_rank = [counter.bytes, wire, *parts, *mem.values()]
+    mean = [v / world for v in reduce(per_rank, dist.ReduceOp.SUM)]
+    most = reduce(per_rank, dist.ReduceOp.MAX)
+    mem_most = most[2 + len(PARTS) :]
+    out = {
+        "system": label,
+        "step_s": statistics.median(slowest),
+        "step_min_s": min(slowest),
+        "bus_bytes": mean[0],
+        "wire_bytes": mean[1],
+        "calls": reduce([counter.calls], dist.ReduceOp.MAX)[0],
+        "parts": dict(zip(PARTS, mean[2 : 2 + len(PARTS)])),  # means over steps and ranks
+        "memory": dict(zip(mem, mem_most)),  # the largest rank's
+        "unknown_ops": sorted(counter.unknown),
+        "setup_s": run["setup_s"],
+        "last_loss": float(loss.detach()),
+    }
+    if "plan" in run:
+        pred = run["plan"].predicted
+        out |= {"comm_stats": reduce([planned], dist.ReduceOp.SUM)[0] / world, "plan": describe(run["plan"])}
+        out |= {"pred_step_s": pred.step_time_s, "pred_bytes": pred.comm_bytes, "pred_peak": pred.peak_memory_bytes}
+        out |= {"budget": run["budget"]}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+HEADERS = [
+    "system",
+    "step ms",
+    "/ tp",
+    "KiB sent (bus)",
+    "/ tp",
+    "KiB on the wire",
+    "/ tp",
+    "calls",
+    "peak MiB",
+    "/ tp",
+    "params + grads + AdamW MiB",
+    "saved activations MiB",
+    "/ tp",
+]
+
+
+def table(result: dict) -> list[list[str]]:
+    rows = result["rows"]
+    ref = next((r for r in rows if r["system"] == REFERENCE), None)
+    out = []
+    for r in rows:
+        m, rm = r["memory"], (ref or {}).get("memory", {})
+        name = r["system"] + (f" ({r['plan']})" if "plan" in r else "")
+        out.append(
+            [
+                name,
+                f"{1000 * r['step_s']:.0f}",
+                ratio(r["step_s"], ref and ref["step_s"]),
+                f"{r['bus_bytes'] / 1024:.0f}",
+                ratio(r["bus_bytes"], ref and ref["bus_bytes"]),
+                f"{r['wire_bytes'] / 1024:.0f}",
+                ratio(r["wire_bytes"], ref and ref["wire_bytes"]),
+                f"{r['calls']:.0f}",
+                mib(m["peak"]),
+                ratio(m["peak"], rm.get("peak")),
+                f"{mib(m['params'])} + {mib(m['grads'])} + {mib(m['optimizer'])}",
+                mib(m["activations"]),
+                ratio(m["activations"], rm.get("activations")),
+            ]
+        )
+    return out
+
+
+def predictions(result: dict) -> list[list[str]]:
+    return [
+        [
+            r["system"],
+            r["plan"],
+            f"{r['comm_stats'] / 1024:.0f}",
+            f"{r['pred_bytes'] / 1024:.0f}",
+            f"{1000 * r['pred_step_s']:.0f}",
+            mib(r["pred_peak"]),
+            mib(r["budget"]) if r.get("budget") else "-",
+        ]
+        for r in result["rows"]
+        if "plan" in r
+    ]
+
+
+def breakdown(result: dict) -> list[list[str]]:
+    out = []
+    for r in result["rows"]:
+        p = {k: 1000 * v for k, v in r["parts"].items()}
+        out.append([r["system"], *(f"{p[k]:.0f}" for k in PARTS), f"{p['compute'] + p['comm_cpu']:.0f}"])
+    return out
+
+
+BREAKDOWN_HEADERS = [
+    "system",
+    "step ms (mean)",
+    "main thread computing",
+    "queued for a core",
+    "blocked (comm, waiting)",
+    "gloo threads CPU ms",
+    "CPU ms / rank",
+]
+PRED_HEADERS = [
+    "system",
+    "plan",
+    "comm_stats KiB",
+    "predicted KiB",
+    "predicted step ms",
+    "predicted peak MiB",
+    "budget MiB",
+]
+
+
+def targets(result: dict) -> list[list[str]]:
+    """Issue 6's targets for every primepar row: step time at most, peak memory and bytes below ``dtensor tp``'s."""
+    rows = result["rows"]
+    ref = next(r for r in rows if r["system"] == REFERENCE)
+    out = []
+    for r in rows:
+        if r["system"].startswith("primepar"):
+            ratios = [r["step_s"] / ref["step_s"], r["memory"]["peak"] / ref["memory"]["peak"]]
+            ratios.append(r["bus_bytes"] / ref["bus_bytes"])
+            met = [ratios[0] <= 1, ratios[1] < 1, ratios[2] < 1]
+            marks = [f"{v:.2f} {'yes' if ok else 'no'}" for v, ok in zip(ratios, met)]
+            out.append([r["system"], *marks, str(sum(met))])
+    return out
+
+
+TARGET_HEADERS = ["primepar system", "step time / tp (<= 1?)", "peak memory / tp (< 1?)", "bytes / tp (< 1?)", "met"]
+
+
+def markdown(saved: dict, png: str | None) -> str:
+    result, args, total_s = saved["result"], argparse.Namespace(**saved["args"]), saved["total_s"]
+    load = result["load"]
+    config, batch, seq = QUICK if args.quick else (CONFIG, BATCH, SEQ)
+    losses = ", ".join(f"{k} {v:.6f}" for k, v in result["first_loss"].items())
+    lines = [
+        "# primepar against PyTorch's tensor parallelism, FSDP2 and DDP (CPU, gloo)",
+        "",
+        f"Machine: {saved['machine']}. {args.world_size} gloo ranks on this one machine (loopback TCP), "
+        f"one thread each; other work shared the machine (1-minute load average {load[0]:.1f} before the timed "
+        f"steps, {load[1]:.1f} after).",
+        "",
+        f"Model: {config.description}, {config.param_count() * 4 / 2**20:.1f} MiB of fp32 parameters; batch {batch}, "
+        f"seq {seq}, fp32, AdamW. First-step loss of each system (the same model and batch): {losses}.",
+        "",
+        f"Steps: {args.warmup} warm-up, then the median of {args.steps}, the systems' steps interleaved; ratios "
+        f"(*/ tp*) are to `{REFERENCE}` in the same run. Cost model of `primepar searched (calibrated)`: "
+        f"{args.spec or 'not run'}.",
+        "",
+        tabulate(table(result), HEADERS, tablefmt="github"),
+        "",
+        "Issue 6's targets, each primepar row against `dtensor tp` in this run:",
+        "",
+        tabulate(targets(result), TARGET_HEADERS, tablefmt="github"),
+        "",
+        *([f"![ratios to {REFERENCE}]({png})", ""] if png else []),
+        "Where each rank's time went (ms per step, mean over the timed steps and the ranks):",
+        "",
+        tabulate(breakdown(result), BREAKDOWN_HEADERS, tablefmt="github"),
+        "",
+        "primepar's own accounting and predictions (`cpu-gloo` preset, or the calibrated spec):",
+        "",
+        tabulate(predictions(result), PRED_HEADERS, tablefmt="github"),
+        "",
+        f"Reproduce (this page took {total_s / 60:.1f} minutes):",
+        "",
+        f"    {shlex.join(['python', 'bench/baselines_step_time.py', *saved['argv']])}",
+        "",
+        READING,
+        MEASURED,
+    ]
+    return "\n".join(lines)
+
+
+READING = """## Reading the results
+
+* **No primepar plan reaches all three targets of issue 6 (item 1).** In the run above (load average 4.7-6.7):
+  the plan searched with the `cpu-gloo` preset reaches the memory target only (time 1.11x, peak 0.87x, bytes
+  2.31x `dtensor tp`'s); the plan searched with the spec calibrated on this machine reaches time and bytes but
+  not memory (0.64x, 1.36x, 0.59x); under a memory budget (the predicted peak of Megatron dp1 x mp4 +SP) it
+  reaches time and memory but not bytes (0.89x, 0.98x, 1.75x). Over four runs of this page (load 4.7-14) the
+  preset's plan measured 1.04-1.20x `dtensor tp`'s step time and 0.82-0.88x its peak; bytes and messages do not
+  vary. Which plan the calibrated spec picks depends on the calibration: an earlier quick calibration (19:27)
+  led the search to P(S x S) on 25 nodes, 2.6x the bytes, 1.2-1.3x the time.
+* **Breakdown, preset plan against `dtensor tp`** (ms per step and rank, this run): the same compute on the
+  main thread (198 against 199) and the same wait for a core (326 against 325); more CPU in gloo's threads (154
+  against 109) and more time blocked in communication or waiting for peers (467 against 436). The difference
+  is communication: 327 c10d calls a step against 37, and 69 MiB against 30: ring shifts of P(S x S) on 29
+  linears (54 MiB in 232 shifts), re-layouts (15 MiB in 68 transfers) and 27 small all-reduces of statistics.
+  The search takes the ring because the preset prices a message at 0.1 ms where it costs about 2 ms here
+  (see [cost_fidelity.md](cost_fidelity.md)).
+* **With `dtensor tp`'s own layout primepar still sends 2.3x the bytes** (`primepar megatron dp1 x mp4 +SP`: 69 MiB
+  in 138 messages against 30 MiB in 37), for reasons in primepar's lowering, not its search:
+  * every column-parallel linear all-reduces its own input gradient: q, k and v, gate and up make 5 backward
+    all-reduces a layer where Megatron-LM and DTensor add the partial gradients first and reduce once per
+    attention and once per MLP. Without sequence parallelism primepar's Megatron sends 45 MiB in 33 all-reduces
+    (cost_fidelity.md, `dp1 x mp4`), `dtensor tp (no sp)` 24 MiB in 16;
+  * its sequence parallelism adds point-to-point re-layouts (24 MiB in 96 transfers) to the same all-reduces,
+    where torchtitan replaces each all-reduce by a reduce-scatter and an all-gather of the same bus volume;
+  * its vocabulary-parallel embedding all-reduces the embedding output (1.5 MiB a step).
+  It is still 0.81x `dtensor tp`'s time here: its main thread computes less (144 against 199 ms; DTensor
+  dispatches every op through Python, primepar's rank graph calls plain ATen ops).
+* **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.45x the ring volume
+  (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31) while its all-reduce and point-to-point sends are within
+  0.5% of it; against `dtensor tp` on the wire, the preset plan sends 1.59x and the calibrated one 0.40x.
+* **Memory.** The preset plan shards the weights as much as tensor parallelism (3.8 MiB of 14.3 MiB a rank,
+  against 3.6) and saves as many activations (32.7 against 32.6 MiB); its peak is lower because of what
+  `dtensor tp` holds besides: the LM head's output gathered whole on every rank (no loss parallelism: 4 MiB of
+  logits, and their gradient), other gathered activations, and whole gradients of the vocabulary-sharded
+  embedding (DTensor's `RowwiseParallel` embedding backward returns a replicated gradient: 4.3 MiB of gradients
+  for 3.6 MiB of parameters).
+  The calibrated plan replicates 60 nodes and holds 9.4 MiB of parameters a rank, hence 1.36x the peak.
+* **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.31x, two bucket
+  all-reduces a step), then FSDP2 (0.52x, 14 calls) and tensor parallelism without sequence parallelism
+  (0.65x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
+  These are not GPU numbers: with NVLink a message costs microseconds and the ranking may differ.
+* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 100-200 ms of a
+  270-970 ms step, so compute is visible, and all nine systems run in about 3 minutes. The issue's example
+  (hidden 1024, sequence 256) has about 30 times the FLOPs: 10-20 s a step on these two shared cores, beyond
+  the 10-minute budget for the page.
+"""
+
+MEASURED = """## How each figure is measured
+
+* *step ms*: forward + backward + `AdamW.step`, between two `dist.barrier()` calls, the slowest rank's time.
+* *KiB sent (bus)*: per rank per step, the mean over ranks: every c10d call of one step (a dispatch mode sees
+  DTensor's functional collectives, FSDP2's all-gathers and reduce-scatters, DDP's bucket all-reduces and
+  primepar's all-reduces and point-to-point sends), priced with the ring algorithm's bus volume that primepar's
+  cost model and `comm_stats` use (all-reduce 2(g-1)/g of the tensor, all-gather (g-1)/g of the output,
+  reduce-scatter (g-1)/g of the input, a send its bytes). For primepar it equals `comm_stats.planned` (second
+  table). *calls*: the c10d calls behind it (the largest rank).
+* *KiB on the wire*: what each rank's process wrote per step (`wchar` of `/proc/self/io`: gloo's `writev` on its
+  TCP connections, headers included), mean over ranks and timed steps, less what two barriers write. This is
+  what gloo's own algorithms send, which need not be the ring's volume.
+* *peak MiB*: the largest rank's parameters + optimizer state held between steps (plus DDP's gradient buckets,
+  one gradient's worth) + the CPU allocator's highest rise during one step (`torch.profiler` memory events,
+  gradients freed before it starts). It includes transient buffers: FSDP2's gathered layers, primepar's ring
+  buffers, DTensor's gathered activations.
+* *Where each rank's time went*: the main thread's time on a core, runnable but waiting for one (four ranks
+  and other work share two cores), and asleep (inside collectives and transfers, waiting for slower peers, at
+  the two barriers), from `/proc/thread-self/schedstat`; *gloo threads CPU*: the process's other threads' CPU
+  time (`time.process_time()` less the main thread's); *CPU ms / rank*: computing + gloo threads.
+* *params + grads + AdamW*, *saved activations*: the largest rank's tensors: its parameter shards, their
+  gradients, AdamW's `exp_avg`/`exp_avg_sq`/`step`; and the storages autograd saved for backward during one
+  forward (`saved_tensors_hooks`, each storage once, parameters and views of them excluded).
+"""
+
+
+def chart(saved: dict, path: str) -> bool:
+    """Bars of each system's step time, bytes sent and peak memory as ratios to ``dtensor tp`` (a PNG)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = saved["result"]["rows"]
+    ref = next(r for r in rows if r["system"] == REFERENCE)
+    figures = {
+        "step time": lambda r: r["step_s"],
+        "bytes sent (bus)": lambda r: r["bus_bytes"],
+        "peak memory": lambda r: r["memory"]["peak"],
+    }
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / len(figures)
+    for i, (name, get) in enumerate(figures.items()):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        ax.bar(xs, [get(r) / get(ref) for r in rows], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    labels = [
+        r["system"].replace("primepar ", "primepar\n").replace(" (", "\n(").replace(" dp1", "\ndp1") for r in rows
+    ]
+    ax.set_xticks(range(len(rows)), labels)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_ylabel(f"ratio to {REFERENCE} (lower is better)")
+    ax.set_title("4 gloo ranks, 2 CPU cores: one training step of the same model")
+    ax.legend()
+    return save_chart(plt, fig, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--spec", default=None, help="cluster spec from `primepar-fx calibrate` (else the row is skipped)")
+    run_options(p, steps=15, warmup=2, page=PAGE, timeout=1800.0)
+    args = p.parse_args()
+    if args.spec is None:
+        args.systems = [s for s in args.systems if "(calibrated" not in s]
+    out = page_for(args, PAGE, markdown, chart)
+    if args.render:
+        return
+    t0 = time.perf_counter()
+    spec = os.path.abspath(args.spec) if args.spec else None
+    result = spawn(
+        bench_rank, args.world_size, args.quick, args.warmup, args.steps, args.systems, spec, timeout=args.timeout
+    )
+    print(tabulate(table(result), HEADERS))
+    print(tabulate(breakdown(result), BREAKDOWN_HEADERS))
+    print(tabulate(predictions(result), PRED_HEADERS))
+    print("first loss:", result["first_loss"], "load:", result["load"])
+    unknown = {r["system"]: r["unknown_ops"] for r in result["rows"] if r["unknown_ops"]}
+    if unknown:
+        print("c10d ops not priced:", unknown)
+    total_s = time.perf_counter() - t0
+    print(f"total {total_s:.0f} s")
+    if out:
+        saved = {"args": vars(args), "argv": sys.argv[1:], "machine": machine(), "total_s": total_s, "result": result}
+        write_page(saved, out, markdown, chart)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Plans for the benchmarks: a plan from a fixed assignment (one Megatron configuration), and a plan re-priced on
+another cluster spec, both through the planner's own pricing (``price_graph(fixed=...)`` + ``summarize``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from primepar_fx.baselines import config_name, megatron_assignment, megatron_configs
+from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.cost.costgraph import price_graph
+from primepar_fx.cost.model import CostOptions
+from primepar_fx.graph import OpGraph
+from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.plan import Plan
+from primepar_fx.planner import Summary, summarize
+from primepar_fx.shapes import B, S
+
+
+def price_fixed(
+    graph: OpGraph,
+    assignment: dict[str, PartitionSeq],
+    mesh: DeviceMesh,
+    cluster: str,
+    batch: int,
+    seq: int,
+    dtype: str,
+) -> Summary:
+    """The planner's summary (per-node costs, whole-plan prediction) of ``assignment`` on ``cluster``."""
+    opts = CostOptions(dtype=dtype)
+    priced = price_graph(graph, mesh, load_cluster(cluster), {B: batch, S: seq}, opts, fixed=assignment)
+    return summarize(graph, priced, dict.fromkeys(graph.nodes, 0), opts)
+
+
+def reprice(graph: OpGraph, plan: Plan, cluster: str) -> Plan:
+    """``plan`` with its per-node costs and prediction from ``cluster`` instead of the spec it was made for."""
+    mesh = DeviceMesh(tuple(plan.digits))
+    summary = price_fixed(graph, plan.partitions(), mesh, cluster, plan.batch, plan.seq, plan.dtype)
+    return replace(plan, nodes=summary.nodes, predicted=summary.predicted, cluster=load_cluster(cluster).name)
+
+
+def megatron_plan(
+    graph: OpGraph, config: dict[str, Any], *, world_size: int, cluster: str, batch: int, seq: int, dtype: str = "fp32"
+) -> Plan:
+    """The Megatron plan of one configuration (``{"dp", "mp", "sequence_parallel"}``), not the cheapest one."""
+    spec = load_cluster(cluster)
+    mesh = spec.mesh(world_size)
+    assignment = megatron_assignment(graph, mesh, values={B: batch, S: seq}, **config)
+    summary = price_fixed(graph, assignment, mesh, cluster, batch, seq, dtype)
+    return Plan(
+        model=graph.name,
+        model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
+        world_size=mesh.size,
+        digits=mesh.digits,
+        cluster=spec.name,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        nodes=summary.nodes,
+        predicted=summary.predicted,
+        search={"forced": "megatron", "config": {**config, "name": config_name(config)}},
+    )
+
+
+def megatron_config(world_size: int, cluster: str, dp: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The configuration of :func:`~primepar_fx.baselines.megatron_configs` of this ``dp`` and ``sequence_parallel``."""
+    mesh = load_cluster(cluster).mesh(world_size)
+    for config in megatron_configs(mesh):
+        if config["dp"] == dp and config["sequence_parallel"] == sequence_parallel:
+            return config
+    raise ValueError(f"no Megatron configuration dp{dp} (sequence_parallel={sequence_parallel}) on {mesh.digits}")
