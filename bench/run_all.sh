@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Regenerate docs/benchmarks/ by running every benchmark in bench/, one after another (they time things, so never
+# two at once). A calibrated cluster spec is measured first, with `primepar-fx calibrate`, and written to
+# docs/benchmarks/calibrated-cpu-gloo.json. The baselines and cost-fidelity pages use it.
+#
+#   bench/run_all.sh                      # everything (tens of minutes on 2 cores; see each page's "took")
+#   bench/run_all.sh baselines fidelity   # only these steps (names below)
+#   SKIP="search_time explain" bench/run_all.sh
+#
+# Steps: calibrate step_time baselines fidelity search_time paper_fig7 explain search_engine.
+# Every bench/*.py that is not a shared helper must be one of them; the script stops if one is not.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=docs/benchmarks
+SPEC=$OUT/calibrated-cpu-gloo.json
+HELPERS="measure.py plans.py"
+COVERED="step_time.py baselines_step_time.py cost_fidelity.py search_time.py paper_fig7.py explain_time.py search_engine.py"
+mkdir -p "$OUT"
+
+for script in bench/*.py; do
+    name=$(basename "$script")
+    case " $HELPERS $COVERED " in
+        *" $name "*) ;;
+        *) echo "run_all.sh: $script is not run by this script; add it" >&2; exit 1 ;;
+    esac
+done
+
+wanted() {
+    local step=$1
+    case " ${SKIP:-} " in *" $step "*) return 1 ;; esac
+    [ -z "$ONLY" ] && return 0
+    case " $ONLY " in *" $step "*) return 0 ;; esac
+    return 1
+}
+
+ONLY="$*"
+TOTAL_START=$(date +%s)
+run() {
+    local step=$1
+    shift
+    wanted "$step" || { echo "== $step: skipped"; return 0; }
+    echo "== $step: $*  (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
+    local start
+    start=$(date +%s)
+    "$@"
+    echo "== $step: $(($(date +%s) - start)) s"
+}
+
+run calibrate python -m primepar_fx.cli calibrate --world-size 4 --quick -o "$SPEC"
+[ -f "$SPEC" ] || { echo "run_all.sh: no calibrated spec at $SPEC (run the calibrate step)" >&2; exit 1; }
+run step_time python bench/step_time.py
+run baselines python bench/baselines_step_time.py --spec "$SPEC"
+run fidelity python bench/cost_fidelity.py --spec "$SPEC"
+run search_time python bench/search_time.py
+run paper_fig7 python bench/paper_fig7.py
+run explain python bench/explain_time.py
+run search_engine bash -c "python bench/search_engine.py | tee $OUT/search_engine.txt"
+echo "== all: $(($(date +%s) - TOTAL_START)) s"
