@@ -285,7 +285,7 @@ def table(result: dict) -> list[list[str]]:
     out = []
     for r in rows:
         m, rm = r["memory"], (ref or {}).get("memory", {})
-        name = r["system"] + (f" ({r['plan']})" if "plan" in r else "")
+        name = r["system"] + (f" ({r['plan']})" if "plan" in r and r["plan"] not in r["system"] else "")
         out.append(
             [
                 name,
