@@ -13,7 +13,7 @@ from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.plan import Plan
-from primepar_fx.planner import Summary, summarize
+from primepar_fx.planner import Summary, _make_plan, summarize
 from primepar_fx.shapes import B, S
 
 
@@ -47,17 +47,15 @@ def megatron_plan(
     mesh = spec.mesh(world_size)
     assignment = megatron_assignment(graph, mesh, values={B: batch, S: seq}, **config)
     summary = price_fixed(graph, assignment, mesh, cluster, batch, seq, dtype)
-    return Plan(
-        model=graph.name,
-        model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
-        world_size=mesh.size,
-        digits=mesh.digits,
-        cluster=spec.name,
+    return _make_plan(
+        graph,
+        spec,
+        mesh,
+        summary,
         batch=batch,
         seq=seq,
         dtype=dtype,
-        nodes=summary.nodes,
-        predicted=summary.predicted,
+        baselines={},
         search={"forced": "megatron", "config": {**config, "name": config_name(config)}},
     )
 
