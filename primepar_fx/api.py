@@ -48,12 +48,15 @@ def plan(
     allow_prime: bool = True,
     baselines: bool = True,
     fallback: str | None = None,
+    grouped: bool | None = None,
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
     ``example_inputs`` is the tuple of positional example arguments, or ``(args, kwargs)``. ``batch`` and ``seq``
     (default: the example's sizes) are the sizes the plan is priced at; they may differ from the example's, since
-    the graph is symbolic in ``B`` and ``S``. Works on meta-device models.
+    the graph is symbolic in ``B`` and ``S``. Works on meta-device models. ``grouped`` merges the leading device
+    digits for the search (default: past three digits, e.g. 16 or more GPUs; see
+    :func:`~primepar_fx.planner.search_mesh`).
     """
     args, kwargs = _split_inputs(example_inputs)
     graph = analyze(model, args, kwargs, fallback=fallback)
@@ -69,6 +72,7 @@ def plan(
         method=method,
         allow_prime=allow_prime,
         baselines=baselines,
+        grouped=grouped,
     )
 
 

@@ -145,6 +145,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         baselines=not args.no_baselines,
         digits=digits,
         canonical=args.canonical,
+        grouped=args.grouped,
     )
     print(plan.summary_table(tablefmt=args.format))
     mega = plan.baselines.get("megatron")
@@ -224,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--alpha", type=float, default=0.0, help="weight of memory (per byte) in the objective")
     pl.add_argument("--method", default="auto", choices=["auto", "dp", "ilp"])
     pl.add_argument("--canonical", action="store_true", help="search one split order per network level (faster)")
+    pl.add_argument(
+        "--grouped",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="merge the leading (inter-node) device digits for the search (default: with more than 3 digits)",
+    )
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument("-o", "--output", help="write the plan JSON here")
     pl.set_defaults(func=cmd_plan)

@@ -206,6 +206,9 @@ def price_baselines(
     return out
 
 
+GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
+
+
 def _setup(
     cluster: ClusterSpec | str, world_size: int, digits: tuple[int, ...] | None
 ) -> tuple[ClusterSpec, DeviceMesh]:
@@ -214,6 +217,17 @@ def _setup(
     if mesh.size != world_size:
         raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not --world-size {world_size}")
     return spec, mesh
+
+
+def search_mesh(mesh: DeviceMesh, grouped: bool | None) -> DeviceMesh:
+    """The mesh the free search runs on: ``mesh`` itself, or with its leading (inter-node) digits merged.
+
+    ``grouped=None`` merges only when ``mesh`` has more than :data:`GROUPED_DIGITS` digits, where the full
+    space grows past what the DP tables hold (:meth:`~primepar_fx.partition.DeviceMesh.grouped`).
+    """
+    if grouped is None:
+        grouped = len(mesh.digits) > GROUPED_DIGITS
+    return mesh.grouped(GROUPED_DIGITS) if grouped else mesh
 
 
 def _make_plan(
@@ -259,9 +273,16 @@ def plan_graph(
     baselines: bool = True,
     digits: tuple[int, ...] | None = None,
     canonical: bool = False,
+    grouped: bool | None = None,
 ) -> Plan:
-    """Search the cheapest plan for ``graph`` and compare it with the baselines (module docstring)."""
-    spec, mesh = _setup(cluster, world_size, digits)
+    """Search the cheapest plan for ``graph`` and compare it with the baselines (module docstring).
+
+    ``digits`` overrides the cluster's device digits. ``grouped`` searches with the leading digits merged
+    (:func:`search_mesh`; default: only past :data:`GROUPED_DIGITS` digits); the baselines are priced on the
+    ungrouped mesh either way, so Megatron keeps all of its data x model splits.
+    """
+    spec, full = _setup(cluster, world_size, digits)
+    mesh = search_mesh(full, grouped)
     values = {B: batch, S: seq}
     opts = CostOptions(dtype=dtype, alpha=alpha)
     t0 = time.perf_counter()
@@ -271,7 +292,7 @@ def plan_graph(
     ours = summarize(graph, priced, sol.choice, opts)
     base: dict[str, Baseline] = {}
     if baselines:
-        base = price_baselines(graph, mesh, spec, values, opts, memory_budget)
+        base = price_baselines(graph, full, spec, values, opts, memory_budget)
         if allow_prime:
             split_priced = price_graph(graph, mesh, spec, values, opts, allow_prime=False, canonical=canonical)
             split_sol = solve_for_peak(split_priced, memory_budget=memory_budget, alpha=alpha, method=method)
@@ -298,6 +319,7 @@ def plan_graph(
             "memory_budget": memory_budget,
             "allow_prime": allow_prime,
             "canonical": canonical,
+            "grouped": mesh != full,
         },
     )
 

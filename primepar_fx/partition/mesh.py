@@ -53,6 +53,21 @@ class DeviceMesh:
             + tuple(sorted(prime_factors(devices_per_node), reverse=True))
         )
 
+    def grouped(self, max_digits: int = 3) -> DeviceMesh:
+        """The same devices with the most significant digits merged until at most ``max_digits`` remain.
+
+        Merging digits keeps every rank's place (a merged digit is the mixed-radix number of the digits it
+        replaces), so a plan on the grouped mesh is a plan on this one whose merged digits all split the same
+        dim. It gives up only partitions that treat those digits differently, e.g. a P(S x S) or two different
+        splits across nodes, and keeps the strategy count of a large world near that of eight devices.
+        """
+        if max_digits < 1:
+            raise ValueError(f"max_digits must be at least 1, got {max_digits}")
+        if len(self.digits) <= max_digits:
+            return self
+        cut = len(self.digits) - max_digits + 1
+        return DeviceMesh((prod(self.digits[:cut]), *self.digits[cut:]))
+
     @property
     def size(self) -> int:
         return prod(self.digits)
