@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
 import pytest
+from opdims import linear_dims
 
 from primepar_fx.cost import calibrate as cal
 from primepar_fx.cost.cluster import COLLECTIVES, ClusterSpec, LinearLatency, fit_collective, load_cluster
+from primepar_fx.cost.model import CostOptions, NodeCost, node_cost
+from primepar_fx.cost.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +78,76 @@ def test_world_size_is_checked_before_anything_runs(tmp_path):
     args = _parser().parse_args(["calibrate", "--world-size", "1", "-o", str(tmp_path / "x.toml")])
     with pytest.raises(ValueError, match="--world-size"):
         args.func(args)
+
+
+# ---------------------------------------------------------------------------------------------------- step fit
+STEP_TRUTH = StepFit(op_s=400e-6, compute=2.0, message_s=1.8e-3, byte_s=2.7e-9)
+
+
+def _step_samples(n: int = 8) -> list[StepSample]:
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(n):
+        ops, compute = float(rng.integers(600, 700)), float(rng.uniform(0.05, 0.1))
+        messages, nbytes = float(rng.integers(30, 800)), float(rng.uniform(2e7, 1.4e8))
+        rows.append(StepSample(ops, compute, messages, nbytes, 1.0))
+    return [dataclasses.replace(s, measured_s=STEP_TRUTH(s)) for s in rows]
+
+
+def test_fit_steps_recovers_the_coefficients_that_made_the_steps():
+    fit = fit_steps(_step_samples())
+    for name in ("op_s", "compute", "message_s", "byte_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(STEP_TRUTH, name), rel=1e-6), name
+
+
+def test_fit_steps_needs_op_counts_and_two_plans():
+    with pytest.raises(ValueError, match="ops > 0"):
+        fit_steps([StepSample(0, 0.1, 10, 1e6, 0.5), StepSample(0, 0.1, 20, 1e6, 0.6)])
+    with pytest.raises(ValueError, match="at least two"):
+        fit_steps(_step_samples(1))
+    with pytest.raises(ValueError, match="measured_s"):
+        StepSample(1, 0.1, 10, 1e6, 0.0)
+
+
+def _linear_cost(spec: ClusterSpec, seq: str) -> NodeCost:
+    part = OpPartition(linear_dims(8, 16, 32, 64), PartitionSeq.parse(seq), DeviceMesh((2, 2)))
+    return node_cost(part, None, spec, {}, CostOptions())
+
+
+def test_step_fitted_spec_prices_compute_ops_messages_and_bytes_as_the_fit_does():
+    base = load_cluster("cpu-gloo")
+    spec = step_fitted_spec(base, STEP_TRUTH, world_size=4, note="synthetic")
+    assert spec.calibrated and spec.source.startswith("step-fitted") and "synthetic" in spec.source
+    assert ClusterSpec.from_json(spec.to_json()) == spec
+    # compute: c_compute x the base's compute plus c_op per priced sub-operator (one per phase here)
+    ops = _linear_cost(op_counting_spec(base), "R,R").compute_s
+    assert ops == 3  # forward, backward, gradient
+    for seq in ("R,R", "B,B", "P2x2"):
+        want = (
+            STEP_TRUTH.compute * _linear_cost(base, seq).compute_s
+            + STEP_TRUTH.op_s * _linear_cost(op_counting_spec(base), seq).compute_s
+        )
+        assert _linear_cost(spec, seq).compute_s == pytest.approx(want, rel=1e-12), seq
+    # data parallel over 4 ranks: one all-reduce of dW, one message of its bus bytes
+    dp = _linear_cost(spec, "B,B")
+    want = STEP_TRUTH.message_s + STEP_TRUTH.byte_s * dp.comm_bytes["all-reduce"]
+    assert dp.collective_s == pytest.approx(want, rel=1e-12)
+    # a ring shift: one message of the block; a re-layout sending n bytes per rank to each of the 3 peers
+    assert spec.shift_time(4096, [1, 0, 3, 2]) == pytest.approx(STEP_TRUTH.message_s + 4096 * STEP_TRUTH.byte_s)
+    a2a = spec.levels[0].collective_time("all-to-all", 4, 3e6)
+    assert a2a == pytest.approx(3 * STEP_TRUTH.message_s + 3e6 * STEP_TRUTH.byte_s, rel=1e-12)
+
+
+def test_a_dearer_message_raises_the_communicating_plans_only():
+    base = load_cluster("cpu-gloo")
+    cheap = step_fitted_spec(base, STEP_TRUTH, world_size=4)
+    dear = step_fitted_spec(base, dataclasses.replace(STEP_TRUTH, message_s=10 * STEP_TRUTH.message_s), world_size=4)
+    assert _linear_cost(dear, "R,R").time_s == pytest.approx(_linear_cost(cheap, "R,R").time_s, rel=1e-12)
+    assert _linear_cost(dear, "B,B").time_s - _linear_cost(cheap, "B,B").time_s == pytest.approx(
+        9 * STEP_TRUTH.message_s, rel=1e-9
+    )
+    dearer_compute = step_fitted_spec(base, dataclasses.replace(STEP_TRUTH, compute=4.0), world_size=4)
+    assert _linear_cost(dearer_compute, "R,R").compute_s > _linear_cost(cheap, "R,R").compute_s
 
 
 # ---------------------------------------------------------------------------------------------------- real run
