@@ -17,7 +17,12 @@ predicted and measured step times and the median of ``|predicted - measured| / m
 fit of the measured time on the predicted compute, the messages and the bytes per step, to show which term the
 model gets wrong.
 
-    python bench/cost_fidelity.py [--spec calibrated.json] [--steps 7] [--seeds 0 1 2] [--quick]
+The step-fitted spec (:mod:`primepar_fx.cost.stepfit`): the same kind of fit on the ``--train`` plans only, written
+into the calibrated spec's fields; every plan is priced with it and the page reports its figures on the *other*
+(held-out) plans, and on all. The search then runs once more with the step-fitted spec and its plan is measured
+(in a second launch of the ranks, next to the best plan of the first, unless it is one of the plans measured).
+
+    python bench/cost_fidelity.py [--spec calibrated.json] [--steps 7] [--seeds 0 1 2] [--train NAME ...] [--quick]
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ from primepar_fx.baselines import config_name, megatron_configs
 from primepar_fx.capture import capture
 from primepar_fx.compile import compile_graph
 from primepar_fx.cost.calibrate import nnls
-from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.stepfit import StepSample, fit_steps, op_counting_spec, step_fitted_spec
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs
 from primepar_fx.plan import Plan
@@ -65,6 +71,8 @@ PRESET = "cpu-gloo"
 PAGE = "docs/benchmarks/cost_fidelity.md"
 KINDS = ("collective", "ring", "redistribution")
 PARTS = ("compute", "queued", "blocked")  # measure.Timing
+TRAIN = ("dp1 x mp4", "data_parallel", "prime", "random:0")  # the step-fitted spec's training plans (--train)
+SPECS = ("preset", "calibrated", "step-fitted")
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -119,11 +127,15 @@ def make_plans(graph, spec: str, world: int, batch: int, seq: int, seeds: list[i
     return plans
 
 
+def partitions(plan: Plan) -> tuple:
+    return tuple(sorted((n.name, n.partition) for n in plan.nodes))
+
+
 def distinct(plans: dict[str, Plan]) -> dict[str, Plan]:
     """One plan per distinct set of partitions, keyed by every label that names it (``" = "``-joined)."""
     groups: dict[tuple, list[str]] = {}
     for label, plan in plans.items():
-        groups.setdefault(tuple(sorted((n.name, n.partition) for n in plan.nodes)), []).append(label)
+        groups.setdefault(partitions(plan), []).append(label)
     return {" = ".join(labels): plans[labels[0]] for labels in groups.values()}
 
 
@@ -176,16 +188,56 @@ def predicted_parts(plan: Plan) -> tuple[float, float]:
     return compute, plan.predicted.step_time_s - compute
 
 
-def analyse(plans: dict[str, Plan], measured: dict, graph, spec: str) -> dict:
+def training(labels: list[str], names: list[str]) -> list[bool]:
+    """Whether each (``" = "``-joined) label names one of the training plans; every name must match one."""
+    chosen = [bool(set(label.split(" = ")) & set(names)) for label in labels]
+    missing = [n for n in names if not any(n in label.split(" = ") for label in labels)]
+    if missing:
+        raise ValueError(f"--train names no measured plan: {missing}; plans are {labels}")
+    return chosen
+
+
+def summary(pred: list[float], meas: list[float], train: list[bool]) -> dict[str, tuple[float, float]]:
+    """(Spearman, median relative error) on all plans and on the held-out ones."""
+    held = [i for i, t in enumerate(train) if not t]
+    out = {"all": (spearman(pred, meas), median_relative_error(pred, meas))}
+    out["held-out"] = (
+        spearman([pred[i] for i in held], [meas[i] for i in held]),
+        median_relative_error([pred[i] for i in held], [meas[i] for i in held]),
+    )
+    return out
+
+
+def analyse(plans: dict[str, Plan], measured: dict, graph, spec: str, world: int, train_names: list[str]) -> dict:
     labels = list(plans)
     meas = [measured[k]["step_s"] for k in labels]
-    specs = {"preset": PRESET, "calibrated": spec}
+    train = training(labels, train_names)
+    calibrated = load_cluster(spec)
+    specs: dict[str, ClusterSpec] = {"preset": load_cluster(PRESET), "calibrated": calibrated}
     priced = {name: [reprice(graph, plans[k], cluster) for k in labels] for name, cluster in specs.items()}
+    # the step-fitted spec: fitted on the training plans only, on top of the calibrated spec
+    counting = op_counting_spec(calibrated)
+    samples = [
+        StepSample(
+            ops=predicted_parts(reprice(graph, plans[k], counting))[0],
+            compute_s=predicted_parts(p)[0],
+            messages=measured[k]["calls"],
+            bytes=measured[k]["bytes"],
+            measured_s=m,
+        )
+        for k, p, m in zip(labels, priced["calibrated"], meas)
+    ]
+    step = fit_steps([s for s, t in zip(samples, train) if t])
+    names = ", ".join(train_names)
+    specs["step-fitted"] = step_fitted_spec(calibrated, step, world_size=world, note=f"fitted to {names}")
+    priced["step-fitted"] = [reprice(graph, plans[k], specs["step-fitted"]) for k in labels]
     pred = {name: [p.predicted.step_time_s for p in ps] for name, ps in priced.items()}
-    stats = {name: (spearman(p, meas), median_relative_error(p, meas)) for name, p in pred.items()}
+    stats = {name: summary(p, meas, train) for name, p in pred.items()}
+    step_raw = [step(s) for s in samples]  # the step fit's own formula, without the cost model's overlap
+    stats["step fit"] = summary(step_raw, meas, train)
     # measured = c0 + c1 * predicted compute (calibrated) + c2 * messages + c3 * bytes: what costs what, measured
     # (non-negative, on relative residuals: every plan weighs alike, as in the median relative error)
-    compute = [predicted_parts(p)[0] for p in priced["calibrated"]]
+    compute = [s.compute_s for s in samples]
     columns = [
         [1.0] * len(labels),
         compute,
@@ -202,9 +254,11 @@ def analyse(plans: dict[str, Plan], measured: dict, graph, spec: str) -> dict:
             [
                 k,
                 m["plan"],
+                "training" if train[i] else "held out",
                 f"{1000 * meas[i]:.0f}",
                 f"{1000 * pred['preset'][i]:.0f}",
                 f"{1000 * pred['calibrated'][i]:.0f}",
+                f"{1000 * pred['step-fitted'][i]:.0f}",
                 f"{1000 * fitted[i]:.0f}",
                 f"{m['calls']:.0f}",
                 f"{m['bytes'] / 2**20:.1f}",
@@ -212,19 +266,58 @@ def analyse(plans: dict[str, Plan], measured: dict, graph, spec: str) -> dict:
                 " / ".join(f"{1000 * m['parts'][k]:.0f}" for k in PARTS),
             ]
         )
-    fit_stats = (spearman(fitted, meas), median_relative_error(fitted, meas))
-    points = {"measured": meas, "fitted": fitted, **pred}
+    stats["all-plan fit"] = {"all": (spearman(fitted, meas), median_relative_error(fitted, meas))}
+    points = {"measured": meas, "fitted": fitted, "train": train, **pred}
     terms = {name: spec_terms(cluster) for name, cluster in specs.items()}
-    return {"rows": rows, "stats": stats, "fit": fit, "fit_stats": fit_stats, "points": points, "terms": terms}
+    return {
+        "rows": rows,
+        "stats": stats,
+        "fit": fit,
+        "step_fit": [step.op_s, step.compute, step.message_s, step.byte_s],
+        "ops": [s.ops for s in samples],
+        "step_spec": specs["step-fitted"].to_dict(),
+        "points": points,
+        "terms": terms,
+    }
+
+
+def step_fitted_search(graph, plans: dict[str, Plan], measured: dict, spec: ClusterSpec, args, batch: int, seq: int):
+    """The search's plan with the step-fitted spec, measured: the figures of a plan already measured, or a second
+    launch of the ranks timing it next to the best plan measured in the first."""
+    common = {"world_size": args.world_size, "batch": batch, "seq": seq, "dtype": "fp32"}
+    t0 = time.perf_counter()
+    plan = plan_graph(graph, cluster=spec, baselines=False, method="dp", **common)
+    out = {"search_s": time.perf_counter() - t0, "predicted_s": plan.predicted.step_time_s}
+    best = min(measured, key=lambda k: measured[k]["step_s"])
+    out |= {"best": best, "best_first_s": measured[best]["step_s"]}
+    same = [label for label, p in plans.items() if partitions(p) == partitions(plan)]
+    if same:
+        return out | {"same_as": same[0], "step_s": measured[same[0]]["step_s"], "best_s": measured[best]["step_s"]}
+    label = "searched (step-fitted)"
+    texts = {label: plan.to_json(indent=None), best: plans[best].to_json(indent=None)}
+    print(f"measuring the step-fitted search's plan next to {best!r}", flush=True)
+    again = spawn(bench_rank, args.world_size, args.quick, texts, args.warmup, args.steps, timeout=args.timeout)
+    mine = again["plans"][label]
+    return out | {
+        "same_as": None,
+        "step_s": mine["step_s"],
+        "calls": mine["calls"],
+        "bytes": mine["bytes"],
+        "plan": mine["plan"],
+        "best_s": again["plans"][best]["step_s"],
+        "load": again["load"],
+    }
 
 
 HEADERS = [
     "plan",
     "what it is",
+    "step fit",
     "measured ms",
     "predicted ms (cpu-gloo)",
     "predicted ms (calibrated)",
-    "fitted ms",
+    "predicted ms (step-fitted)",
+    "fitted ms (all plans)",
     "messages / step",
     "MiB sent / step",
     "predicted compute / comm ms (calibrated)",
@@ -265,13 +358,56 @@ READING = """## Reading the results
 """
 
 
-def spec_terms(spec: str) -> str:
+def spec_terms(spec: ClusterSpec) -> str:
     """The spec's per-message (``fixed``) and per-byte terms of a 4-rank all-reduce and a point-to-point send."""
-    level = load_cluster(spec).levels[0]
+    level = spec.levels[0]
     ar, p2p = level.collectives["all-reduce"], level.collectives["p2p"]
     return (
         f"all-reduce {6 * 1000 * ar.fixed:.2f} ms per call (6 ring steps) + {1 / ar.bytes_coeff / 1e9:.2f} GB/s; "
         f"p2p {1000 * p2p.fixed:.2f} ms per message + {1 / p2p.bytes_coeff / 1e9:.2f} GB/s"
+    )
+
+
+def stats_table(analysis: dict) -> list[str]:
+    """The summary table: each cost model's Spearman and median relative error, on all plans and held out."""
+    stats, train = analysis["stats"], analysis["points"]["train"]
+    held, names = train.count(False), [r[0] for r, t in zip(analysis["rows"], train) if t]
+    rows = [
+        ("preset", "`cpu-gloo` preset"),
+        ("calibrated", "calibrated on this machine (`primepar-fx calibrate`)"),
+        ("step-fitted", f"**step-fitted spec** (fitted to the {len(names)} training plans, priced by the cost model)"),
+        ("step fit", "the step fit's own formula (same coefficients, no cost model)"),
+        ("all-plan fit", "non-negative least-squares fit of all plans below (4 coefficients, in-sample)"),
+    ]
+    lines = [
+        f"| cost model | Spearman, {held} held-out plans | median relative error, held out | Spearman, all "
+        f"{len(train)} | median relative error, all |",
+        "|---|---|---|---|---|",
+    ]
+    for key, label in rows:
+        cell = stats[key]
+        out = cell.get("held-out")
+        held_cells = f"{out[0]:.2f} | {out[1]:.0%}" if out else "- | -"
+        lines.append(f"| {label} | {held_cells} | {cell['all'][0]:.2f} | {cell['all'][1]:.0%} |")
+    return lines
+
+
+def search_note(analysis: dict) -> str:
+    """A sentence on the step-fitted spec's search and its measured plan."""
+    s = analysis.get("search")
+    if not s:
+        return ""
+    head = f"The search with the step-fitted spec ({s['search_s']:.0f} s) predicts {1000 * s['predicted_s']:.0f} ms "
+    if s["same_as"]:
+        return head + (
+            f"and picks a plan measured above, `{s['same_as']}` ({1000 * s['step_s']:.0f} ms; the best plan measured, "
+            f"`{s['best']}`, took {1000 * s['best_s']:.0f} ms)."
+        )
+    return head + (
+        f"and picks a new plan ({s['plan']}, {s['calls']:.0f} messages and {s['bytes'] / 2**20:.1f} MiB a step). "
+        f"Measured in a second launch of the ranks next to the best plan of the first, `{s['best']}` "
+        f"({1000 * s['best_first_s']:.0f} ms above): {1000 * s['step_s']:.0f} ms against {1000 * s['best_s']:.0f} ms "
+        f"(load average {s['load'][0]:.1f} before, {s['load'][1]:.1f} after)."
     )
 
 
@@ -280,8 +416,10 @@ def markdown(saved: dict, png: str | None) -> str:
     load = result["load"]
     args = argparse.Namespace(**saved["args"])
     config, batch, seq = QUICK if args.quick else (CONFIG, BATCH, SEQ)
-    (rho_p, err_p), (rho_c, err_c) = analysis["stats"]["preset"], analysis["stats"]["calibrated"]
     c0, c1, c2, c3 = analysis["fit"]
+    s_op, s_comp, s_msg, s_byte = analysis["step_fit"]
+    ops = analysis["ops"]
+    train = [r[0] for r, t in zip(analysis["rows"], analysis["points"]["train"]) if t]
     lines = [
         "# Cost-model fidelity: predicted against measured step time (CPU, gloo)",
         "",
@@ -291,28 +429,34 @@ def markdown(saved: dict, png: str | None) -> str:
         f"Model: {config.description}; batch {batch}, seq {seq}, fp32, AdamW. {len(analysis['rows'])} distinct "
         f"plans; {args.warmup} warm-up step(s), then the median of {args.steps}, the plans' steps interleaved.",
         f"Calibrated spec: `{args.spec_note}`.",
+        f"Step-fitted spec (`primepar_fx.cost.stepfit`): fitted to the measured steps of the training plans "
+        f"{', '.join(f'`{t}`' for t in train)} only, on top of the calibrated spec; the held-out plans are the other "
+        f"{len(analysis['rows']) - len(train)}.",
         "",
-        "| cost model | Spearman rank correlation | median relative error |",
-        "|---|---|---|",
-        f"| `cpu-gloo` preset | {rho_p:.2f} | {err_p:.0%} |",
-        f"| calibrated on this machine | {rho_c:.2f} | {err_c:.0%} |",
-        f"| non-negative least-squares fit below (4 coefficients from these plans) | {analysis['fit_stats'][0]:.2f} | "
-        f"{analysis['fit_stats'][1]:.0%} |",
+        *stats_table(analysis),
         "",
         "Targets (issue 6): Spearman >= 0.9, median relative error <= 25%.",
         "",
         tabulate(analysis["rows"], HEADERS, tablefmt="github"),
         "",
         *([f"![predicted against measured]({png})", ""] if png else []),
-        f"*fitted ms*: measured = {1000 * c0:.0f} ms + {c1:.2f} x predicted compute (calibrated) + {1000 * c2:.2f} ms "
-        f"per message + {c3 * 2**20 * 1000:.2f} ms per MiB sent (non-negative least squares on relative residuals over "
-        "the plans above). The specs "
-        f"assume: `cpu-gloo`: {analysis['terms']['preset']}; calibrated: {analysis['terms']['calibrated']}.",
+        f"*step-fitted*: measured = {1e6 * s_op:.0f} us per priced op ({min(ops):.0f}-{max(ops):.0f} ops a step, "
+        f"so {1000 * s_op * min(ops):.0f}-{1000 * s_op * max(ops):.0f} ms) + {s_comp:.2f} x predicted compute "
+        f"(calibrated) + {1000 * s_msg:.2f} ms per message + {s_byte * 2**20 * 1000:.2f} ms per MiB sent, fitted to "
+        "the training plans, then written into the spec's compute models and collective coefficients "
+        "(`step_fitted_spec`); the cost model prices a P(S x S) ring shift under the compute of its step, which "
+        "the fit adds.",
+        f"*fitted ms (all plans)*: measured = {1000 * c0:.0f} ms + {c1:.2f} x predicted compute (calibrated) + "
+        f"{1000 * c2:.2f} ms per message + {c3 * 2**20 * 1000:.2f} ms per MiB sent (non-negative least squares on "
+        "relative residuals over all the plans above: in-sample, a diagnostic). The specs assume: "
+        f"`cpu-gloo`: {analysis['terms']['preset']}; calibrated: {analysis['terms']['calibrated']}; step-fitted: "
+        f"{analysis['terms']['step-fitted']}.",
         "*messages*, *MiB sent*: `comm_stats` per rank per step (collectives and point-to-point transfers of every "
         "kind a plan prices). *measured compute / queued / blocked*: where each rank's main thread spent a step "
         "(on a core / runnable, waiting for one / asleep in communication or waiting for peers), mean over ranks "
         "and steps (`/proc/thread-self/schedstat`).",
         "",
+        *([search_note(analysis), ""] if analysis.get("search") else []),
         f"Reproduce (this page took {total_s / 60:.1f} minutes):",
         "",
         f"    {shlex.join(['python', 'bench/cost_fidelity.py', *saved['argv']])}",
@@ -330,10 +474,21 @@ def chart(saved: dict, path: str) -> bool:
     points = saved["analysis"]["points"]
     meas = [1000 * t for t in points["measured"]]
     fig, ax = plt.subplots(figsize=(6, 5))
-    for key, label in (("preset", "cpu-gloo preset"), ("calibrated", "calibrated"), ("fitted", "fit (see the page)")):
-        ax.scatter(meas, [1000 * t for t in points[key]], label=label, s=18)
-    lo = min(min(meas), *(1000 * t for key in ("preset", "calibrated") for t in points[key])) / 1.5
-    hi = max(meas) * 1.5
+    series = (("preset", "cpu-gloo preset"), ("calibrated", "calibrated"), ("step-fitted", "step-fitted (held out)"))
+    for key, label in series:
+        keep = [i for i in range(len(meas)) if key != "step-fitted" or not points["train"][i]]
+        ax.scatter([meas[i] for i in keep], [1000 * points[key][i] for i in keep], label=label, s=18)
+    train = [i for i, t in enumerate(points["train"]) if t]
+    ax.scatter(
+        [meas[i] for i in train],
+        [1000 * points["step-fitted"][i] for i in train],
+        label="step-fitted (training)",
+        s=30,
+        facecolors="none",
+        edgecolors="C2",
+    )
+    lo = min(min(meas), *(1000 * t for key in SPECS for t in points[key])) / 1.5
+    hi = max(max(meas), *(1000 * t for t in points["step-fitted"])) * 1.5
     ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
     ax.set(xscale="log", yscale="log", xlabel="measured step ms", ylabel="predicted step ms")
     ax.set_title("one point per plan; the line is predicted = measured")
@@ -353,6 +508,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", default=None, help="cluster spec from `primepar-fx calibrate` (default: run it, --quick)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="random:SEED plans (default 0 1 2)")
+    p.add_argument(
+        "--train",
+        nargs="+",
+        default=list(TRAIN),
+        help=f"plans the step-fitted spec is fitted to (default: {' '.join(TRAIN)}); the others are held out",
+    )
+    p.add_argument("--no-search", action="store_true", help="skip the search with the step-fitted spec")
     run_options(p, steps=7, warmup=1, page=PAGE, timeout=3600.0)
     args = p.parse_args()
     out = page_for(args, PAGE, markdown, chart)
@@ -368,9 +530,13 @@ def main() -> None:
     print(f"{len(plans)} distinct plans; measuring on {args.world_size} ranks", flush=True)
     texts = {label: plan.to_json(indent=None) for label, plan in plans.items()}
     result = spawn(bench_rank, args.world_size, args.quick, texts, args.warmup, args.steps, timeout=args.timeout)
-    analysis = analyse(plans, result["plans"], graph, spec)
+    analysis = analyse(plans, result["plans"], graph, spec, args.world_size, args.train)
     print(tabulate(analysis["rows"], HEADERS))
-    print("spearman, median relative error:", analysis["stats"], "fit:", analysis["fit"], analysis["fit_stats"])
+    print("spearman, median relative error:", analysis["stats"], "fit:", analysis["fit"], analysis["step_fit"])
+    if not args.no_search:
+        step_spec = ClusterSpec.from_dict(analysis["step_spec"])
+        analysis["search"] = step_fitted_search(graph, plans, result["plans"], step_spec, args, batch, seq)
+        print(search_note(analysis), flush=True)
     total_s = time.perf_counter() - t0
     print(f"total {total_s:.0f} s; load {result['load']}")
     if out:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from primepar_fx.baselines import config_name, megatron_assignment, megatron_configs
-from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.cost.costgraph import price_graph
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
@@ -21,22 +21,24 @@ def price_fixed(
     graph: OpGraph,
     assignment: dict[str, PartitionSeq],
     mesh: DeviceMesh,
-    cluster: str,
+    cluster: str | ClusterSpec,
     batch: int,
     seq: int,
     dtype: str,
 ) -> Summary:
     """The planner's summary (per-node costs, whole-plan prediction) of ``assignment`` on ``cluster``."""
     opts = CostOptions(dtype=dtype)
-    priced = price_graph(graph, mesh, load_cluster(cluster), {B: batch, S: seq}, opts, fixed=assignment)
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    priced = price_graph(graph, mesh, spec, {B: batch, S: seq}, opts, fixed=assignment)
     return summarize(graph, priced, dict.fromkeys(graph.nodes, 0), opts)
 
 
-def reprice(graph: OpGraph, plan: Plan, cluster: str) -> Plan:
+def reprice(graph: OpGraph, plan: Plan, cluster: str | ClusterSpec) -> Plan:
     """``plan`` with its per-node costs and prediction from ``cluster`` instead of the spec it was made for."""
     mesh = DeviceMesh(tuple(plan.digits))
-    summary = price_fixed(graph, plan.partitions(), mesh, cluster, plan.batch, plan.seq, plan.dtype)
-    return replace(plan, nodes=summary.nodes, predicted=summary.predicted, cluster=load_cluster(cluster).name)
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    summary = price_fixed(graph, plan.partitions(), mesh, spec, plan.batch, plan.seq, plan.dtype)
+    return replace(plan, nodes=summary.nodes, predicted=summary.predicted, cluster=spec.name)
 
 
 def megatron_plan(
