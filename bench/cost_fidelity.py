@@ -59,7 +59,7 @@ from primepar_fx.capture import capture
 from primepar_fx.compile import compile_graph
 from primepar_fx.cost.calibrate import nnls
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
-from primepar_fx.cost.stepfit import StepSample, fit_steps, op_counting_spec, step_fitted_spec
+from primepar_fx.cost.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs
 from primepar_fx.plan import Plan
@@ -233,6 +233,9 @@ def analyse(plans: dict[str, Plan], measured: dict, graph, spec: str, world: int
     priced["step-fitted"] = [reprice(graph, plans[k], specs["step-fitted"]) for k in labels]
     pred = {name: [p.predicted.step_time_s for p in ps] for name, ps in priced.items()}
     stats = {name: summary(p, meas, train) for name, p in pred.items()}
+    # the messages the step-fitted spec charges for: the spec of 1 s per message and nothing else
+    counting = step_fitted_spec(calibrated, StepFit(0.0, 0.0, 1.0, 0.0), world_size=world)
+    priced_messages = [reprice(graph, plans[k], counting).predicted.step_time_s for k in labels]
     step_raw = [step(s) for s in samples]  # the step fit's own formula, without the cost model's overlap
     stats["step fit"] = summary(step_raw, meas, train)
     # measured = c0 + c1 * predicted compute (calibrated) + c2 * messages + c3 * bytes: what costs what, measured
@@ -260,7 +263,7 @@ def analyse(plans: dict[str, Plan], measured: dict, graph, spec: str, world: int
                 f"{1000 * pred['calibrated'][i]:.0f}",
                 f"{1000 * pred['step-fitted'][i]:.0f}",
                 f"{1000 * fitted[i]:.0f}",
-                f"{m['calls']:.0f}",
+                f"{m['calls']:.0f} / {priced_messages[i]:.0f}",
                 f"{m['bytes'] / 2**20:.1f}",
                 f"{1000 * comp:.0f} / {1000 * comm:.0f}",
                 " / ".join(f"{1000 * m['parts'][k]:.0f}" for k in PARTS),
@@ -318,7 +321,7 @@ HEADERS = [
     "predicted ms (calibrated)",
     "predicted ms (step-fitted)",
     "fitted ms (all plans)",
-    "messages / step",
+    "messages / step (measured / priced)",
     "MiB sent / step",
     "predicted compute / comm ms (calibrated)",
     "measured compute / queued / blocked ms",
@@ -362,9 +365,13 @@ def spec_terms(spec: ClusterSpec) -> str:
     """The spec's per-message (``fixed``) and per-byte terms of a 4-rank all-reduce and a point-to-point send."""
     level = spec.levels[0]
     ar, p2p = level.collectives["all-reduce"], level.collectives["p2p"]
+
+    def rate(lat) -> str:
+        return f"{1 / lat.bytes_coeff / 1e9:.2f} GB/s" if lat.bytes_coeff else "bytes free"
+
     return (
-        f"all-reduce {6 * 1000 * ar.fixed:.2f} ms per call (6 ring steps) + {1 / ar.bytes_coeff / 1e9:.2f} GB/s; "
-        f"p2p {1000 * p2p.fixed:.2f} ms per message + {1 / p2p.bytes_coeff / 1e9:.2f} GB/s"
+        f"all-reduce {6 * 1000 * ar.fixed:.2f} ms per call (6 ring steps) + {rate(ar)}; "
+        f"p2p {1000 * p2p.fixed:.2f} ms per message + {rate(p2p)}"
     )
 
 
@@ -452,7 +459,9 @@ def markdown(saved: dict, png: str | None) -> str:
         f"`cpu-gloo`: {analysis['terms']['preset']}; calibrated: {analysis['terms']['calibrated']}; step-fitted: "
         f"{analysis['terms']['step-fitted']}.",
         "*messages*, *MiB sent*: `comm_stats` per rank per step (collectives and point-to-point transfers of every "
-        "kind a plan prices). *measured compute / queued / blocked*: where each rank's main thread spent a step "
+        "kind a plan prices); *priced* messages: those the step-fitted spec charges a message's cost for (a "
+        "re-layout as an all-to-all, a message to each of the other ranks). *measured compute / queued / blocked*: "
+        "where each rank's main thread spent a step "
         "(on a core / runnable, waiting for one / asleep in communication or waiting for peers), mean over ranks "
         "and steps (`/proc/thread-self/schedstat`).",
         "",
