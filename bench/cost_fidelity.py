@@ -404,7 +404,7 @@ def search_note(analysis: dict) -> str:
     s = analysis.get("search")
     if not s:
         return ""
-    head = f"The search with the step-fitted spec ({s['search_s']:.0f} s) predicts {1000 * s['predicted_s']:.0f} ms "
+    head = f"The search with the step-fitted spec ({s['search_s']:.1f} s) predicts {1000 * s['predicted_s']:.0f} ms "
     if s["same_as"]:
         return head + (
             f"and picks a plan measured above, `{s['same_as']}` ({1000 * s['step_s']:.0f} ms; the best plan measured, "
@@ -447,8 +447,8 @@ def markdown(saved: dict, png: str | None) -> str:
         tabulate(analysis["rows"], HEADERS, tablefmt="github"),
         "",
         *([f"![predicted against measured]({png})", ""] if png else []),
-        f"*step-fitted*: measured = {1e6 * s_op:.0f} us per priced op ({min(ops):.0f}-{max(ops):.0f} ops a step, "
-        f"so {1000 * s_op * min(ops):.0f}-{1000 * s_op * max(ops):.0f} ms) + {s_comp:.2f} x predicted compute "
+        f"*step-fitted*: measured = {1e6 * s_op:.0f} us per priced op ({min(ops):.0f}-{max(ops):.0f} ops a step) "
+        f"+ {s_comp:.2f} x predicted compute "
         f"(calibrated) + {1000 * s_msg:.2f} ms per message + {s_byte * 2**20 * 1000:.2f} ms per MiB sent, fitted to "
         "the training plans, then written into the spec's compute models and collective coefficients "
         "(`step_fitted_spec`); the cost model prices a P(S x S) ring shift under the compute of its step, which "
