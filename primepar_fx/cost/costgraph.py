@@ -105,7 +105,8 @@ def price_graph(
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
     strategies: dict[str, list[PartitionSeq]] = {}
     costs: dict[str, list[NodeCost]] = {}
-    node_cache: dict[tuple, tuple[list[PartitionSeq], list[NodeCost]]] = {}
+    node_cache: dict[tuple, tuple[int, list[PartitionSeq], list[NodeCost]]] = {}  # value: (entry number, ...)
+    space: dict[str, int] = {}  # node -> entry number of its node_cache entry, a cheap key for the edge cache
     legal: dict[tuple, list[PartitionSeq]] = {}
     for name, node in graph.nodes.items():
         if fixed is not None and name in fixed:
@@ -123,8 +124,8 @@ def price_graph(
         key = (node_key(node), tuple(seqs))
         if key not in node_cache:
             parts = [node_cost(OpPartition(node.dims, s, mesh), node.target, cluster, values, opts) for s in seqs]
-            node_cache[key] = (seqs, parts)
-        strategies[name], costs[name] = node_cache[key]
+            node_cache[key] = (len(node_cache), seqs, parts)
+        space[name], strategies[name], costs[name] = node_cache[key]
     edge_cost, edge_bytes = {}, {}
     fx_nodes = {n.name: n for n in graph.captured.gm.graph.nodes}
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -133,15 +134,7 @@ def price_graph(
         k_in, k_out = data["dst_in"], out_index(pv)
         if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
             continue
-        key = (
-            node_key(pu),
-            node_key(pv),
-            k_out,
-            k_in,
-            tuple(map(str, strategies[u])),
-            tuple(map(str, strategies[v])),
-            tensor_itemsize(fx_nodes[u], k_out, opts),
-        )
+        key = (space[u], space[v], k_out, k_in, tensor_itemsize(fx_nodes[u], k_out, opts))
         if key not in edge_cache:
             producers = [OpPartition(pu.dims, s, mesh) for s in strategies[u]]
             consumers = [OpPartition(pv.dims, s, mesh) for s in strategies[v]]

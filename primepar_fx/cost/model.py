@@ -37,7 +37,7 @@ import sympy
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
-from primepar_fx.cost.redistribute import redistribution_locality, redistribution_matrix
+from primepar_fx.cost.redistribute import ValuesKey, redistribution_locality, redistribution_matrix, values_key
 from primepar_fx.partition import PHASES, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
 from primepar_fx.rules.spec import OpDims, TensorMap
@@ -108,12 +108,21 @@ class NodeCost:
         return self.time_s + opts.alpha * self.memory_bytes(opts.optimizer_states)
 
 
-def _num(expr: sympy.Expr, values: dict[sympy.Symbol, int]) -> float:
-    return float(sympy.sympify(expr).subs(values))
+@lru_cache(maxsize=1 << 14)
+def _num(expr: sympy.Expr, vkey: ValuesKey) -> float:
+    return float(sympy.sympify(expr).subs(dict(vkey)))
 
 
-def _block_bytes(part: OpPartition, tmap: TensorMap, values: dict[sympy.Symbol, int], itemsize: int) -> int:
-    return int(round(_num(prod(part.local_shape(tmap), start=sympy.Integer(1)), values))) * itemsize
+@lru_cache(maxsize=1 << 16)
+def _block_elems(op: OpDims, parts: tuple[int, ...], tmap: TensorMap, vkey: ValuesKey) -> int:
+    """Elements of one device's block of ``tmap`` when iteration dim ``op.dims[i]`` is cut into ``parts[i]``."""
+    part_of = dict(zip(op.dims, parts))
+    local = (prod((op.size(d) / part_of[d] for d in group), start=sympy.Integer(1)) for group in tmap)
+    return int(round(_num(prod(local, start=sympy.Integer(1)), vkey)))
+
+
+def _block_bytes(part: OpPartition, tmap: TensorMap, vkey: ValuesKey, itemsize: int) -> int:
+    return _block_elems(part.op, tuple(part.parts.values()), tmap, vkey) * itemsize
 
 
 def phase_flops(op: OpDims, target: object) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
@@ -153,7 +162,7 @@ def node_cost(
     opts: CostOptions,
 ) -> NodeCost:
     """Eq. 7 for one node (``part`` binds its OpDims, partition sequence and mesh)."""
-    op, item, dtype = part.op, opts.itemsize, dtype_key(opts.dtype)
+    op, item, dtype, vkey = part.op, opts.itemsize, dtype_key(opts.dtype), values_key(values)
     subops = prod(part.parts.values())
     tensors = phase_tensors(op)
     moves = _transfers((op, part.seq, part.mesh)) if part.steps > 1 else ()
@@ -163,13 +172,13 @@ def node_cost(
         if phase is not Phase.FORWARD and not any(t.result for t in tensors[phase]):
             phase_s.append(0.0)
             continue
-        nbytes = sum(_block_bytes(part, t.tmap, values, item) for t in tensors[phase])
-        step_compute = cluster.device.compute_time(op.kind, _num(flops, values) / subops, nbytes, dtype)
+        nbytes = sum(_block_bytes(part, t.tmap, vkey, item) for t in tensors[phase])
+        step_compute = cluster.device.compute_time(op.kind, _num(flops, vkey) / subops, nbytes, dtype)
         total = 0.0
         for t in range(part.steps):
             ring = 0.0
             for tr in (m for m in moves if m.src == (phase, t)):
-                block = _block_bytes(part, _tmap(op, tr.tensor), values, item)
+                block = _block_bytes(part, _tmap(op, tr.tensor), vkey, item)
                 ring += cluster.shift_time(block, tr.senders)
                 comm["p2p"] = comm.get("p2p", 0) + block
             total += max(step_compute, ring)
@@ -178,15 +187,15 @@ def node_cost(
         phase_s.append(total)
     coll_s = 0.0
     for c in collectives(part):
-        block = c.count * _block_bytes(part, c.block if c.block is not None else _tmap(op, c.tensor), values, item)
+        block = c.count * _block_bytes(part, c.block if c.block is not None else _tmap(op, c.tensor), vkey, item)
         coll_s += cluster.collective_time(c.kind, block, part.mesh, c.digits)
         bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
         comm[c.kind] = comm.get(c.kind, 0) + int(round(bus * block))
-    params = sum(_block_bytes(part, op.inputs[k], values, item) for k in op.weights if op.inputs[k] is not None)
-    stash = sum(_block_bytes(part, op.inputs[k], values, item) for k in stashed_inputs(op, target))
+    params = sum(_block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None)
+    stash = sum(_block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
     buffers = max(  # one receive buffer per tensor that moves in a phase; phases run one after another
         (
-            sum(_block_bytes(part, _tmap(op, n), values, item) for n in {m.tensor for m in moves if m.src[0] is ph})
+            sum(_block_bytes(part, _tmap(op, n), vkey, item) for n in {m.tensor for m in moves if m.src[0] is ph})
             for ph in PHASES
         ),
         default=0,

@@ -35,9 +35,10 @@ all-reduce separately (Eq. 7). Here every held set is the one after the all-redu
 ``OpPartition.tensor_slice`` describes: it does not depend on the summed dims.
 
 Sizes are sympy expressions in ``B`` and ``S``. They are evaluated at the caller's ``values`` (required), so every
-count is an exact integer. Index sets are memoised per ``(op, seq, mesh, tmap, phase, t, values)``, and interval
-intersections are memoised per pair of sets. :func:`redistribution_matrix` prices every (producer strategy,
-consumer strategy) pair of an edge at once with numpy.
+count is an exact integer. Every distinct index set is numbered once (:data:`SETS`), and a layout is memoised per
+``(op, seq, mesh, tmap, phase, t, values)`` as an int array of set numbers (:func:`layout_ids`).
+:func:`redistribution_matrix` prices every (producer strategy, consumer strategy) pair of an edge at once with
+numpy (:class:`LayoutPairs`), intersecting each distinct pair of sets once.
 """
 
 from __future__ import annotations
@@ -163,16 +164,90 @@ def dim_sizes(op: OpDims, tmap: TensorMap, vkey: ValuesKey) -> tuple[int, ...]:
     return tuple(prod(sizes[d] for d in group) for group in tmap)
 
 
+def covered(bounds: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``F(x) = |B ∩ [0, x)|`` at every ``x`` for a set ``B`` given as its ``(n, 2)`` array of intervals."""
+    lo, length = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
+    before = np.concatenate(([0], np.cumsum(length)))  # elements of B in the intervals before each one
+    n = np.searchsorted(lo, x, side="right")  # intervals of B that start at or before x
+    last = np.maximum(n - 1, 0)
+    return np.where(n > 0, before[last] + np.minimum(x - lo[last], length[last]), 0)
+
+
+class IndexSets:
+    """Every distinct :data:`IndexSet` met so far, numbered, so that layouts compare and intern as int arrays."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.number: dict[IndexSet, int] = {}
+        self.sets: list[IndexSet] = []
+        self.bounds: list[np.ndarray] = []  # per set, its intervals as an (n, 2) int64 array
+        self.sizes: list[int] = []
+
+    def add(self, s: IndexSet) -> int:
+        """The number of ``s``, numbering it if it is new."""
+        k = self.number.setdefault(s, len(self.sets))
+        if k == len(self.sets):
+            self.sets.append(s)
+            self.bounds.append(np.array(s, dtype=np.int64).reshape(len(s), 2))
+            self.sizes.append(set_size(s))
+        return k
+
+    def overlaps(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``O[i, j] = |sets[a[i]] ∩ sets[b[j]]|``, vectorised over the intervals of the ``a`` sets.
+
+        An interval ``[lo, hi)`` meets a set ``B`` in ``F_B(hi) - F_B(lo)`` elements (:func:`covered`), and
+        ``|A ∩ B|`` is the sum of that over the intervals of ``A``.
+        """
+        out = np.zeros((len(a), len(b)), dtype=np.int64)
+        if not len(a):
+            return out
+        bounds = np.concatenate([self.bounds[i] for i in a])
+        starts = np.cumsum([0] + [len(self.bounds[i]) for i in a[:-1]])
+        for j, k in enumerate(b):
+            within = covered(self.bounds[k], bounds[:, 1]) - covered(self.bounds[k], bounds[:, 0])
+            out[:, j] = np.add.reduceat(within, starts)
+        return out
+
+
+#: The numbering of every index set in a layout (:func:`layout_ids`); :func:`clear_caches` resets it.
+SETS = IndexSets()
+
+
+@lru_cache(maxsize=1 << 16)
+def set_number(sizes: tuple[int, ...], dim_slice: tuple[tuple[int, int], ...]) -> int:
+    """The number in :data:`SETS` of :func:`index_set` ``(sizes, dim_slice)``."""
+    return SETS.add(index_set(sizes, dim_slice))
+
+
+@lru_cache(maxsize=1 << 14)
+def layout_ids(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: ValuesKey) -> np.ndarray:
+    """:func:`layout` as a ``(world, tensor dims)`` int64 array of :data:`SETS` numbers (read-only).
+
+    Devices that hold the same slice of a tensor dim share its set, which is built once: the DSIs of every device
+    come from :meth:`OpPartition.dsi_table`, and the slices of a dim are told apart by their mixed-radix code.
+    """
+    part = OpPartition(*key)
+    sizes = concrete_sizes(part.op, vkey)
+    idx = part.dsi_table(phase, t)
+    out = np.empty((part.mesh.size, len(tmap)), dtype=np.int64)
+    for k, group in enumerate(tmap):
+        code = np.zeros(part.mesh.size, dtype=np.int64)
+        for d in group:
+            code = code * part.parts[d] + idx[d]
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        gs = tuple(sizes[d] for d in group)
+        numbers = [set_number(gs, tuple((int(idx[d][dev]), part.parts[d]) for d in group)) for dev in first]
+        out[:, k] = np.array(numbers, dtype=np.int64)[inverse.reshape(-1)]
+    out.flags.writeable = False
+    return out
+
+
 @lru_cache(maxsize=1 << 14)
 def layout(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: ValuesKey) -> Layout:
     """Per device (rank order) and tensor dim, the :data:`IndexSet` of ``tmap`` at ``(phase, t)`` (Eq. 8)."""
-    part = OpPartition(*key)
-    sizes = concrete_sizes(part.op, vkey)
-    group_sizes = [tuple(sizes[d] for d in group) for group in tmap]
-    return tuple(
-        tuple(index_set(gs, ds) for gs, ds in zip(group_sizes, part.tensor_slice(phase, tmap, coords, t), strict=True))
-        for coords in part.mesh.devices()
-    )
+    return tuple(tuple(SETS.sets[k] for k in row) for row in layout_ids(key, tmap, phase, t, vkey).tolist())
 
 
 def part_key(part: OpPartition) -> PartKey:
@@ -192,6 +267,9 @@ class EdgeUse:
 
     def layout(self, vkey: ValuesKey) -> Layout:
         return layout(self.key, self.tmap, self.phase, self.t, vkey)
+
+    def layout_ids(self, vkey: ValuesKey) -> np.ndarray:
+        return layout_ids(self.key, self.tmap, self.phase, self.t, vkey)
 
 
 def _out_map(part: OpPartition, out_index: int) -> TensorMap:
@@ -318,71 +396,75 @@ def redistribution(
 
 
 # ------------------------------------------------------------------------------------------- all pairs
-Block = tuple[IndexSet, ...]
+def _intern(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of ``items`` (sorted) and, for each row, the index of its distinct copy."""
+    distinct, inverse = np.unique(items.reshape(len(items), -1), axis=0, return_inverse=True)
+    return distinct.reshape(len(distinct), *items.shape[1:]), inverse.reshape(-1)
 
 
-def _intern(items: Sequence[Block] | Sequence[Layout]) -> tuple[list, np.ndarray]:
-    """The distinct items (first-seen order) and, for each item, the index of its distinct copy."""
-    index: dict = {}
-    inverse = np.fromiter((index.setdefault(x, len(index)) for x in items), dtype=np.int64, count=len(items))
-    return list(index), inverse
+def block_overlaps(held: np.ndarray, needed: np.ndarray) -> np.ndarray:
+    """``prod_d |held[..., d] ∩ needed[..., d]|``: the overlap of Cartesian blocks given as :data:`SETS` numbers
+    along the last axis, the leading axes broadcast. Each dim's distinct pairs of sets are intersected once."""
+    out = np.ones(np.broadcast_shapes(held.shape[:-1], needed.shape[:-1]), dtype=np.int64)
+    for d in range(held.shape[-1]):
+        hs, hi = np.unique(held[..., d], return_inverse=True)
+        ns, ni = np.unique(needed[..., d], return_inverse=True)
+        out *= SETS.overlaps(hs, ns)[hi.reshape(held.shape[:-1]), ni.reshape(needed.shape[:-1])]
+    return out
 
 
-def block_overlaps(helds: Sequence[Block], neededs: Sequence[Block]) -> np.ndarray:
-    """``T[a, b] = prod_d |held_a,d ∩ needed_b,d|``: the overlap of two Cartesian blocks, per-dim sets interned."""
-    table = np.ones((len(helds), len(neededs)), dtype=np.int64)
-    for d in range(len(helds[0]) if helds else 0):
-        hs, hi = _intern([h[d] for h in helds])
-        ns, ni = _intern([n[d] for n in neededs])
-        over = np.array([[overlap(a, b) for b in ns] for a in hs], dtype=np.int64).reshape(len(hs), len(ns))
-        table *= over[hi[:, None], ni[None, :]]
-    return table
+@dataclass(frozen=True, slots=True)
+class LayoutPairs:
+    """Every (held layout, needed layout) pair of one edge, from :func:`layout_ids` arrays, one per strategy.
 
-
-def traffic_matrix(helds: Sequence[Layout], neededs: Sequence[Layout], budget: int = 1 << 22) -> np.ndarray:
-    """``M[i, j] = sum_D (V_jD - prod_d |held_i,d(D) ∩ needed_j,d(D)|)`` for all pairs (Eq. 9, vectorised).
-
-    Equal layouts are priced once. Each device's block (its tuple of per-dim sets) is interned, and the overlaps of
-    all distinct (held block, needed block) pairs are tabulated once by :func:`block_overlaps`. A pair of
-    layouts is then one numpy gather over the devices, in chunks of at most ``budget`` entries.
+    Equal layouts are priced once: ``held_of[i]`` and ``needed_of[j]`` index the distinct layouts ``held`` and
+    ``needed``, ``(distinct layouts, world, tensor dims)`` arrays of :data:`SETS` numbers.
     """
-    uh, inv_h = _intern(helds)
-    un, inv_n = _intern(neededs)
-    world = len(uh[0]) if uh else 0
-    hb_list, hb = _intern([blk for lay in uh for blk in lay])
-    nb_list, nb = _intern([blk for lay in un for blk in lay])
-    hb, nb = hb.reshape(len(uh), world), nb.reshape(len(un), world)
-    table = block_overlaps(hb_list, nb_list)
-    volume = np.array([prod(set_size(s) for s in blk) for blk in nb_list], dtype=np.int64)[nb].sum(axis=1)
-    out = np.empty((len(uh), len(un)), dtype=np.int64)
-    chunk = max(1, budget // max(1, len(un) * world))
-    for lo in range(0, len(uh), chunk):
-        out[lo : lo + chunk] = volume[None, :] - table[hb[lo : lo + chunk, None, :], nb[None, :, :]].sum(axis=-1)
-    return out[inv_h][:, inv_n]
 
+    held_of: np.ndarray
+    needed_of: np.ndarray
+    held: np.ndarray
+    needed: np.ndarray
 
-def node_local_matrix(helds: Sequence[Layout], neededs: Sequence[Layout], node_of: Sequence[int]) -> np.ndarray:
-    """``L[i, j]``: under held layout ``i``, every device finds its needed block of layout ``j`` on its own node.
+    @classmethod
+    def build(cls, helds: Sequence[np.ndarray], neededs: Sequence[np.ndarray]) -> LayoutPairs:
+        (held, held_of), (needed, needed_of) = _intern(np.stack(helds)), _intern(np.stack(neededs))
+        return cls(held_of, needed_of, held, needed)
 
-    Devices of one layout hold blocks that are equal or disjoint, so a node's coverage of a needed block is the
-    sum of its overlaps with the node's distinct held blocks; the block stays node-local when that covers it.
-    """
-    uh, inv_h = _intern(helds)
-    un, inv_n = _intern(neededs)
-    world = len(node_of)
-    hb_list, hb = _intern([blk for lay in uh for blk in lay])
-    nb_list, nb = _intern([blk for lay in un for blk in lay])
-    hb, nb = hb.reshape(len(uh), world), nb.reshape(len(un), world)
-    table = block_overlaps(hb_list, nb_list)
-    volume = np.array([prod(set_size(s) for s in blk) for blk in nb_list], dtype=np.int64)
-    nodes = np.asarray(node_of)
-    names = sorted(set(node_of))
-    where = np.searchsorted(names, nodes)
-    out = np.empty((len(uh), len(un)), dtype=bool)
-    for a in range(len(uh)):
-        cover = np.stack([table[sorted(set(hb[a, nodes == nd].tolist()))].sum(axis=0) for nd in names])
-        out[a] = (cover[where[None, :], nb] >= volume[nb]).all(axis=1)
-    return out[inv_h][:, inv_n]
+    def _volume(self) -> np.ndarray:
+        """``V[j, D]``: the elements of device ``D``'s needed block under distinct needed layout ``j``."""
+        return np.prod(np.array(SETS.sizes, dtype=np.int64)[self.needed], axis=-1)
+
+    def traffic(self, budget: int = 1 << 22) -> np.ndarray:
+        """``M[i, j] = sum_D (V_jD - prod_d |held_i,d(D) ∩ needed_j,d(D)|)`` (Eq. 9, vectorised), in chunks of at
+        most ``budget`` device pairs."""
+        volume = self._volume().sum(axis=1)
+        out = np.empty((len(self.held), len(self.needed)), dtype=np.int64)
+        chunk = max(1, budget // max(1, self.needed.shape[0] * self.needed.shape[1]))
+        for lo in range(0, len(self.held), chunk):
+            met = block_overlaps(self.held[lo : lo + chunk, None], self.needed[None]).sum(axis=-1)
+            out[lo : lo + chunk] = volume[None, :] - met
+        return out[self.held_of][:, self.needed_of]
+
+    def node_local(self, node_of: Sequence[int]) -> np.ndarray:
+        """``L[i, j]``: under held layout ``i``, every device finds its needed block of layout ``j`` on its own node.
+
+        Devices of one layout hold blocks that are equal or disjoint, so a node's coverage of a needed block is the
+        sum of its overlaps with the node's distinct held blocks; the block stays node-local when that covers it.
+        Only blocks on one node are intersected with each other.
+        """
+        nodes, volume = np.asarray(node_of), self._volume()
+        dims = self.held.shape[-1]
+        out = np.ones((len(self.held), len(self.needed)), dtype=bool)
+        for node in np.unique(nodes):
+            on = nodes == node
+            held_rows, held_at = _intern(self.held[:, on].reshape(len(self.held) * on.sum(), dims))
+            needed_rows, needed_at = _intern(self.needed[:, on].reshape(len(self.needed) * on.sum(), dims))
+            table = block_overlaps(held_rows[:, None], needed_rows[None])
+            blocks = held_at.reshape(len(self.held), -1)
+            cover = np.stack([table[np.unique(b)].sum(axis=0) for b in blocks])
+            out &= (cover[:, needed_at.reshape(len(self.needed), -1)] >= volume[None, :, on]).all(axis=-1)
+        return out[self.held_of][:, self.needed_of]
 
 
 def redistribution_locality(
@@ -397,19 +479,17 @@ def redistribution_locality(
     """``(fwd, bwd)`` boolean matrices: whether the redistribution of each pair stays inside every node."""
     vkey = values_key(values)
     node_of = [k // devices_per_node for k in range(producers[0].mesh.size)]
-    fwd = node_local_matrix(
-        [_source_held(p, out_index, shared).layout(vkey) for p in producers],
-        [forward_needed(c, in_index).layout(vkey) for c in consumers],
-        node_of,
-    )
+    fwd = LayoutPairs.build(
+        [_source_held(p, out_index, shared).layout_ids(vkey) for p in producers],
+        [forward_needed(c, in_index).layout_ids(vkey) for c in consumers],
+    ).node_local(node_of)
     grads = [backward_held(c, in_index) for c in consumers]
     if any(g is None for g in grads):
         return fwd, np.ones_like(fwd)
-    bwd = node_local_matrix(
-        [g.layout(vkey) for g in grads if g is not None],
-        [_source_grad_needed(p, out_index, shared).layout(vkey) for p in producers],
-        node_of,
-    )
+    bwd = LayoutPairs.build(
+        [g.layout_ids(vkey) for g in grads if g is not None],
+        [_source_grad_needed(p, out_index, shared).layout_ids(vkey) for p in producers],
+    ).node_local(node_of)
     return fwd, np.ascontiguousarray(bwd.T)
 
 
@@ -438,21 +518,24 @@ def redistribution_matrix(
     for side in (producers, consumers):
         if len({(p.op, p.mesh) for p in side}) > 1:
             raise ValueError("all strategies of one side of an edge must share one op and one mesh")
-    fwd = traffic_matrix(
-        [_source_held(p, out_index, shared).layout(vkey) for p in producers],
-        [forward_needed(c, in_index).layout(vkey) for c in consumers],
-    )
+    fwd = LayoutPairs.build(
+        [_source_held(p, out_index, shared).layout_ids(vkey) for p in producers],
+        [forward_needed(c, in_index).layout_ids(vkey) for c in consumers],
+    ).traffic()
     grads = [backward_held(c, in_index) for c in consumers]
     if any(g is None for g in grads):
         return fwd, np.zeros_like(fwd)
-    g_held = [g.layout(vkey) for g in grads if g is not None]
-    g_needed = [_source_grad_needed(p, out_index, shared).layout(vkey) for p in producers]
-    return fwd, np.ascontiguousarray(traffic_matrix(g_held, g_needed).T)
+    g_held = [g.layout_ids(vkey) for g in grads if g is not None]
+    g_needed = [_source_grad_needed(p, out_index, shared).layout_ids(vkey) for p in producers]
+    return fwd, np.ascontiguousarray(LayoutPairs.build(g_held, g_needed).traffic().T)
 
 
 def clear_caches() -> None:
     """Drop the memoised sizes, layouts and overlaps (e.g. between models)."""
     concrete_sizes.cache_clear()
     layout.cache_clear()
+    layout_ids.cache_clear()
+    set_number.cache_clear()
     index_set.cache_clear()
     overlap.cache_clear()
+    SETS.clear()

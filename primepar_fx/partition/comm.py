@@ -13,8 +13,11 @@ Tensor names: ``in{k}`` / ``out{j}`` are the op's inputs and outputs, ``d_in{k}`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from primepar_fx.partition.dsi import PHASES, OpPartition, Phase, TensorSlice
+from primepar_fx.partition.mesh import DeviceMesh
+from primepar_fx.partition.seq import PartitionSeq
 from primepar_fx.rules.spec import OpDims, TensorMap
 
 Use = tuple[Phase, int]
@@ -185,8 +188,14 @@ def collectives(part: OpPartition) -> list[Collective]:
 
     A result that P(S x S) does not accumulate temporally (a bias gradient: its summed dims include a P dim) is
     also reduced over the P digits that do not change its final slice, i.e. over the devices that hold the same
-    slice of it at the phase's last step.
+    slice of it at the phase's last step. Memoised per ``(op, seq, mesh)``.
     """
+    return list(_collectives(part.op, part.seq, part.mesh))
+
+
+@lru_cache(maxsize=1 << 16)
+def _collectives(op: OpDims, seq: PartitionSeq, mesh: DeviceMesh) -> tuple[Collective, ...]:
+    part = OpPartition(op, seq, mesh)
     out = []
     canonical = _canonical_results(part.op)
     last = part.steps - 1
@@ -212,7 +221,7 @@ def collectives(part: OpPartition) -> list[Collective]:
                 # a mean over split rows also all-reduces the count of rows it divides by
                 count = 2 if part.op.kind == "loss" and part.op.extra.get("reduction") == "mean" else 1
                 out.append(Collective(phase, pt.name, frozenset(split), tuple(sorted(digits)), count=count))
-    return out + statistics_collectives(part)
+    return tuple(out + statistics_collectives(part))
 
 
 def statistics_collectives(part: OpPartition) -> list[Collective]:

@@ -21,9 +21,12 @@ indices in :mod:`primepar_fx.partition.comm`; nothing there is tabulated by hand
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
+import numpy as np
 import sympy
 
 from primepar_fx.partition.mesh import DeviceMesh
@@ -109,7 +112,7 @@ class OpPartition:
     def prime_digits(self) -> tuple[int, ...]:
         return next((p for e, p in zip(self.seq.elements, self.positions) if isinstance(e, Prime)), ())
 
-    def row_col(self, coords: tuple[int, ...]) -> tuple[int, int]:
+    def row_col(self, coords: Sequence[int]) -> tuple[int, int]:
         """The device's (row, column) in the P(S x S) square."""
         pos = self.prime_digits
         if not pos:
@@ -122,9 +125,19 @@ class OpPartition:
     # ------------------------------------------------------------------------------------- DSIs
     def dsis(self, phase: Phase, coords: tuple[int, ...], t: int = 0) -> dict[str, int]:
         """``I_X^phase(D, t)`` for every iteration dim ``X``."""
+        return self._indices(phase, coords, t)
+
+    def dsi_table(self, phase: Phase, t: int = 0) -> dict[str, np.ndarray]:
+        """:meth:`dsis` of every device at once: ``I_X`` of each device in rank order, as an int64 array."""
+        world, grid = self.mesh.size, np.array(list(self.mesh.devices()), dtype=np.int64)
+        idx = self._indices(phase, tuple(grid.reshape(world, len(self.mesh.digits)).T), t)
+        return {d: np.broadcast_to(np.asarray(i, dtype=np.int64), (world,)) for d, i in idx.items()}
+
+    def _indices(self, phase: Phase, coords: Sequence[Any], t: int) -> dict[str, Any]:
+        """Algorithm 1 on ``coords``, one entry per digit: an int (one device) or an int array (many devices)."""
         if not 0 <= t < self.steps:
             raise ValueError(f"step {t} is outside 0..{self.steps - 1}")
-        idx = {d: 0 for d in self.op.dims}
+        idx: dict[str, Any] = {d: 0 for d in self.op.dims}
         for e, pos in zip(self.seq.elements, self.positions):
             if isinstance(e, Split):
                 idx[e.dim] = idx[e.dim] * self.mesh.digits[pos[0]] + coords[pos[0]]
