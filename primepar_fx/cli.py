@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--plan",
         default="searched",
-        help="a plan JSON, 'searched' (default), 'megatron', 'data_parallel', 'prime' or 'random:SEED'",
+        help="a plan JSON, 'searched' (default), 'megatron', 'megatron-sp', 'data_parallel', 'prime' or 'random:SEED'",
     )
     d.add_argument("--batch", type=int, help="global batch size (default: the plan's, else 2)")
     d.add_argument("--seq", type=int, help="sequence length (default: the plan's, else 16)")

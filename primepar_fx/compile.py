@@ -44,7 +44,7 @@ from primepar_fx.shapes import B, S
 
 log = logging.getLogger(__name__)
 
-FORCED = ("megatron", "data_parallel", "prime", "random:SEED")
+FORCED = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: what gloo and nccl say when a peer died or stopped answering
 _PEER_FAILURE = ("connection closed", "connection reset", "timed out", "broken pipe", "nccl error", "watchdog")
@@ -392,9 +392,10 @@ def compile(
     """Partition ``model`` over the ranks of the default process group (module docstring).
 
     ``plan``: ``None`` searches the best plan for ``cluster``; a :class:`Plan` or a path to a plan JSON is used
-    as is; ``"megatron"``, ``"data_parallel"``, ``"prime"`` (P(S x S) wherever legal) or ``"random:SEED"`` force
-    one. Call it on every rank after ``torch.distributed.init_process_group``. Without a process group it raises,
-    unless ``world_size=1`` asks for one process; with one, ``world_size`` (if given) must be its size.
+    as is; ``"megatron"``, ``"megatron-sp"``, ``"data_parallel"``, ``"prime"`` (P(S x S) wherever legal) or
+    ``"random:SEED"`` force one. Call it on every rank after ``torch.distributed.init_process_group``. Without a
+    process group it raises, unless ``world_size=1`` asks for one process; with one, ``world_size`` (if given)
+    must be its size.
 
     ``fallback="replicate"`` runs ops that have no dimension rule replicated instead of raising
     :class:`~primepar_fx.rules.MissingRuleError`. ``timeout`` (seconds) bounds how long a step waits for the other

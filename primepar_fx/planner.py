@@ -10,7 +10,8 @@ comparison is like for like:
 * ``split_only``: our own search with P(S x S) left out (the space Alpa and GSPMD-style planners search).
 
 :func:`forced_plan` builds a full :class:`~primepar_fx.plan.Plan` without the free search, to run or compare a
-named strategy: ``"megatron"`` (the configuration :func:`price_baselines` picks), ``"data_parallel"``,
+named strategy: ``"megatron"`` (the configuration :func:`price_baselines` picks; ``"megatron-sp"`` the best one
+with sequence parallelism), ``"data_parallel"``,
 ``"prime"`` (P(S x S) on every node where it is legal, the rest searched) or ``"random:SEED"`` (a seeded,
 uniformly random legal sequence per node).
 
@@ -56,6 +57,21 @@ def summarize(graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts:
     world = priced.mesh.size
     redis_s = {n: 0.0 for n in graph.nodes}
     redis_bytes = {n: 0 for n in graph.nodes}
+    # an all-reduce fused into a reduce-scatter (cost.scatter): the edge cost has its saving subtracted; report
+    # it on the node that runs the collective, as seconds and bytes moved from all-reduce to reduce-scatter
+    saved_s = {n: 0.0 for n in graph.nodes}
+    saved, scattered = {n: 0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
+    for (u, v), sav in priced.scatter.items():
+        i, j = choice[u], choice[v]
+        for owner, sec, nbytes, rs in (
+            (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
+            (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
+        ):
+            if rs[i, j]:
+                saved_s[owner] += float(sec[i, j])
+                redis_s[v] += float(sec[i, j])
+                saved[owner] += int(nbytes[i, j])
+                scattered[owner] += int(rs[i, j])
     for (u, v), mat in priced.cost_graph.edge_cost.items():
         redis_s[v] += float(mat[choice[u], choice[v]])
         redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
@@ -64,23 +80,27 @@ def summarize(graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts:
         seq = priced.strategies[name][choice[name]]
         c = priced.node_costs[name][choice[name]]
         kinds = dict(c.comm_bytes)
+        if scattered[name]:  # all-reduces that became reduce-scatters (plus a bias gradient's all-reduce)
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) - saved[name] - scattered[name]
+            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + scattered[name]
+            kinds = {k: v for k, v in kinds.items() if v}
         if redis_bytes[name]:
             kinds["redistribution"] = redis_bytes[name] // world
         cost = CostBreakdown(
             compute_s=c.compute_s,
             ring_s=c.ring_s,
-            collective_s=c.collective_s,
+            collective_s=c.collective_s - saved_s[name],
             redistribution_s=redis_s[name],
             memory_bytes=c.memory_bytes(opts.optimizer_states),
             comm_bytes=kinds,
-            step_s=c.time_s + redis_s[name],
+            step_s=c.time_s - saved_s[name] + redis_s[name],
             phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
         )
         nodes.append(NodePlan(name, node.op, str(seq), cost))
         total_s += cost.step_s
         static += c.param_bytes * (2 + opts.optimizer_states) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
-        comm += sum(c.comm_bytes.values()) + redis_bytes[name] / world
+        comm += sum(c.comm_bytes.values()) - saved[name] + redis_bytes[name] / world
     return Summary(Predicted(total_s, int(static + buffers), int(round(comm))), tuple(nodes))
 
 
@@ -98,10 +118,17 @@ def _best_megatron(
     values: dict[sympy.Symbol, int],
     opts: CostOptions,
     memory_budget: float | None,
+    sequence_parallel: bool | None = None,
 ) -> tuple[dict[str, Any], Summary, dict[str, PartitionSeq]]:
-    """The fastest Megatron configuration (that fits ``memory_budget``, if any does): config, summary, assignment."""
+    """The fastest Megatron configuration (that fits ``memory_budget``, if any does): config, summary, assignment.
+
+    ``sequence_parallel`` keeps only the configurations with (``True``) or without (``False``) it.
+    """
     priced = []
-    for cfg in megatron_configs(mesh):
+    configs = [c for c in megatron_configs(mesh) if sequence_parallel in (None, c["sequence_parallel"])]
+    if not configs:
+        raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
+    for cfg in configs:
         assignment = megatron_assignment(graph, mesh, values=values, **cfg)
         summary = _price_fixed(graph, assignment, mesh, cluster, values, opts)
         pred = summary.predicted
@@ -324,12 +351,12 @@ def plan_graph(
     )
 
 
-FORCED_NAMES = ("megatron", "data_parallel", "prime", "random:SEED")
+FORCED_NAMES = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
 
 
 def _forced_seed(name: Any) -> int | None:
     """``None`` for a fixed name of :data:`FORCED_NAMES`, the seed of ``"random:SEED"``; raises on anything else."""
-    if name in FORCED_NAMES[:3]:
+    if name in FORCED_NAMES[:-1]:
         return None
     if isinstance(name, str) and name.startswith("random:"):
         text = name.removeprefix("random:")
@@ -380,8 +407,9 @@ def forced_plan(
     opts = CostOptions(dtype=dtype)
     search: dict[str, Any] = {"forced": name, "memory_budget": memory_budget}
     t0 = time.perf_counter()
-    if name == "megatron":
-        search["config"], summary, _ = _best_megatron(graph, mesh, spec, values, opts, memory_budget)
+    if name in ("megatron", "megatron-sp"):
+        sp = True if name == "megatron-sp" else None
+        search["config"], summary, _ = _best_megatron(graph, mesh, spec, values, opts, memory_budget, sp)
     elif name == "data_parallel":
         summary = _price_fixed(graph, data_parallel_assignment(graph, mesh, values=values), mesh, spec, values, opts)
     elif name == "prime":

@@ -17,6 +17,7 @@ from primepar_fx.graph import build_graph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import PartitionSeq
 from primepar_fx.planner import plan_graph
+from primepar_fx.runtime.collectives import ReduceScatter
 
 BATCH, SEQ = 4, 16
 RTOL, ATOL = 1e-4, 1e-5
@@ -126,6 +127,11 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
                 for f, h in zip([f for f in prime_weights if f in local], held)
             },
             "sharded_elems": _summed([float(sum(p.numel() for p in local.values()))])[0],
+            "reduce_scatters": sum(
+                isinstance(getattr(m, d, None), ReduceScatter)
+                for m in module.graph_module.modules()
+                for d in ("fwd", "bwd")
+            ),
             "full_elems": float(sum(p.numel() for p in ref.parameters())),
         }
     return report

@@ -61,10 +61,11 @@ def test_two_ranks_reference_model():
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
 def test_four_ranks_reference_models(model):
-    plans = ["searched:budget", "megatron", "prime", "random:3"]
+    plans = ["searched:budget", "megatron", "megatron-sp", "prime", "random:3"]
     report = spawn(check_plans, 4, model, plans, timeout=TIMEOUT)
     _assert_trains_like_one_device(report, plans)
-    _assert_bytes_match(report, ["searched:budget", "megatron", "prime"])
+    _assert_bytes_match(report, ["searched:budget", "megatron", "megatron-sp", "prime"])
+    assert report["megatron-sp"]["reduce_scatters"] >= 4  # the SP all-reduces ran as reduce-scatters
     prime = report["prime"]
     linears = [p for n, p in prime["partitions"].items() if n.startswith("linear")]
     assert linears and all(p == "P2x2" for p in linears)

@@ -60,6 +60,16 @@ def test_megatron_and_data_parallel_match_the_baselines_of_the_searched_plan() -
     assert forced("megatron", 4).search["config"] == base["megatron"].config
 
 
+def test_megatron_sp_is_the_fastest_sequence_parallel_configuration_and_uses_reduce_scatters() -> None:
+    sp = forced("megatron-sp", 4)
+    assert sp.search["config"]["sequence_parallel"] is True
+    assert sp.search["config"]["name"].endswith("+SP")
+    kinds = {k for n in sp.nodes for k in n.cost.comm_bytes}
+    assert "reduce-scatter" in kinds
+    with pytest.raises(ValueError, match="unknown forced plan"):
+        forced("megatron-sq", 4)
+
+
 def test_a_forced_plan_is_a_full_plan_for_its_model_and_round_trips_through_json() -> None:
     g, plan = graph(), forced("data_parallel", 4)
     plan.check_model((n.name, n.op) for n in g.nodes.values())

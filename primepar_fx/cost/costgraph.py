@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import sympy
@@ -22,6 +22,7 @@ from torch import fx
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
+from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.search import CostGraph
@@ -40,6 +41,9 @@ class PricedGraph:
     node_costs: dict[str, list[NodeCost]]
     edge_bytes: dict[tuple[str, str], np.ndarray]
     seconds: float
+    #: edges where an all-reduce and the re-layout after it fuse into a reduce-scatter, for some strategy pairs;
+    #: ``edge_cost`` already has the seconds saved subtracted (:mod:`primepar_fx.cost.scatter`)
+    scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
 
 
 def node_key(node: OpNode) -> tuple:
@@ -129,6 +133,26 @@ def price_graph(
     edge_cost, edge_bytes = {}, {}
     fx_nodes = {n.name: n for n in graph.captured.gm.graph.nodes}
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    scatter: dict[tuple[str, str], ScatterSaving] = {}
+    scatter_cache: dict[tuple, ScatterSaving | None] = {}
+
+    fusable_cache: dict[tuple, tuple | None] = {}
+
+    def fusable_all(name: str, node: OpNode, k: int | None) -> tuple | None:
+        """Per strategy of ``name``: its Forward output all-reduce (``k=None``) or input ``k``'s gradient all-reduce
+        that may fuse with a re-layout (:mod:`primepar_fx.cost.scatter`); ``None`` when no strategy has one."""
+        fx_node = fx_nodes.get(name)
+        if fx_node is None:
+            return None
+        key = (space[name], k, graph_facts(fx_node, k))  # the answer depends on the partitions and these facts only
+        if key not in fusable_cache:
+            if k is None:
+                found = tuple(fusable_forward(OpPartition(node.dims, s, mesh), fx_node) for s in strategies[name])
+            else:
+                found = tuple(fusable_backward(OpPartition(node.dims, s, mesh), fx_node, k) for s in strategies[name])
+            fusable_cache[key] = found if any(found) else None
+        return fusable_cache[key]
+
     for u, v, data in graph.graph.edges(data=True):
         pu, pv = graph.nodes[u], graph.nodes[v]
         k_in, k_out = data["dst_in"], out_index(pv)
@@ -141,6 +165,26 @@ def price_graph(
             item = tensor_itemsize(fx_nodes[u], k_out, opts)
             edge_cache[key] = edge_cost_matrix(producers, k_out, consumers, k_in, cluster, values, opts, itemsize=item)
         edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
+        fwd = fusable_all(u, pu, None) if k_out == 0 else None
+        bwd = fusable_all(v, pv, k_in) if pv.requires_grad and pu.requires_grad else None
+        if fwd is None and bwd is None:
+            continue
+        skey = (key, fwd, bwd)
+        if skey not in scatter_cache:
+            scatter_cache[skey] = scatter_saving(
+                [OpPartition(pu.dims, s, mesh) for s in strategies[u]],
+                k_out,
+                [OpPartition(pv.dims, s, mesh) for s in strategies[v]],
+                k_in,
+                fwd or [None] * len(strategies[u]),
+                bwd or [None] * len(strategies[v]),
+                cluster,
+                values,
+                opts,
+            )
+        if scatter_cache[skey] is not None:
+            scatter[(u, v)] = scatter_cache[skey]
+            edge_cost[(u, v)] = edge_cost[(u, v)] - scatter[(u, v)].forward_s - scatter[(u, v)].backward_s
     for u, k_u, v, k_v in shared_parameters(graph):
         producers = [OpPartition(graph.nodes[u].dims, s, mesh) for s in strategies[u]]
         consumers = [OpPartition(graph.nodes[v].dims, s, mesh) for s in strategies[v]]
@@ -166,4 +210,4 @@ def price_graph(
         len(edge_cache),
         seconds,
     )
-    return PricedGraph(cg, mesh, strategies, costs, edge_bytes, seconds)
+    return PricedGraph(cg, mesh, strategies, costs, edge_bytes, seconds, scatter)

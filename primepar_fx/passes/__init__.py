@@ -6,13 +6,15 @@ In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of t
 2. :func:`~primepar_fx.passes.shard.shard_parameters`: the slice of every parameter this rank keeps.
 3. :func:`~primepar_fx.passes.redistribute.insert_redistributions`: point-to-point layout changes on edges,
    input slicing, output gathering.
-4. :func:`~primepar_fx.passes.collectives.insert_collectives`: forward / backward all-reduces of each partition.
+4. :func:`~primepar_fx.passes.collectives.insert_collectives`: forward / backward all-reduces of each partition;
+   :func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`: an all-reduce and the slice after it become one
+   reduce-scatter.
 5. :func:`~primepar_fx.passes.ring.replace_ring_products`: one ring operator per P(S x S) product.
 6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block.
 """
 
 from primepar_fx.passes.annotate import annotate_plan
-from primepar_fx.passes.collectives import insert_collectives
+from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
 from primepar_fx.passes.localize import RankGraph, localize, rewrite_local_ops
 from primepar_fx.passes.redistribute import insert_redistributions
 from primepar_fx.passes.ring import replace_ring_products
@@ -21,6 +23,7 @@ from primepar_fx.passes.shard import shard_parameters
 __all__ = [
     "RankGraph",
     "annotate_plan",
+    "fuse_reduce_scatters",
     "insert_collectives",
     "insert_redistributions",
     "localize",

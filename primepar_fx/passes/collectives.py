@@ -8,6 +8,8 @@
   so that it is added once, after the all-reduce (and after the ring of a P(S x S) product).
 * Statistics collectives (a split normalised dim, a split class dim, a split loss row dim) are left to the local
   forms of :mod:`primepar_fx.passes.localize`, which all-reduce per-row statistics rather than whole tensors.
+
+:func:`fuse_reduce_scatters` (pass 4b) then turns an all-reduce followed by a slice into one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -15,25 +17,33 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from primepar_fx.cost.scatter import (
+    BIASED,
+    bias_broadcasts,
+    fusable_backward,
+    fusable_forward,
+    has_bias,
+    performed_inside,
+    scatters,
+)
 from primepar_fx.partition import Phase, collectives
 from primepar_fx.partition.comm import Collective
 from primepar_fx.passes.common import NodeInfo, RankContext, add_module, info
-from primepar_fx.runtime.collectives import AllReduce
+from primepar_fx.runtime.collectives import AllReduce, ReduceScatter
+from primepar_fx.runtime.exchange import Redistribute
 
 aten = torch.ops.aten
-#: ops with a bias input: its position
-BIASED = {aten.linear.default: 2, aten.addmm.default: 0, aten.baddbmm.default: 0}
 #: node.meta key: the (I, W) operand nodes of a product whose bias was split off
 OPERANDS = "primepar_operands"
+#: node.meta key of an all-reduce that may fuse with the re-layout after it: its ``Fusable`` and owner's NodeInfo
+FUSABLE = "primepar_fusable"
+#: node.meta key of the add that :func:`split_bias` puts after a product: the bias node it adds
+BIAS_ADD = "primepar_bias_add"
 
 
 def internal(me: NodeInfo, c: Collective) -> bool:
     """Collectives a local form performs itself (statistics, loss reductions)."""
-    if me.target is aten.cross_entropy_loss.default:
-        return c.tensor in ("out0", "d_in0")
-    if me.target is aten.layer_norm.default and (me.part.op.stats & c.dims):
-        return c.tensor in ("out0", "d_in0")
-    return False
+    return performed_inside(me.target, me.part.op, c)
 
 
 def _all_reduce(gm: fx.GraphModule, ctx: RankContext, c: Collective, mode: str, why: str, node: str) -> str | None:
@@ -41,11 +51,6 @@ def _all_reduce(gm: fx.GraphModule, ctx: RankContext, c: Collective, mode: str, 
     if len(ranks) < 2:
         return None
     return add_module(gm, "all_reduce", AllReduce(group, ranks, c.digits, mode, ctx.stats, why, node))
-
-
-def has_bias(node: fx.Node) -> bool:
-    pos = BIASED.get(node.target)
-    return pos is not None and len(node.args) > pos and isinstance(node.args[pos], fx.Node)
 
 
 def split_bias(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -71,6 +76,7 @@ def split_bias(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
         b = g.call_function(aten.mul.Tensor, (bias, beta)) if beta != 1 else bias
     with g.inserting_after(b if b is not bias else out):
         add = g.call_function(aten.add.Tensor, (out, b))
+    add.meta[BIAS_ADD] = b
     for u in users:
         u.replace_input_with(node, add)
     return out
@@ -78,12 +84,14 @@ def split_bias(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
 
 def insert_collectives(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
     g = gm.graph
+    captured = {n.name: n for n in ctx.captured.gm.graph.nodes}
     for node in list(g.nodes):
         me = info(node)
         if me is None or me.fallback:
             continue
         colls = [c for c in collectives(me.part) if not internal(me, c)]
         inputs = list(node.all_input_nodes)
+        original = captured.get(node.name)
         for c in colls:
             if c.tensor.startswith("d_in"):
                 k = int(c.tensor[4:])
@@ -93,6 +101,9 @@ def insert_collectives(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
                         f = g.call_module(name, (inputs[k],))
                     node.replace_input_with(inputs[k], f)
                     inputs[k] = f
+                    fusable = fusable_backward(me.part, original, k) if original is not None else None
+                    if fusable is not None and fusable.collective == c:
+                        f.meta[FUSABLE] = (fusable, me)
         forward = [c for c in colls if c.phase is Phase.FORWARD and c.tensor == "out0"]
         last = node
         if node.target in BIASED and has_bias(node) and (forward or me.part.steps > 1):
@@ -105,5 +116,71 @@ def insert_collectives(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
                 with g.inserting_after(last):
                     r = g.call_module(name, (last,))
                 last.replace_all_uses_with(r, delete_user_cb=lambda u, r=r: u is not r)
+                fusable = fusable_forward(me.part, original) if original is not None else None
+                if fusable is not None and fusable.collective == c:
+                    r.meta[FUSABLE] = (fusable, me)
                 last = r
+    return gm
+
+
+def _redistribute_of(node: fx.Node, gm: fx.GraphModule) -> Redistribute | None:
+    if node.op != "call_module":
+        return None
+    mod = gm.get_submodule(node.target)  # type: ignore[arg-type]
+    return mod if isinstance(mod, Redistribute) and mod.layouts is not None else None
+
+
+def fuse_reduce_scatters(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
+    """An all-reduce whose re-layout only slices its result becomes one reduce-scatter.
+
+    The test is :func:`~primepar_fx.cost.scatter.scatters`, the one the cost model prices the pair with:
+
+    * Forward: ``node -> all-reduce -> Redistribute -> consumer``; the Redistribute's forward becomes the
+      reduce-scatter and the all-reduce (the identity in backward) goes. With a bias split off the product
+      (``all-reduce -> add bias -> Redistribute``), the bias is added to the scattered piece instead, through a
+      backward all-reduce that sums its gradient over the group (each rank now sees only its piece's rows).
+    * Backward: ``producer -> Redistribute -> all-reduce (backward) -> node``; the Redistribute's backward becomes
+      the reduce-scatter of the partial gradients and the all-reduce goes.
+    """
+    g = gm.graph
+    for ar in list(g.nodes):
+        if FUSABLE not in ar.meta:
+            continue
+        fusable, owner = ar.meta[FUSABLE]
+        reduce = gm.get_submodule(ar.target)
+        groups = ctx.mesh.groups(reduce.digits)
+        if reduce.mode == "forward":
+            add = next(iter(ar.users)) if len(ar.users) == 1 else None
+            bias = add.meta.get(BIAS_ADD) if add is not None else None
+            if (bias is None) != (fusable.bias is None):
+                continue
+            last = add if bias is not None else ar
+            r = next(iter(last.users)) if len(last.users) == 1 else None
+            mod = _redistribute_of(r, gm) if r is not None else None
+            if mod is None or not scatters(mod.layouts[0], mod.layouts[1], groups):
+                continue
+            held, needed = mod.layouts[0], mod.layouts[1]
+            if bias is not None and not bias_broadcasts(owner.part.op, fusable.bias, held, needed):
+                continue
+            mod.fwd = ReduceScatter.plan(held, needed, ctx.mesh, ctx.rank, reduce.group, reduce.ranks)
+            r.replace_input_with(last, ar.args[0])
+            if bias is not None:
+                why = f"bias gradient of {ar.args[0].name} over its scattered pieces"
+                grad = AllReduce(reduce.group, reduce.ranks, reduce.digits, "backward", ctx.stats, why, reduce.node)
+                with g.inserting_after(r):
+                    summed = g.call_module(add_module(gm, "all_reduce", grad), (bias,))
+                with g.inserting_after(summed):
+                    moved = g.call_function(aten.add.Tensor, (r, summed))
+                r.replace_all_uses_with(moved, delete_user_cb=lambda u, moved=moved: u is not moved)
+                g.erase_node(add)
+        else:
+            r = ar.args[0]
+            mod = _redistribute_of(r, gm) if isinstance(r, fx.Node) and len(r.users) == 1 else None
+            if mod is None or mod.layouts[2] is None or not scatters(mod.layouts[2], mod.layouts[3], groups):
+                continue
+            held, needed = mod.layouts[2], mod.layouts[3]
+            mod.bwd = ReduceScatter.plan(held, needed, ctx.mesh, ctx.rank, reduce.group, reduce.ranks)
+            ar.replace_all_uses_with(r)
+        g.erase_node(ar)
+        delattr(gm, ar.target)
     return gm

@@ -12,8 +12,8 @@
 
 :func:`localize` runs the passes in order on a copy of the captured graph::
 
-    annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> replace_ring_products
-      -> rewrite_local_ops
+    annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> fuse_reduce_scatters
+      -> replace_ring_products -> rewrite_local_ops
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from primepar_fx.cost.redistribute import Layout
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.passes.annotate import annotate_plan
-from primepar_fx.passes.collectives import insert_collectives
+from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
 from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_module, arg, digits_of, info, is_getitem
 from primepar_fx.passes.layouts import local_shape
 from primepar_fx.passes.redistribute import insert_redistributions, redistribute_module
@@ -209,7 +209,15 @@ def localize(
     ctx = RankContext(graph, mesh, rank, values, groups, whole_params=whole_params)
     counts = [("captured", op_counts(gm))]
     gm = annotate_plan(gm, ctx, partitions)
-    for p in (shard_parameters, insert_redistributions, insert_collectives, replace_ring_products, rewrite_local_ops):
+    passes = (
+        shard_parameters,
+        insert_redistributions,
+        insert_collectives,
+        fuse_reduce_scatters,
+        replace_ring_products,
+        rewrite_local_ops,
+    )
+    for p in passes:
         gm = p(gm, ctx)
         counts.append((p.__name__, op_counts(gm)))
     gm.graph.lint()

@@ -37,7 +37,7 @@ def redistribute_module(
         bwd = Exchange.plan(grad_held, grad_needed, ctx.mesh, ctx.rank)
     if fwd.identity and (bwd is None or bwd.identity):
         return None
-    return Redistribute(fwd, bwd, ctx.stats, what, node, kind)
+    return Redistribute(fwd, bwd, ctx.stats, what, node, kind, layouts=(held, needed, grad_held, grad_needed))
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:

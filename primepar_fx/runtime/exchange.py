@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -183,7 +184,11 @@ class _RedistributeFn(torch.autograd.Function):
 
 
 class Redistribute(nn.Module):
-    """A graph node that changes a tensor's layout (forward) and its gradient's (backward)."""
+    """A graph node that changes a tensor's layout (forward) and its gradient's (backward).
+
+    Either direction may instead be a :class:`~primepar_fx.runtime.collectives.ReduceScatter` (an all-reduce fused
+    with this node's slice), which has the same ``run``.
+    """
 
     def __init__(
         self,
@@ -193,9 +198,12 @@ class Redistribute(nn.Module):
         what: str = "",
         node: str = "",
         kind: str = "redistribution",
+        layouts: tuple[Layout, Layout, Layout | None, Layout | None] | None = None,
     ) -> None:
         super().__init__()
         self.fwd, self.bwd, self.stats, self.what, self.node, self.kind = fwd, bwd, stats, what, node, kind
+        #: ``(held, needed, gradient held, gradient needed)``, the layouts the exchanges were planned from
+        self.layouts = layouts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad):
@@ -203,11 +211,13 @@ class Redistribute(nn.Module):
         return _RedistributeFn.apply(x, self)
 
     def extra_repr(self) -> str:
-        def describe(e: Exchange | None) -> str:
+        def describe(e: Any) -> str:
             if e is None:
                 return "none"
             if e.identity:
                 return "identity"
+            if not isinstance(e, Exchange):
+                return f"{e.in_shape}->{e.out_shape}, reduce-scatter over {list(e.ranks)}"
             return (
                 f"{e.in_shape}->{e.out_shape}, sends to {[p for p, _ in e.sends]}, recvs from {[p for p, _ in e.recvs]}"
             )

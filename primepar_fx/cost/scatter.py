@@ -1,0 +1,249 @@
+"""When an all-reduce followed by a re-layout is a reduce-scatter.
+
+An all-reduce leaves every rank of a group with the whole sum. If the next layout keeps, on every rank, only a
+piece of what it holds, and the pieces of a group's ranks are disjoint and equal and together make up the group's
+block, then the all-reduce and the slice are one reduce-scatter: each rank receives the sum of its piece only,
+which sends half the bytes of the all-reduce ((g-1)/g of the block instead of 2(g-1)/g). This is Megatron's
+sequence parallelism: a row-parallel output all-reduced and then split by sequence, and, in Backward, the input
+gradient of a column-parallel linear all-reduced and then split by sequence for a sequence-split producer.
+
+:func:`scatters` is the one test the cost model (:mod:`primepar_fx.cost.costgraph`, which prices the fused pair)
+and the graph passes (:func:`primepar_fx.passes.collectives.fuse_reduce_scatters`, which emits it) both apply, so
+the plan's predicted bytes stay the bytes the ranks send. :func:`fusable_forward` and :func:`fusable_backward` are
+the conditions on the graph both apply first: a plain sum all-reduce that the passes emit as a node of its own,
+whose result goes only to the re-layout (a single user, no bias added in between).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+import sympy
+import torch
+from torch import fx
+
+from primepar_fx.cost.cluster import ClusterSpec, ring_factors
+from primepar_fx.cost.model import CostOptions, _block_bytes, _tmap
+from primepar_fx.cost.redistribute import (
+    IndexSet,
+    Layout,
+    backward_held,
+    backward_needed,
+    forward_held,
+    forward_needed,
+    values_key,
+)
+from primepar_fx.partition import OpPartition, Phase, collectives
+from primepar_fx.partition.comm import Collective
+from primepar_fx.rules.spec import OpDims
+
+aten = torch.ops.aten
+#: ops with a bias input: its position (the passes add the bias after the product's all-reduce)
+BIASED = {aten.linear.default: 2, aten.addmm.default: 0, aten.baddbmm.default: 0}
+
+
+def _size(s: IndexSet) -> int:
+    return sum(b - a for a, b in s)
+
+
+def _within(inner: IndexSet, outer: IndexSet) -> bool:
+    return all(any(lo <= a and b <= hi for lo, hi in outer) for a, b in inner)
+
+
+def _meets(x: IndexSet, y: IndexSet) -> bool:
+    return any(a < d and c < b for a, b in x for c, d in y)
+
+
+def scatters(held: Layout, needed: Layout, groups: Sequence[Sequence[int]]) -> bool:
+    """Whether going from ``held`` (all-reduced over each of ``groups``) to ``needed`` is a reduce-scatter.
+
+    True when every rank of a group holds the same block, every rank needs a part of it, and the parts of a
+    group's ranks are disjoint, of equal size and cover the block. Groups of one rank never scatter.
+    """
+    if held == needed:
+        return False
+    for group in groups:
+        if len(group) < 2:
+            return False
+        block = held[group[0]]
+        if any(held[r] != block for r in group):
+            return False
+        parts = [needed[r] for r in group]
+        if not all(_within(s, h) for part in parts for s, h in zip(part, block)):
+            return False
+        volume = prod(_size(s) for s in block)
+        sizes = [prod(_size(s) for s in part) for part in parts]
+        if len(set(sizes)) != 1 or sizes[0] * len(group) != volume:
+            return False
+        for i, a in enumerate(parts):
+            for b in parts[i + 1 :]:
+                if all(_meets(x, y) for x, y in zip(a, b)):
+                    return False
+    return True
+
+
+def has_bias(node: fx.Node) -> bool:
+    pos = BIASED.get(node.target)  # type: ignore[call-overload]
+    return pos is not None and len(node.args) > pos and isinstance(node.args[pos], fx.Node)
+
+
+def performed_inside(target: object, op: OpDims, c: Collective) -> bool:
+    """Collectives a local form performs itself (statistics, loss reductions), not an all-reduce node."""
+    if target is aten.cross_entropy_loss.default:
+        return c.tensor in ("out0", "d_in0")
+    if target is aten.layer_norm.default and (op.stats & c.dims):
+        return c.tensor in ("out0", "d_in0")
+    return False
+
+
+def _plain(part: OpPartition, target: object, tensor: str, phases: tuple[Phase, ...]) -> Collective | None:
+    found = [
+        c
+        for c in collectives(part)
+        if c.tensor == tensor and c.phase in phases and not performed_inside(target, part.op, c)
+    ]
+    if len(found) != 1 or found[0].block is not None or found[0].count != 1 or found[0].kind != "all-reduce":
+        return None
+    return found[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Fusable:
+    """An all-reduce that may fuse with the re-layout after it; ``bias``: the input index of a bias the passes add
+    after the all-reduce (it is then added to the scattered piece, and its gradient all-reduced over the group)."""
+
+    collective: Collective
+    bias: int | None = None
+
+
+def graph_facts(node: fx.Node, k: int | None = None) -> tuple:
+    """What :func:`fusable_forward` (``k=None``) or :func:`fusable_backward` needs to know of the captured graph's
+    ``node`` besides its partition: whether it has one user and its bias input, or whether it reads input ``k``
+    exactly once."""
+    if k is None:
+        bias = node.all_input_nodes.index(node.args[BIASED[node.target]]) if has_bias(node) else None  # type: ignore[index]
+        return len(node.users) == 1, bias
+    if k >= len(node.all_input_nodes):
+        return (False,)
+    uses: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), uses.append)
+    return (uses.count(node.all_input_nodes[k]) == 1,)  # read twice: two gradients meet in one all-reduce
+
+
+def fusable_forward(part: OpPartition, node: fx.Node) -> Fusable | None:
+    """The Forward all-reduce of ``node``'s output that may fuse with its one consumer's re-layout, if any.
+
+    ``node`` is the captured graph's node: one output and exactly one user.
+    """
+    single, bias = graph_facts(node)
+    if len(part.op.outputs) != 1 or not single:
+        return None
+    c = _plain(part, node.target, "out0", (Phase.FORWARD,))
+    return None if c is None else Fusable(c, bias)
+
+
+def bias_broadcasts(op: OpDims, bias: int, held: Layout, needed: Layout) -> bool:
+    """Whether the bias (input ``bias``) still broadcasts over the piece: no output axis it spans is sliced."""
+    out_map, bias_map = op.outputs[0], op.inputs[bias]
+    assert bias_map is not None
+    spanned = {d for group in bias_map for d in group}
+    for axis, group in enumerate(out_map):
+        if spanned & set(group) and any(h[axis] != n[axis] for h, n in zip(held, needed)):
+            return False
+    return True
+
+
+def fusable_backward(part: OpPartition, node: fx.Node, k: int) -> Fusable | None:
+    """The all-reduce of the gradient of ``node``'s input ``k`` that may fuse with the re-layout that carries the
+    gradient back to the producer, if any (``node`` is the captured graph's node)."""
+    if not graph_facts(node, k)[0]:
+        return None
+    c = _plain(part, node.target, f"d_in{k}", (Phase.BACKWARD, Phase.GRADIENT))
+    return None if c is None else Fusable(c)
+
+
+@dataclass(frozen=True)
+class ScatterSaving:
+    """What fusing an edge's all-reduces into reduce-scatters saves, per (producer, consumer) partition pair.
+
+    ``forward_*``: the producer's output all-reduce (attributed to the producer); ``backward_*``: the consumer's
+    input-gradient all-reduce (attributed to the consumer). Seconds and bytes saved per device, net of a bias
+    gradient's all-reduce; ``*_scattered`` the bytes the reduce-scatter itself sends. Zero where no fusion.
+    """
+
+    forward_s: np.ndarray
+    forward_bytes: np.ndarray
+    forward_scattered: np.ndarray
+    backward_s: np.ndarray
+    backward_bytes: np.ndarray
+    backward_scattered: np.ndarray
+
+
+def _saving(
+    cluster: ClusterSpec, part: OpPartition, c: Collective, tensor: str, vkey, item: int, bias: int | None = None
+) -> tuple[float, int, int]:
+    """Seconds and bytes one device saves when all-reduce ``c`` becomes a reduce-scatter of the same block (less a
+    bias gradient's all-reduce over the same group), and the bytes the reduce-scatter sends."""
+    block = _block_bytes(part, _tmap(part.op, tensor), vkey, item)
+    group = cluster.group_size(part.mesh, c.digits)
+    mesh, digits = part.mesh, c.digits
+    seconds = cluster.collective_time("all-reduce", block, mesh, digits)
+    seconds -= cluster.collective_time("reduce-scatter", block, mesh, digits)
+    ar, _ = ring_factors("all-reduce", group)
+    rs, _ = ring_factors("reduce-scatter", group)
+    saved, scattered = int(round(ar * block)) - int(round(rs * block)), int(round(rs * block))
+    if bias is not None:
+        extra = _block_bytes(part, part.op.inputs[bias], vkey, item)  # type: ignore[arg-type]
+        seconds -= cluster.collective_time("all-reduce", extra, mesh, digits)
+        saved -= int(round(ar * extra))
+    return seconds, saved, scattered
+
+
+def scatter_saving(
+    producers: Sequence[OpPartition],
+    out_index: int,
+    consumers: Sequence[OpPartition],
+    in_index: int,
+    forward: Sequence[Fusable | None],
+    backward: Sequence[Fusable | None],
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+) -> ScatterSaving | None:
+    """The savings of an edge whose producer partitions have the fusable Forward all-reduces ``forward`` and whose
+    consumer partitions have the fusable input-gradient all-reduces ``backward`` (:func:`fusable_forward`,
+    :func:`fusable_backward`); ``None`` when no pair fuses."""
+    vkey, item = values_key(values), opts.itemsize
+    shape = (len(producers), len(consumers))
+    out = ScatterSaving(*(np.zeros(shape) for _ in range(6)))
+    found = False
+    mesh = producers[0].mesh
+    needed = [forward_needed(c, in_index).layout(vkey) for c in consumers] if any(forward) else []
+    grad_needed = [backward_needed(p, out_index).layout(vkey) for p in producers] if any(backward) else []
+    for i, (p, f) in enumerate(zip(producers, forward)):
+        if f is None:
+            continue
+        held, groups = forward_held(p, out_index).layout(vkey), mesh.groups(f.collective.digits)
+        hits = [
+            j
+            for j, n in enumerate(needed)
+            if scatters(held, n, groups) and (f.bias is None or bias_broadcasts(p.op, f.bias, held, n))
+        ]
+        if hits:
+            found = True
+            saving = _saving(cluster, p, f.collective, f"out{out_index}", vkey, item, f.bias)
+            out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving
+    for j, (q, f) in enumerate(zip(consumers, backward)):
+        use = backward_held(q, in_index) if f is not None else None
+        if use is None:
+            continue
+        held, groups = use.layout(vkey), mesh.groups(f.collective.digits)  # type: ignore[union-attr]
+        hits = [i for i, n in enumerate(grad_needed) if scatters(held, n, groups)]
+        if hits:
+            found = True
+            saving = _saving(cluster, q, f.collective, f"d_in{in_index}", vkey, item)  # type: ignore[union-attr]
+            out.backward_s[hits, j], out.backward_bytes[hits, j], out.backward_scattered[hits, j] = saving
+    return out if found else None
