@@ -334,8 +334,9 @@ READING = """## Reading the results
   (`dp1 x mp4`, `data_parallel`, `prime`, `random:0`: few to many messages), it ranks the 8 other plans with
   Spearman 0.90 and predicts them to a median 20% (targets 0.9 and 25%); over all 12, 0.92 and 14%. The same run
   gives the preset 0.50 / 49% and the quick calibration 0.81 / 59% on the held-out plans (0.43 / 49% and
-  0.71 / 59% on all). The margin is thin: an earlier run (21:17, the same code but a work-in-progress pricing
-  change in the tree that prices the +SP plans lower) gave the step-fitted spec 0.88 / 19% held out.
+  0.71 / 59% on all). The margin is thin: an earlier run (21:17, with the reduce-scatter pricing of 55fb96f,
+  then uncommitted, in the tree; it prices the +SP plans lower) gave the step-fitted spec 0.88 / 19% held out.
+  This page was measured at dba75ef, before that commit.
 * **What the fit found.** 2.4 ms per message, 1.8 ms per MiB sent, 7.3 times the calibrated compute and
   nothing per op. The four training plans predict almost the same compute (72-88 ms), so the compute term
   stands in for the per-step constant (the all-plan fit puts 340 ms there, with 1.3 times the compute); a plan
