@@ -63,7 +63,7 @@ def case(model: str, layers: int, world: int, *marks: pytest.MarkDecorator):
     return pytest.param(model, layers, world, marks=marks, id=f"{model}-{layers}L-w{world}")
 
 
-#: HF BLOOM on 8 devices: eliminating a ``bmm`` needs a 133M-entry table, beyond the DP's 50M limit
+#: HF BLOOM on 8 devices: eliminating its ``baddbmm`` needs a 280M-entry table, beyond the DP's 200M limit
 TOO_ENTANGLED = pytest.mark.xfail(raises=TableTooLarge, strict=True, reason="DP table beyond max_table_entries")
 DP_VS_ILP = [
     # 4 devices, per case with pricing on 2 cores: 2-10 s; llama-tiny's four layers (243 nodes) ~21 s

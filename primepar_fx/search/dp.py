@@ -61,7 +61,7 @@ class DPOptions:
     """Knobs of the DP. ``layer_merge``: "auto" (cheapest), "power" (Eq. 14 squaring), "none" (no sharing)."""
 
     layer_merge: Literal["auto", "power", "none"] = "auto"
-    max_table_entries: int = 50_000_000
+    max_table_entries: int = 200_000_000  # work per elimination step (run in chunks, so not all held at once)
     chunk_entries: int = 1 << 16
     min_fanout: int = 3
     max_global_states: int = 16

@@ -119,10 +119,15 @@ def plan_elimination(
         if ver != version[v] or v in done:
             continue
         if size > limit:
-            who = names[v] if names is not None else str(v)
+
+            def label(u: int) -> str:
+                return f"{names[u] if names is not None else u!s} ({domains[u]})"
+
+            others = ", ".join(label(u) for u in sorted(union(v) - {v}))
             raise TableTooLarge(
-                f"eliminating {who!r} needs a table of {size:,} entries (limit {limit:,}); the graph is too "
-                "entangled for the dynamic program here: use method='ilp' or 'auto', or raise the limit"
+                f"eliminating {label(v)} needs a table of {size:,} entries (limit {limit:,}) over its neighbours "
+                f"{others}; the graph is too entangled for the dynamic program here: use method='ilp' or 'auto', "
+                "or raise the limit"
             )
         members = union(v)
         inputs = tuple(sorted(factors_of[v]))
