@@ -13,11 +13,19 @@ import pytest
 import sympy
 from opdims import linear_dims as linear
 
-from primepar_fx.cost.cluster import load_cluster, ring_factors
+from primepar_fx.cost.cluster import ClusterSpec, LinearLatency, load_cluster, ring_factors
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
-from primepar_fx.cost.redistribute import redistribution_matrix
+from primepar_fx.cost.redistribute import (
+    Layout,
+    backward_held,
+    backward_needed,
+    forward_held,
+    forward_needed,
+    redistribution_matrix,
+)
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences, transfers
 from primepar_fx.rules.spec import OpDims
+from primepar_fx.runtime.exchange import Exchange
 
 F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
 CLUSTER = load_cluster("v100-paper")
@@ -232,8 +240,33 @@ def test_p2x2_hides_its_ring_and_beats_megatron_column_and_row_splits() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- edges
+def a2a_seconds(cluster: ClusterSpec, level: int, group: int, elems: int, item: int, world: int) -> float:
+    """An all-to-all of ``group`` devices carrying the mean per-device bytes over all ``world`` devices."""
+    return cluster.levels[level].collective_time("all-to-all", group, elems * item / world)
+
+
+def runtime_p2p_seconds(cluster: ClusterSpec, held: Layout, needed: Layout, mesh: DeviceMesh, item: int) -> float:
+    """What the runtime's exchange costs, read off :meth:`Exchange.plan` of every rank: each rank receives its
+    ``received`` elements in one message per sender, at the slowest level a sender is on; the busiest rank wins."""
+    worst, node = 0.0, cluster.devices_per_node
+    for k in range(mesh.size):
+        plan = Exchange.plan(held, needed, mesh, k)
+        senders = [peer for peer, _ in plan.recvs]
+        if not senders:
+            continue
+        level = cluster.levels[int(any(s // node != k // node for s in senders))]
+        p2p = level.collectives["p2p"]
+        worst = max(worst, len(senders) * p2p.fixed + plan.received[k] * item * p2p.bytes_coeff)
+    return worst
+
+
+def p2p_seconds(level: int, messages: int, elems: int, item: int, cluster: ClusterSpec = CLUSTER) -> float:
+    p2p = cluster.levels[level].collectives["p2p"]
+    return messages * p2p.fixed + elems * item * p2p.bytes_coeff
+
+
 @pytest.mark.parametrize(("dtype", "item"), DTYPES)
-def test_edge_cost_is_the_redistribution_bytes_priced_as_an_all_to_all(dtype: str, item: int) -> None:
+def test_edge_cost_is_the_cheaper_of_an_all_to_all_and_the_runtime_exchange(dtype: str, item: int) -> None:
     first, second = linear(SB, SM, SN, SK), linear(SB, SM, SK, SN)  # first's O[B,M,K] is second's I[B,M,N=K]
     producers = [OpPartition(first, s, MESH) for s in enumerate_sequences(first, MESH)]
     consumers = [OpPartition(second, s, MESH) for s in enumerate_sequences(second, MESH)]
@@ -245,11 +278,19 @@ def test_edge_cost_is_the_redistribution_bytes_priced_as_an_all_to_all(dtype: st
     assert moving.any() and (~moving).any()
     assert (seconds[~moving] == 0.0).all()
     assert (seconds[moving] > 0.0).all()
-    # four devices share one node: each direction with traffic is one intra-node all-to-all of the 4 devices
-    # carrying the mean per-device bytes
-    a2a = np.vectorize(lambda elems: CLUSTER.collective_time("all-to-all", elems * item / 4, MESH, (0, 1)))
-    expected = np.where(fwd > 0, a2a(fwd), 0.0) + np.where(bwd > 0, a2a(bwd), 0.0)
-    np.testing.assert_allclose(seconds, expected, rtol=1e-9, atol=0.0)
+    # four devices share one node: each direction with traffic is the cheaper of one intra-node all-to-all of the
+    # 4 devices carrying the mean per-device bytes and the exchange the runtime plans
+    a2a = np.vectorize(lambda elems: a2a_seconds(CLUSTER, 0, 4, elems, item, 4))
+    p2p = np.zeros(seconds.shape)
+    for i, j in np.argwhere(moving):
+        p, c = producers[i], consumers[j]
+        uses = [(forward_held(p, 0), forward_needed(c, 0)), (backward_held(c, 0), backward_needed(p, 0))]
+        p2p_f, p2p_b = (runtime_p2p_seconds(CLUSTER, h.layout(()), n.layout(()), MESH, item) for h, n in uses)
+        p2p[i, j] = min(a2a(fwd[i, j]), p2p_f) if fwd[i, j] else 0.0
+        p2p[i, j] += min(a2a(bwd[i, j]), p2p_b) if bwd[i, j] else 0.0
+    np.testing.assert_allclose(seconds, p2p, rtol=1e-9, atol=0.0)
+    old = np.where(fwd > 0, a2a(fwd), 0.0) + np.where(bwd > 0, a2a(bwd), 0.0)
+    assert (seconds <= old).all() and (seconds < old).any()
 
     names = [str(p.seq) for p in producers], [str(c.seq) for c in consumers]
     same = names[0].index("B,B"), names[1].index("B,B")
@@ -261,9 +302,48 @@ def test_edge_cost_is_the_redistribution_bytes_priced_as_an_all_to_all(dtype: st
     rep = names[0].index("R,R"), names[1].index("B,B")
     assert fwd[rep] == 0 and bwd[rep] == 4 * (3 * O_ELEMS // 4)
     assert nbytes[rep] == 3 * O_ELEMS * item
+    # ... which every device gathers from the 3 others, a quarter each: 3 messages beat the all-to-all
+    assert seconds[rep] == pytest.approx(p2p_seconds(0, 3, 3 * O_ELEMS // 4, item), rel=1e-12)
+    assert seconds[rep] < a2a(bwd[rep])
 
 
-def test_edge_cost_prices_traffic_inside_a_node_when_every_device_finds_its_data_there() -> None:
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
+def test_cannon_skew_edge_is_one_message_per_receiving_device(dtype: str, item: int) -> None:
+    # P2x2 -> P2x2: forward the devices of row 1 swap their blocks, backward those of row 0
+    # (tests/test_redistribute.py derives the skew); each receiver gets one block from one peer
+    first, second = linear(SB, SM, SN, SK), linear(SB, SM, SK, SN)
+    producer = [OpPartition(first, PartitionSeq.parse("P2x2"), MESH)]
+    consumer = [OpPartition(second, PartitionSeq.parse("P2x2"), MESH)]
+    block = SB * (SM // 2) * (SK // 2)
+    seconds, nbytes = edge_cost_matrix(producer, 0, consumer, 0, CLUSTER, NO_VALUES, CostOptions(dtype=dtype))
+    assert nbytes[0, 0] == (2 * block + 2 * block) * item
+    assert seconds[0, 0] == pytest.approx(2 * p2p_seconds(0, 1, block, item), rel=1e-12)
+    # the all-to-all pricing charged 3 steps each way for the mean of half a block per device
+    assert seconds[0, 0] < 2 * a2a_seconds(CLUSTER, 0, 4, 2 * block, item, 4)
+
+
+def test_all_gather_like_relayout_keeps_the_cheaper_of_all_to_all_and_p2p() -> None:
+    # O split by M four ways feeds a replicated input: every device gathers 3 quarters from 3 peers. Backward the
+    # replicated dI is complete on every device, so only Forward moves.
+    first, second = linear(SB, SM, SN, SK), linear(SB, SM, SK, SN)
+    producer = [OpPartition(first, PartitionSeq.parse("M,M"), MESH)]
+    consumer = [OpPartition(second, PartitionSeq.parse("R,R"), MESH)]
+    gathered = 3 * O_ELEMS // 4
+    a2a = a2a_seconds(CLUSTER, 0, 4, 4 * gathered, 4, 4)
+    p2p = p2p_seconds(0, 3, gathered, 4)
+    seconds, nbytes = edge_cost_matrix(producer, 0, consumer, 0, CLUSTER, NO_VALUES, CostOptions())
+    assert nbytes[0, 0] == 4 * gathered * 4
+    assert p2p < a2a and seconds[0, 0] == pytest.approx(p2p, rel=1e-12)
+    # a p2p message ten times dearer than a ring step of the all-to-all: the all-to-all is kept
+    intra = CLUSTER.levels[0]
+    slow = CLUSTER.with_calibration(
+        source="test", collectives={0: {"p2p": LinearLatency(intra.collectives["p2p"].bytes_coeff, 20e-6)}}
+    )
+    seconds, _ = edge_cost_matrix(producer, 0, consumer, 0, slow, NO_VALUES, CostOptions())
+    assert p2p_seconds(0, 3, gathered, 4, slow) > a2a and seconds[0, 0] == pytest.approx(a2a, rel=1e-12)
+
+
+def test_edge_cost_prices_each_receiver_at_the_level_its_senders_are_on() -> None:
     # eight devices on two v100-paper nodes: digit 0 picks the node
     mesh = CLUSTER.mesh(8)
     assert mesh.digits == (2, 2, 2) and CLUSTER.group_level(mesh, (0,)) == 1
@@ -271,18 +351,20 @@ def test_edge_cost_prices_traffic_inside_a_node_when_every_device_finds_its_data
     producer = [OpPartition(first, PartitionSeq.parse("B,R,R"), mesh)]  # each node holds its half of the batch
     consumers = [OpPartition(second, PartitionSeq.parse(s), mesh) for s in ("B,B,B", "R,B,B")]
     seconds, nbytes = edge_cost_matrix(producer, 0, consumers, 0, CLUSTER, NO_VALUES, CostOptions())
-    intra, inter = CLUSTER.levels
-
-    def a2a(level, group: int, elems: int) -> float:  # mean bytes per device over all 8
-        return level.collective_time("all-to-all", group, elems * 4 / 8)
 
     # "B,B,B" needs an eighth of the node's half: nothing moves forward. Backward the producer needs its node's
-    # half of dO on each device and holds an eighth: 8 devices x 3/8 of dO, all found on the node.
+    # half of dO on each device and holds an eighth: 8 devices x 3/8 of dO, each device gathering an eighth from
+    # each of the 3 others on its node (the all-to-all inside the node is dearer).
     assert nbytes[0, 0] == 3 * O_ELEMS * 4
-    assert seconds[0, 0] == pytest.approx(a2a(intra, 4, 3 * O_ELEMS), rel=1e-12)
+    assert a2a_seconds(CLUSTER, 0, 4, 3 * O_ELEMS, 4, 8) > p2p_seconds(0, 3, 3 * O_ELEMS // 8, 4)
+    assert seconds[0, 0] == pytest.approx(p2p_seconds(0, 3, 3 * O_ELEMS // 8, 4), rel=1e-12)
     # "R,B,B" splits the batch in four inside each node: the devices whose quarter lies in the other node's
-    # half lack it (4 x 1/4 of O) and must fetch it across nodes. Backward each node holds all four quarters of
-    # dI, so the producer's 3 O of missing elements (4 x 1/4 + 4 x 1/2) stay inside the node.
+    # half lack it (4 x 1/4 of O) and fetch it from the device of the other node that differs only in the node
+    # digit: one inter-node message each, against an all-to-all over all 8 devices. Backward each node holds all
+    # four quarters of dI; a device needs its node's half, one or two quarters it lacks, from peers on its node.
     assert nbytes[0, 1] == (O_ELEMS + 3 * O_ELEMS) * 4
-    expected = a2a(inter, 8, O_ELEMS) + a2a(intra, 4, 3 * O_ELEMS)
-    assert seconds[0, 1] == pytest.approx(expected, rel=1e-12)
+    forward = p2p_seconds(1, 1, O_ELEMS // 4, 4)
+    backward = p2p_seconds(0, 2, O_ELEMS // 2, 4)
+    assert forward < a2a_seconds(CLUSTER, 1, 8, O_ELEMS, 4, 8)
+    assert backward < a2a_seconds(CLUSTER, 0, 4, 3 * O_ELEMS, 4, 8)
+    assert seconds[0, 1] == pytest.approx(forward + backward, rel=1e-12)

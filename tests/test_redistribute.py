@@ -17,14 +17,23 @@ from hypothesis import strategies as st
 from opdims import linear_dims as linear
 
 from primepar_fx.cost.redistribute import (
+    LayoutPairs,
     Redistribution,
+    backward_held,
+    backward_needed,
+    class_senders,
+    forward_held,
+    forward_needed,
     index_set,
+    nearest_holder,
     overlap,
     redistribution,
     redistribution_matrix,
+    values_key,
 )
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences
 from primepar_fx.rules.spec import OpDims, TensorMap
+from primepar_fx.runtime.exchange import Exchange
 from primepar_fx.shapes import B, S
 
 F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
@@ -80,6 +89,30 @@ def assert_matches_brute(producer: OpPartition, j: int, consumer: OpPartition, k
     assert list(r.per_device_backward) == bwd, (producer.seq, consumer.seq)
     assert r.forward_elems == sum(fwd) and r.backward_elems == sum(bwd)
     return r
+
+
+def runtime_messages(held, needed, mesh: DeviceMesh, per_node: int) -> tuple[list[int], list[bool]]:
+    """Per rank: how many ranks :meth:`Exchange.plan` receives from, and whether one is on another node."""
+    counts, crosses = [], []
+    for k in range(mesh.size):
+        senders = [peer for peer, _ in Exchange.plan(held, needed, mesh, k).recvs]
+        counts.append(len(senders))
+        crosses.append(any(s // per_node != k // per_node for s in senders))
+    return counts, crosses
+
+
+def assert_messages_match_runtime(producer: OpPartition, consumer: OpPartition, vals: Mapping, per_node: int) -> None:
+    """Forward and Backward, :meth:`LayoutPairs.messages` equals the exchange the runtime plans, rank by rank."""
+    vkey, mesh = values_key(vals), producer.mesh
+    uses = [(forward_held(producer, 0), forward_needed(consumer, 0))]
+    grad = backward_held(consumer, 0)
+    if grad is not None:
+        uses.append((grad, backward_needed(producer, 0)))
+    for held, needed in uses:
+        pairs = LayoutPairs.build([held.layout_ids(vkey)], [needed.layout_ids(vkey)])
+        count, cross = pairs.messages(mesh, per_node)
+        expected = runtime_messages(held.layout(vkey), needed.layout(vkey), mesh, per_node)
+        assert (count[0, 0].tolist(), cross[0, 0].tolist()) == expected, (producer.seq, consumer.seq)
 
 
 # ------------------------------------------------------------------------------------------ index sets
@@ -228,6 +261,54 @@ def test_all_linear_pairs_on_2x2_match_brute_force_and_matrix() -> None:
         assert 0 <= r.forward_elems <= 4 * 2 * 4 * 4 and 0 <= r.backward_elems <= 4 * 2 * 4 * 4
 
 
+def test_messages_of_every_linear_pair_are_the_senders_the_runtime_plans() -> None:
+    # on 2 x 2 (one node of two: digit 0 crosses) and on 2 x 2 x 2 (two nodes of four)
+    for digits, per_node in (((2, 2), 2), ((2, 2, 2), 4)):
+        mesh = DeviceMesh(digits)
+        p_op, c_op = linear(2, 4, 4, 4), linear(2, 4, 4, 2)
+        producers = [OpPartition(p_op, s, mesh) for s in enumerate_sequences(p_op, mesh)]
+        consumers = [OpPartition(c_op, s, mesh) for s in enumerate_sequences(c_op, mesh)]
+        vkey = values_key({})
+        pairs = LayoutPairs.build(
+            [forward_held(p, 0).layout_ids(vkey) for p in producers],
+            [forward_needed(c, 0).layout_ids(vkey) for c in consumers],
+        )
+        count, cross = pairs.messages(mesh, per_node)
+        received = pairs.received()
+        for (i, p), (j, c) in itertools.product(enumerate(producers), enumerate(consumers)):
+            held, needed = forward_held(p, 0).layout(vkey), forward_needed(c, 0).layout(vkey)
+            a, b = pairs.held_of[i], pairs.needed_of[j]
+            assert (count[a, b].tolist(), cross[a, b].tolist()) == runtime_messages(held, needed, mesh, per_node)
+            assert tuple(received[a, b].tolist()) == Exchange.plan(held, needed, mesh, 0).received
+        for p, c in itertools.product(producers[::3], consumers[::3]):
+            assert_messages_match_runtime(p, c, {}, per_node)
+
+
+def test_cannon_skew_is_one_message_per_receiving_device() -> None:
+    producer, consumer = bind(linear(2, 4, 4, 4), "P2x2", (2, 2)), bind(linear(2, 4, 4, 6), "P2x2", (2, 2))
+    vkey = values_key({})
+    pairs = LayoutPairs.build(
+        [forward_held(producer, 0).layout_ids(vkey)], [forward_needed(consumer, 0).layout_ids(vkey)]
+    )
+    count, cross = pairs.messages(producer.mesh, 4)
+    assert count[0, 0].tolist() == [0, 0, 1, 1] and not cross.any()  # ranks 2 and 3 swap (see the skew above)
+    count, cross = pairs.messages(producer.mesh, 2)  # one node per row: the swap stays inside node 1
+    assert count[0, 0].tolist() == [0, 0, 1, 1] and not cross.any()
+    count, cross = pairs.messages(producer.mesh, 1)
+    assert cross[0, 0].tolist() == [False, False, True, True]
+
+
+def test_nearest_holder_is_the_fewest_differing_digits_then_the_lowest_rank() -> None:
+    mesh = DeviceMesh((2, 2, 2))  # rank = 4 d0 + 2 d1 + d2
+    assert nearest_holder([1, 2, 7], 7, mesh) == 7  # a holder keeps its own block
+    assert nearest_holder([1, 2], 0, mesh) == 1  # both one digit away: the lower rank
+    assert nearest_holder([3, 5, 6], 0, mesh) == 3  # all two digits away
+    assert nearest_holder([3, 4], 0, mesh) == 4  # one digit beats two
+    senders = class_senders((0, 0, 1, 1, 0, 0, 1, 1), mesh)  # digit 1 picks the block
+    assert senders[2].tolist() == [2, 3, 2, 3, 6, 7, 6, 7]  # each rank takes rank 2's block from its d1 = 1 twin
+    assert senders[0].tolist() == [0, 1, 0, 1, 4, 5, 4, 5]
+
+
 # ----------------------------------------------------------------------------------- property: random maps
 @st.composite
 def edges(draw: st.DrawFn) -> tuple[OpPartition, OpPartition, dict]:
@@ -279,6 +360,7 @@ def test_random_factorings_match_brute_force(edge: tuple[OpPartition, OpPartitio
     assert (int(fwd[0, 0]), int(bwd[0, 0])) == (r.forward_elems, r.backward_elems)
     if r.is_permutation:
         assert sum(1 for v in r.per_device_forward if v) >= 2
+    assert_messages_match_runtime(producer, consumer, vals, max(1, world // 2))
 
 
 def test_scalar_edge_moves_nothing() -> None:

@@ -17,10 +17,25 @@ Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition `
   backward, and the ring's second (receive) buffer for every block that moves in a phase, in the phase that
   needs the most.
 
-Inter-operator cost (Eq. 8-9): the redistribution traffic of :mod:`primepar_fx.cost.redistribute`, Forward plus
-Backward, priced as an all-to-all carrying the mean per-device traffic, inside a node when the data stays there
-and across the mesh otherwise (a P2P permutation such as the Cannon skew is priced the same way; pricing it as a
-ring shift is a refinement left for later).
+Inter-operator cost (Eq. 8-9): the redistribution traffic of :mod:`primepar_fx.cost.redistribute`. Each direction
+(Forward, and Backward for the gradient) is priced as the cheaper of two ways to move it:
+
+* an all-to-all carrying the mean per-device traffic, inside a node when every device finds its data there and
+  across the mesh otherwise (:func:`all_to_all_levels`);
+* the point-to-point exchange the runtime runs (:class:`~primepar_fx.runtime.exchange.Exchange`,
+  :func:`p2p_seconds`): device ``k`` receives its Eq. 9 term ``bytes_k`` in ``m_k`` messages, one from each rank
+  that sends it something (the holder nearest in device-ID digits), at the ``"p2p"`` latency of the slowest level
+  one of them crosses, ``m_k * fixed + bytes_k * bytes_coeff``. All messages are posted at once, so the exchange
+  takes ``max_k`` of that. Only receives are priced: the nearest-holder rule spreads the sends (a replicated block
+  comes from the holder that shares the receiver's other digits, not from one rank to all), and in the gathers
+  and permutations that re-layouts mostly are a device sends as many messages and bytes as it receives. A Cannon
+  skew (P(S x S) to P(S x S)) is a permutation: one message per receiving device.
+
+The p2p price is the cheaper for gathers and small exchanges (a message costs one p2p intercept where an all-to-all
+of ``g`` devices pays ``g - 1`` ring steps, and p2p moves bytes at a higher efficiency). The all-to-all, priced on
+the *mean* traffic, stays the cheaper where few devices receive much: a P2x2 Cannon skew moves blocks to half the
+devices, so above about 1.2 MB a block on ``v100-paper`` it keeps the all-to-all price, which charges no device for
+the whole block it receives.
 
 Sizes are sympy expressions in ``B`` and ``S`` evaluated at the caller's ``values``; results are floats (seconds)
 and ints (bytes).
@@ -37,8 +52,8 @@ import sympy
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
-from primepar_fx.cost.redistribute import ValuesKey, redistribution_locality, redistribution_matrix, values_key
-from primepar_fx.partition import PHASES, OpPartition, Phase, collectives, phase_tensors, transfers
+from primepar_fx.cost.redistribute import LayoutPairs, ValuesKey, edge_pairs, values_key
+from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
 from primepar_fx.rules.spec import OpDims, TensorMap
 
@@ -229,27 +244,72 @@ def edge_cost_matrix(
     ``itemsize``: bytes per element of this tensor when it is not a floating-point activation of ``opts.dtype``
     (token ids, masks).
 
-    ``bytes`` is the Forward plus Backward traffic summed over devices. Each direction's mean per-device traffic
-    is priced as an all-to-all: inside a node (over the node's devices) when every device finds what it needs on
-    its own node, else across the whole mesh at the inter-node level.
+    ``bytes`` is the Forward plus Backward traffic summed over devices. Each direction costs the cheaper of
+    :func:`p2p_seconds` and :func:`all_to_all_levels` (module docstring); which level the all-to-all runs at is
+    found only where it could be the cheaper.
     """
-    fwd, bwd = redistribution_matrix(producers, out_index, consumers, in_index, values, shared)
-    mesh = producers[0].mesh
-    world = mesh.size
     item = opts.itemsize if itemsize is None else itemsize
-    total = (fwd + bwd) * item
-    if world == 1:
-        return np.zeros(total.shape), total
+    if not producers or not consumers:
+        empty = np.zeros((len(producers), len(consumers)))
+        return empty, empty.astype(np.int64)
+    fwd, bwd = edge_pairs(producers, out_index, consumers, in_index, values, shared)
+    mesh = producers[0].mesh
+    seconds, total = np.zeros((len(producers), len(consumers))), np.zeros((len(producers), len(consumers)), np.int64)
+    for pairs, flip in ((fwd, False), (bwd, True)):
+        if pairs is None:
+            continue
+        received = pairs.received()
+        elems = pairs.traffic(received)
+        time = np.zeros(elems.shape)
+        if mesh.size > 1 and elems.any():
+            time = p2p_seconds(pairs, received, mesh, cluster, item)
+            inside, across = all_to_all_levels(elems, mesh, cluster, item)
+            if (time > np.minimum(inside, across)).any():  # else no all-to-all is cheaper, wherever it runs
+                per_node = min(mesh.size, cluster.devices_per_node)
+                local = pairs.node_local([k // per_node for k in range(mesh.size)])
+                time = np.minimum(time, np.where(local, inside, across))
+        seconds += time.T if flip else time
+        total += elems.T if flip else elems
+    return seconds, total * item
+
+
+def all_to_all_levels(
+    elems: np.ndarray, mesh: DeviceMesh, cluster: ClusterSpec, itemsize: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One direction of a re-layout as an all-to-all carrying the mean per-device traffic ``elems / world``, per
+    strategy pair: ``(inside, across)``, run inside each node (over its devices), which is the price when every
+    device finds its needed block on its own node (:meth:`~primepar_fx.cost.redistribute.LayoutPairs.node_local`),
+    or across the whole mesh at the inter-node level. Zero where nothing moves."""
+    world = mesh.size
     per_node = min(world, cluster.devices_per_node)
-    local_f, local_b = redistribution_locality(producers, out_index, consumers, in_index, values, per_node, shared)
-    seconds = np.zeros(total.shape)
-    for direction, local in ((fwd, local_f), (bwd, local_b)):
-        per_device = direction * (item / world)
-        for level, group, mask in ((0, per_node, local), (len(cluster.levels) - 1, world, ~local)):
-            if group < 2 or not mask.any():
-                continue
-            price = cluster.levels[level].collective_time
-            unit = price("all-to-all", group, 1.0) - price("all-to-all", group, 0.0)
-            fixed = price("all-to-all", group, 0.0)
-            seconds += np.where(mask & (direction > 0), per_device * unit + fixed, 0.0)
-    return seconds, total
+    per_device = elems * (itemsize / world)
+    out = []
+    for level, group in ((0, per_node), (len(cluster.levels) - 1, world)):
+        price = cluster.levels[level].collective_time
+        unit = price("all-to-all", group, 1.0) - price("all-to-all", group, 0.0)
+        fixed = price("all-to-all", group, 0.0)
+        out.append(np.where(elems > 0, per_device * unit + fixed, 0.0) if group > 1 else np.zeros(elems.shape))
+    return out[0], out[1]
+
+
+def p2p_seconds(
+    pairs: LayoutPairs, received: np.ndarray, mesh: DeviceMesh, cluster: ClusterSpec, itemsize: int
+) -> np.ndarray:
+    """One direction of a re-layout as the runtime's point-to-point exchange, per strategy pair.
+
+    Device ``k`` receives ``received[..., k]`` elements in ``m_k`` messages
+    (:meth:`~primepar_fx.cost.redistribute.LayoutPairs.messages`), priced with the ``"p2p"`` latency of the slowest
+    level one of them crosses: ``m_k * fixed + bytes_k * bytes_coeff``, one p2p intercept per message. Every
+    message is posted at once, so the exchange takes the time of the busiest receiver: ``max_k``.
+    """
+    count, cross = pairs.messages(mesh, cluster.devices_per_node)
+    out = np.zeros(count.shape[:2])
+    for level in range(len(cluster.levels)):
+        mask = cross if level else ~cross
+        if not mask.any():
+            continue
+        price = cluster.levels[level].collective_time
+        fixed = price("p2p", 2, 0.0)
+        unit = price("p2p", 2, 1.0) - fixed
+        out = np.maximum(out, np.where(mask, count * fixed + received * (itemsize * unit), 0.0).max(axis=-1))
+    return out[pairs.held_of][:, pairs.needed_of]

@@ -34,6 +34,13 @@ a partial sum until its all-reduce runs (:func:`primepar_fx.partition.collective
 all-reduce separately (Eq. 7). Here every held set is the one after the all-reduce, which is what
 ``OpPartition.tensor_slice`` describes: it does not depend on the summed dims.
 
+**Messages.** The runtime (:class:`~primepar_fx.runtime.exchange.Exchange`) sends device ``D`` each block it lacks
+from the holder nearest in device-ID digits, the lowest rank on a tie (:func:`nearest_holder`), one message per
+sender. The blocks of one layout are equal or disjoint, so its devices form classes that hold one block each, and
+``D`` receives one message from every other class whose block meets ``needed(D)``
+(:meth:`LayoutPairs.messages`, with :func:`class_senders` the rule for all pairs of ranks at once). The cost model
+prices these messages (:func:`primepar_fx.cost.model.p2p_seconds`).
+
 Sizes are sympy expressions in ``B`` and ``S``. They are evaluated at the caller's ``values`` (required), so every
 count is an exact integer. Every distinct index set is numbered once (:data:`SETS`), and a layout is memoised per
 ``(op, seq, mesh, tmap, phase, t, values)`` as an int array of set numbers (:func:`layout_ids`).
@@ -395,6 +402,64 @@ def redistribution(
     return Redistribution(sum(fwd), sum(bwd), fwd, bwd, is_permutation(held, needed, fwd), bwd_perm)
 
 
+# ------------------------------------------------------------------------------------------- who sends
+@lru_cache(maxsize=64)
+def digit_distance(mesh: DeviceMesh) -> np.ndarray:
+    """``D[a, b]``: the number of device-ID digits in which ranks ``a`` and ``b`` differ (read-only)."""
+    coords = np.array([mesh.coords(r) for r in range(mesh.size)], dtype=np.int64).reshape(mesh.size, len(mesh))
+    out = (coords[:, None, :] != coords[None, :, :]).sum(axis=-1)
+    out.flags.writeable = False
+    return out
+
+
+def nearest_holder(holders: Sequence[int], k: int, mesh: DeviceMesh) -> int:
+    """The rank that gives rank ``k`` a block the ranks ``holders`` hold: ``k`` itself when it is one of them, else
+    the holder that differs from ``k`` in the fewest device-ID digits, the lowest rank on a tie (the rule of
+    :meth:`primepar_fx.runtime.exchange.Exchange.plan` and of the ring's senders)."""
+    dist = digit_distance(mesh)
+    return min(holders, key=lambda r: (int(dist[r, k]), r))
+
+
+@lru_cache(maxsize=1 << 12)
+def class_senders(classes: tuple[int, ...], mesh: DeviceMesh) -> np.ndarray:
+    """``S[r, k]``: :func:`nearest_holder` of rank ``r``'s class for rank ``k``, for every pair (read-only).
+
+    ``classes[r]`` labels the block rank ``r`` holds; ranks with one label hold one block. ``(distance, rank)`` is
+    ordered as the single integer ``distance * world + rank``.
+    """
+    world, cls = mesh.size, np.asarray(classes)
+    key = digit_distance(mesh) * world + np.arange(world)[:, None]  # key[r', k]
+    same = cls[:, None] == cls[None, :]  # [r, r']
+    out = np.where(same[:, :, None], key[None], np.iinfo(np.int64).max).min(axis=1) % world
+    out.flags.writeable = False
+    return out
+
+
+@lru_cache(maxsize=1 << 12)
+def _class_messages(first: tuple[int, ...], mesh: DeviceMesh, devices_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(other, far)`` for a held layout whose rank ``r`` holds the block of rank ``first[r]`` (the first rank
+    holding it): ``other[r, k]``, rank ``r`` stands for a class (it is its first rank) whose block is not ``k``'s;
+    ``far[r, k]``, moreover that class's sender to ``k`` is on another node."""
+    cls = np.asarray(first)
+    other = (cls == np.arange(mesh.size))[:, None] & (cls[:, None] != cls[None, :])
+    node = np.arange(mesh.size) // devices_per_node
+    far = other & (node[class_senders(first, mesh)] != node[None, :])
+    return other, far
+
+
+def _pack(flags: np.ndarray) -> np.ndarray:
+    """``out[i, ...] = sum_r flags[i, r, ...] << r`` for at most 64 flags along axis 1, as uint64."""
+    weights = np.left_shift(np.uint64(1), np.arange(flags.shape[1], dtype=np.uint64))
+    return np.bitwise_or.reduce(np.where(flags, weights.reshape(-1, *([1] * (flags.ndim - 2))), np.uint64(0)), axis=1)
+
+
+def _popcount(words: np.ndarray) -> np.ndarray:
+    """The set bits of each uint64."""
+    if hasattr(np, "bitwise_count"):  # numpy >= 2.0
+        return np.bitwise_count(words).astype(np.int64)
+    return np.unpackbits(words[..., None].view(np.uint8), axis=-1).sum(axis=-1, dtype=np.int64)
+
+
 # ------------------------------------------------------------------------------------------- all pairs
 def _intern(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct rows of ``items`` (sorted) and, for each row, the index of its distinct copy."""
@@ -435,16 +500,55 @@ class LayoutPairs:
         """``V[j, D]``: the elements of device ``D``'s needed block under distinct needed layout ``j``."""
         return np.prod(np.array(SETS.sizes, dtype=np.int64)[self.needed], axis=-1)
 
-    def traffic(self, budget: int = 1 << 22) -> np.ndarray:
-        """``M[i, j] = sum_D (V_jD - prod_d |held_i,d(D) ∩ needed_j,d(D)|)`` (Eq. 9, vectorised), in chunks of at
-        most ``budget`` device pairs."""
-        volume = self._volume().sum(axis=1)
-        out = np.empty((len(self.held), len(self.needed)), dtype=np.int64)
-        chunk = max(1, budget // max(1, self.needed.shape[0] * self.needed.shape[1]))
+    def received(self, budget: int = 1 << 22) -> np.ndarray:
+        """``R[i, j, D] = V_jD - prod_d |held_i,d(D) ∩ needed_j,d(D)|``: what device ``D`` receives (one Eq. 9 term)
+        under distinct held layout ``i`` and distinct needed layout ``j``, in chunks of at most ``budget`` device
+        pairs."""
+        volume = self._volume()
+        out = np.empty((len(self.held), *volume.shape), dtype=np.int64)
+        chunk = max(1, budget // max(1, volume.size))
         for lo in range(0, len(self.held), chunk):
-            met = block_overlaps(self.held[lo : lo + chunk, None], self.needed[None]).sum(axis=-1)
-            out[lo : lo + chunk] = volume[None, :] - met
-        return out[self.held_of][:, self.needed_of]
+            out[lo : lo + chunk] = volume[None] - block_overlaps(self.held[lo : lo + chunk, None], self.needed[None])
+        return out
+
+    def traffic(self, received: np.ndarray | None = None) -> np.ndarray:
+        """``M[i, j] = sum_D (V_jD - prod_d |held_i,d(D) ∩ needed_j,d(D)|)`` (Eq. 9, vectorised) for every strategy
+        pair, from :meth:`received` (computed when not given)."""
+        total = (self.received() if received is None else received).sum(axis=-1)
+        return total[self.held_of][:, self.needed_of]
+
+    def messages(self, mesh: DeviceMesh, devices_per_node: int, budget: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
+        """``(M, X)``, ``(distinct held, distinct needed, world)`` arrays: ``M[i, j, k]`` is the number of ranks that
+        send device ``k`` part of its needed block by the runtime's rule (:func:`class_senders`), one message each,
+        and ``X[i, j, k]`` whether one of them sits on another node than ``k``.
+
+        The blocks of one layout are equal or disjoint, so its devices fall into classes that hold one block each.
+        Device ``k`` receives one message from every other class whose block meets its needed block, sent by that
+        class's :func:`nearest_holder`. Each distinct pair of (held block, needed block) is intersected once; the
+        ranks ``r`` of a held layout are packed 64 to a word, so that a word per (held layout, needed block) says
+        which ranks' blocks meet it, and a popcount counts the senders.
+        """
+        world, dims = self.held.shape[1:]
+        hb, hid = _intern(self.held.reshape(-1, dims))
+        nb, nid = _intern(self.needed.reshape(-1, dims))
+        meets = block_overlaps(hb[:, None], nb[None]) > 0  # [held block, needed block]
+        hid, nid = hid.reshape(len(self.held), world), nid.reshape(len(self.needed), world)
+        # other[i, r, k]: r is the first rank of a class that is not k's; far[i, r, k]: its sender is off k's node
+        first = (hid[:, :, None] == hid[:, None, :]).argmax(axis=-1)
+        other, far = np.empty((2, len(self.held), world, world), dtype=bool)
+        for i, row in enumerate(first):
+            other[i], far[i] = _class_messages(tuple(row.tolist()), mesh, devices_per_node)
+        count = np.zeros((len(self.held), len(self.needed), world), dtype=np.int64)
+        cross = np.zeros(count.shape, dtype=bool)
+        chunk = max(1, budget // max(1, len(self.needed) * world, 64 * len(nb)))
+        for lo in range(0, len(self.held), chunk):
+            i = slice(lo, lo + chunk)
+            for r in range(0, world, 64):
+                ranks = slice(r, r + 64)
+                bits = _pack(meets[hid[i, ranks]])[:, nid]  # [i, j, k]: bit r, rank r's block meets k's needed block
+                count[i] += _popcount(bits & _pack(other[i, ranks])[:, None])
+                cross[i] |= (bits & _pack(far[i, ranks])[:, None]) != 0
+        return count, cross
 
     def node_local(self, node_of: Sequence[int]) -> np.ndarray:
         """``L[i, j]``: under held layout ``i``, every device finds its needed block of layout ``j`` on its own node.
@@ -467,6 +571,37 @@ class LayoutPairs:
         return out[self.held_of][:, self.needed_of]
 
 
+def edge_pairs(
+    producers: Sequence[OpPartition],
+    out_index: int,
+    consumers: Sequence[OpPartition],
+    in_index: int,
+    values: Mapping[sympy.Symbol, int],
+    shared: bool = False,
+) -> tuple[LayoutPairs, LayoutPairs | None]:
+    """The Forward pairs (producer held, consumer needed) and the Backward pairs (consumer gradient held, producer
+    gradient needed; ``None`` when the input takes no gradient) of an edge. Backward is indexed ``[consumer,
+    producer]``. All strategies of one side must share one op and one mesh; ``shared`` as in
+    :func:`redistribution_matrix`."""
+    vkey = values_key(values)
+    check_edge(producers[0], out_index, consumers[0], in_index, vkey, shared)
+    for side in (producers, consumers):
+        if len({(p.op, p.mesh) for p in side}) > 1:
+            raise ValueError("all strategies of one side of an edge must share one op and one mesh")
+    fwd = LayoutPairs.build(
+        [_source_held(p, out_index, shared).layout_ids(vkey) for p in producers],
+        [forward_needed(c, in_index).layout_ids(vkey) for c in consumers],
+    )
+    grads = [backward_held(c, in_index) for c in consumers]
+    if any(g is None for g in grads):
+        return fwd, None
+    bwd = LayoutPairs.build(
+        [g.layout_ids(vkey) for g in grads if g is not None],
+        [_source_grad_needed(p, out_index, shared).layout_ids(vkey) for p in producers],
+    )
+    return fwd, bwd
+
+
 def redistribution_locality(
     producers: Sequence[OpPartition],
     out_index: int,
@@ -477,20 +612,12 @@ def redistribution_locality(
     shared: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(fwd, bwd)`` boolean matrices: whether the redistribution of each pair stays inside every node."""
-    vkey = values_key(values)
     node_of = [k // devices_per_node for k in range(producers[0].mesh.size)]
-    fwd = LayoutPairs.build(
-        [_source_held(p, out_index, shared).layout_ids(vkey) for p in producers],
-        [forward_needed(c, in_index).layout_ids(vkey) for c in consumers],
-    ).node_local(node_of)
-    grads = [backward_held(c, in_index) for c in consumers]
-    if any(g is None for g in grads):
-        return fwd, np.ones_like(fwd)
-    bwd = LayoutPairs.build(
-        [g.layout_ids(vkey) for g in grads if g is not None],
-        [_source_grad_needed(p, out_index, shared).layout_ids(vkey) for p in producers],
-    ).node_local(node_of)
-    return fwd, np.ascontiguousarray(bwd.T)
+    fwd, bwd = edge_pairs(producers, out_index, consumers, in_index, values, shared)
+    local = fwd.node_local(node_of)
+    if bwd is None:
+        return local, np.ones_like(local)
+    return local, np.ascontiguousarray(bwd.node_local(node_of).T)
 
 
 def redistribution_matrix(
@@ -513,21 +640,11 @@ def redistribution_matrix(
     if not producers or not consumers:
         empty = np.zeros((len(producers), len(consumers)), np.int64)
         return empty, empty.copy()
-    vkey = values_key(values)
-    check_edge(producers[0], out_index, consumers[0], in_index, vkey, shared)
-    for side in (producers, consumers):
-        if len({(p.op, p.mesh) for p in side}) > 1:
-            raise ValueError("all strategies of one side of an edge must share one op and one mesh")
-    fwd = LayoutPairs.build(
-        [_source_held(p, out_index, shared).layout_ids(vkey) for p in producers],
-        [forward_needed(c, in_index).layout_ids(vkey) for c in consumers],
-    ).traffic()
-    grads = [backward_held(c, in_index) for c in consumers]
-    if any(g is None for g in grads):
-        return fwd, np.zeros_like(fwd)
-    g_held = [g.layout_ids(vkey) for g in grads if g is not None]
-    g_needed = [_source_grad_needed(p, out_index, shared).layout_ids(vkey) for p in producers]
-    return fwd, np.ascontiguousarray(LayoutPairs.build(g_held, g_needed).traffic().T)
+    fwd, bwd = edge_pairs(producers, out_index, consumers, in_index, values, shared)
+    forward = fwd.traffic()
+    if bwd is None:
+        return forward, np.zeros_like(forward)
+    return forward, np.ascontiguousarray(bwd.traffic().T)
 
 
 def clear_caches() -> None:
@@ -535,6 +652,8 @@ def clear_caches() -> None:
     concrete_sizes.cache_clear()
     layout.cache_clear()
     layout_ids.cache_clear()
+    class_senders.cache_clear()
+    _class_messages.cache_clear()
     set_number.cache_clear()
     index_set.cache_clear()
     overlap.cache_clear()
