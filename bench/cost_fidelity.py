@@ -57,7 +57,7 @@ from tabulate import tabulate
 from primepar_fx.baselines import config_name, megatron_configs
 from primepar_fx.capture import capture
 from primepar_fx.compile import compile_graph
-from primepar_fx.cost.calibrate import nnls
+from primepar_fx.cost.calibrate import nnls, write_spec
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.cost.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
 from primepar_fx.graph import build_graph
@@ -71,6 +71,7 @@ PRESET = "cpu-gloo"
 PAGE = "docs/benchmarks/cost_fidelity.md"
 KINDS = ("collective", "ring", "redistribution")
 PARTS = ("compute", "queued", "blocked")  # measure.Timing
+STEP_SPEC = "stepfit-cpu-gloo.json"  # the step-fitted spec, written next to the page
 TRAIN = ("dp1 x mp4", "data_parallel", "prime", "random:0")  # the step-fitted spec's training plans (--train)
 SPECS = ("preset", "calibrated", "step-fitted")
 
@@ -551,6 +552,9 @@ def main() -> None:
     total_s = time.perf_counter() - t0
     print(f"total {total_s:.0f} s; load {result['load']}")
     if out:
+        step_file = os.path.join(os.path.dirname(out), STEP_SPEC)
+        write_spec(ClusterSpec.from_dict(analysis["step_spec"]), step_file)  # for bench/baselines_step_time.py --spec
+        print(f"wrote {step_file}")
         saved = {
             "args": vars(args),
             "argv": sys.argv[1:],

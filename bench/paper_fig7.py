@@ -5,7 +5,10 @@ between nodes), every world size given, the plan is searched with our cost model
 best data-parallel x model-parallel split, with and without sequence parallelism) is priced by the same model.
 The paper does not state B, S, dtype or alpha; we use B = 16 (global), S = 2048, fp16, alpha = 0, no memory budget.
 
-    python bench/paper_fig7.py [--worlds 4 8] [--models ...] [--out docs/benchmarks/paper_fig7.md]
+    python bench/paper_fig7.py [--worlds 4 8 16 32] [--models ...] [--out docs/benchmarks/paper_fig7.md]
+
+From 16 GPUs the planner searches its grouped mesh (the node digits merged into one, e.g. ``8x2x2`` for 32 GPUs;
+:func:`primepar_fx.planner.search_mesh`); the Megatron baseline is priced on the full mesh.
 
 Writes a markdown table and, when matplotlib is installed, a PNG chart next to it.
 """
@@ -84,6 +87,7 @@ def run(models: list[str], worlds: list[int], batch: int, seq: int, dtype: str) 
                 "split_only": mega.step_time_s / plan.baselines["split_only"].predicted.step_time_s,
                 "megatron": plan.baselines["megatron"].config["name"],
                 "prime_nodes": sum("P" in n.partition for n in plan.nodes),
+                "digits": "x".join(map(str, plan.digits)) + (" (grouped)" if plan.search.get("grouped") else ""),
                 "seconds": time.perf_counter() - t1,
                 "capture_s": capture_s,
             }
@@ -108,16 +112,16 @@ def write(rows: list[dict], out: str, batch: int, seq: int, dtype: str) -> None:
         f"S = {seq}, {dtype}, alpha = 0, no memory budget. Both plans are priced by our cost model; the paper's "
         f"figures are measured on its cluster. Planned on {machine}.",
         "",
-        "| model | GPUs | ours vs Megatron | paper | split-only vs Megatron | peak memory vs Megatron | paper | "
-        "best Megatron | nodes with P(S×S) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | GPUs | searched digits | ours vs Megatron | paper | split-only vs Megatron | peak memory vs "
+        "Megatron | paper | best Megatron | nodes with P(S×S) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['world']} | not planned: {r['error']} | | | | | | |")
+            lines.append(f"| {r['model']} | {r['world']} | | not planned: {r['error']} | | | | | | |")
             continue
         lines.append(
-            f"| {r['model']} | {r['world']} | {r['speedup']:.2f}x | {r['paper_speedup']:.2f}x | "
+            f"| {r['model']} | {r['world']} | {r['digits']} | {r['speedup']:.2f}x | {r['paper_speedup']:.2f}x | "
             f"{r['split_only']:.2f}x | {r['memory']:.0f}% | {r['paper_memory']:.0f}% | {r['megatron']} | "
             f"{r['prime_nodes']} |"
         )
@@ -158,7 +162,7 @@ def write(rows: list[dict], out: str, batch: int, seq: int, dtype: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
-    p.add_argument("--worlds", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--worlds", nargs="+", type=int, default=[4, 8, 16, 32])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dtype", default="fp16")

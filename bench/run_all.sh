@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Regenerate docs/benchmarks/ by running every benchmark in bench/, one after another (they time things, so never
 # two at once). A calibrated cluster spec is measured first, with `primepar-fx calibrate`, and written to
-# docs/benchmarks/calibrated-cpu-gloo.json. The baselines and cost-fidelity pages use it.
+# docs/benchmarks/calibrated-cpu-gloo.json. The cost-fidelity page uses it and fits a step-fitted spec on top
+# (docs/benchmarks/stepfit-cpu-gloo.json), which the baselines page then plans with.
 #
 #   bench/run_all.sh                      # everything (tens of minutes on 2 cores; see each page's "took")
 #   bench/run_all.sh baselines fidelity   # only these steps (names below)
 #   SKIP="search_time explain" bench/run_all.sh
 #
-# Steps: calibrate step_time baselines fidelity search_time paper_fig7 explain search_engine.
+# Steps: calibrate step_time fidelity baselines search_time paper_fig7 explain search_engine.
 # Every bench/*.py that is not a shared helper must be one of them; the script stops if one is not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=docs/benchmarks
 SPEC=$OUT/calibrated-cpu-gloo.json
+STEP_SPEC=$OUT/stepfit-cpu-gloo.json
 HELPERS="measure.py plans.py"
 COVERED="step_time.py baselines_step_time.py cost_fidelity.py search_time.py paper_fig7.py explain_time.py search_engine.py"
 mkdir -p "$OUT"
@@ -50,8 +52,9 @@ run() {
 run calibrate python -m primepar_fx.cli calibrate --world-size 4 --quick -o "$SPEC"
 [ -f "$SPEC" ] || { echo "run_all.sh: no calibrated spec at $SPEC (run the calibrate step)" >&2; exit 1; }
 run step_time python bench/step_time.py
-run baselines python bench/baselines_step_time.py --spec "$SPEC"
-run fidelity python bench/cost_fidelity.py --spec "$SPEC"
+run fidelity python bench/cost_fidelity.py --spec "$SPEC"  # also writes the step-fitted spec, $STEP_SPEC
+[ -f "$STEP_SPEC" ] || { echo "run_all.sh: no step-fitted spec at $STEP_SPEC (run the fidelity step)" >&2; exit 1; }
+run baselines python bench/baselines_step_time.py --spec "$STEP_SPEC"
 run search_time python bench/search_time.py
 run paper_fig7 python bench/paper_fig7.py
 run explain python bench/explain_time.py

@@ -1,16 +1,24 @@
 """Benchmark: planning time for OPT-175B, Llama2-70B and BLOOM-176B against the paper's Table 2.
 
-For each model (captured once on the meta device) and world size: the time to price the partition space (Eq. 7-9,
-cached per distinct layer shape) and the time of the segmented DP (Eq. 11-14), with the largest per-node
-strategy count P. The paper's Table 2 reports its optimisation time on one Xeon Gold 5218 thread.
-Targets (issue 3): the whole plan for llama2-70b at 32 devices under 0.5 s; 64 and 128 devices under 5 s.
+For each model (captured once on the meta device) and world size on ``v100-paper`` (4 GPUs per node; past its 32
+GPUs, the same nodes, more of them): the time
+to price the partition space (Eq. 7-9, cached per distinct layer shape) and the time of the segmented DP
+(Eq. 11-14), with the largest per-node strategy count P. Up to three device digits (8 GPUs) the full space is
+searched; past that the planner's default, the *grouped* space, merges the leading (inter-node) digits into one
+(:func:`primepar_fx.planner.search_mesh`), and the full space's P is shown for comparison.
 
-    python bench/search_time.py [--worlds 4 8 16 32] [--out docs/benchmarks/search_time.md]
+The ILP cross-check runs on a two-layer model of the same shapes (the whole 80-layer graph is millions of ILP
+variables): DP and ILP time and the relative objective gap. The paper's Table 2 reports its optimisation time
+on one Xeon Gold 5218 thread. Targets (issue 3): the whole plan for llama2-70b at 32 devices under 0.5 s; 64 and
+128 devices under 5 s.
+
+    python bench/search_time.py [--worlds 4 8 16 32 64 128] [--out docs/benchmarks/search_time.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import time
@@ -19,9 +27,11 @@ from primepar_fx import analyze
 from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.cost.costgraph import price_graph
 from primepar_fx.cost.model import CostOptions
-from primepar_fx.models import build, example_inputs
+from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import enumerate_sequences
+from primepar_fx.planner import search_mesh
 from primepar_fx.search import SearchError, solve
+from primepar_fx.search.ilp import ilp_size
 from primepar_fx.shapes import B, S
 
 MODELS = {"OPT": "opt-175b", "Llama2": "llama2-70b", "BLOOM": "bloom-176b"}
@@ -31,7 +41,10 @@ PAPER_MS = {
     "BLOOM": [85.4, 80.2, 165.8, 4153.0],
 }
 PAPER_WORLDS = [4, 8, 16, 32]
-MAX_P = 1500  # beyond this the pricing of one layer shape takes minutes: reported, not run
+CLUSTER = "v100-paper"
+VALUES = {B: 16, S: 2048}
+ILP_MAX_VARIABLES = 400_000
+ILP_TIME_LIMIT = 120.0
 
 
 READING = """## Reading the results
@@ -50,76 +63,104 @@ READING = """## Reading the results
 """
 
 
-def one(graph, world: int, canonical: bool) -> dict:
-    cluster = load_cluster("v100-paper")
-    mesh = cluster.mesh(world)
-    values = {B: 16, S: 2048}
-    levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
+def max_strategies(graph, mesh) -> int:
     seen, p_max = set(), 0
     for node in graph.nodes.values():
         if (node.dims, node.target) not in seen:
             seen.add((node.dims, node.target))
-            p_max = max(p_max, len(enumerate_sequences(node.dims, mesh, values=values, levels=levels)))
-    row = {"world": world, "P": p_max, "canonical": canonical}
-    if p_max > MAX_P:
-        row["error"] = f"P = {p_max} strategies: pricing not attempted"
-        return row
+            p_max = max(p_max, len(enumerate_sequences(node.dims, mesh, values=VALUES)))
+    return p_max
+
+
+def one(graph, small, world: int) -> dict:
+    """Price and search ``graph`` on the planner's default space; DP against ILP on the two-layer ``small``."""
+    cluster = load_cluster(CLUSTER)
+    if world > cluster.num_devices:  # the same nodes (4 GPUs, NVLink inside, InfiniBand between), more of them
+        cluster = dataclasses.replace(cluster, num_devices=world)
+    full = cluster.mesh(world)
+    mesh = search_mesh(full, None)
+    row = {"world": world, "digits": mesh.digits, "grouped": mesh != full, "P": max_strategies(graph, mesh)}
+    row["P_full"] = max_strategies(graph, full) if len(full.digits) <= 5 else None
+    opts = CostOptions(dtype="fp16")
     t0 = time.perf_counter()
-    priced = price_graph(graph, mesh, cluster, values, CostOptions(dtype="fp16"), canonical=canonical)
+    priced = price_graph(graph, mesh, cluster, VALUES, opts)
     row["pricing_s"] = time.perf_counter() - t0
     try:
         sol = solve(priced.cost_graph, method="dp")
         row["search_s"] = sol.seconds
     except SearchError as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+        return row
+    cross = price_graph(small, mesh, cluster, VALUES, opts).cost_graph
+    dp = solve(cross, method="dp")
+    row["small_dp_s"] = dp.seconds
+    size = ilp_size(cross)
+    row["ilp_variables"] = size
+    if size <= ILP_MAX_VARIABLES:
+        ilp = solve(cross, method="ilp", time_limit=ILP_TIME_LIMIT)
+        row["ilp_s"], row["ilp_proven"] = ilp.seconds, ilp.proven_optimal
+        row["gap"] = (dp.cost - ilp.cost) / ilp.cost
     return row
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worlds", nargs="+", type=int, default=[4, 8, 16, 32])
+    p.add_argument("--worlds", nargs="+", type=int, default=[4, 8, 16, 32, 64, 128])
     p.add_argument("--out", default="docs/benchmarks/search_time.md")
     args = p.parse_args()
     rows = []
     for family, name in MODELS.items():
-        model = build(name, device="meta")
-        ex_args, ex_kwargs = example_inputs(model.config, 2, 16, device="meta")
-        t0 = time.perf_counter()
-        graph = analyze(model, ex_args, ex_kwargs, name=name)
-        capture_s = time.perf_counter() - t0
+        graphs, capture_s = {}, {}
+        for layers in (None, 2):
+            config = get_config(name) if layers is None else dataclasses.replace(get_config(name), layers=layers)
+            model = build(config, device="meta")
+            ex_args, ex_kwargs = example_inputs(config, 2, 16, device="meta")
+            t0 = time.perf_counter()
+            graphs[layers] = analyze(model, ex_args, ex_kwargs, name=name)
+            capture_s[layers] = time.perf_counter() - t0
         for world in args.worlds:
-            for canonical in (False, True) if world >= 16 else (False,):
-                row = {"family": family, "model": name, "nodes": len(graph.nodes), "capture_s": capture_s}
-                row.update(one(graph, world, canonical))
-                paper = PAPER_MS[family][PAPER_WORLDS.index(world)] if world in PAPER_WORLDS else None
-                row["paper_ms"] = paper
-                rows.append(row)
-                what = row.get("error") or f"pricing {row['pricing_s']:.1f} s, DP {1000 * row['search_s']:.1f} ms"
-                print(
-                    f"{name:11s} N={world:3d} {'canonical ' if canonical else ''}P={row['P']:5d}: {what}"
-                    f" (paper {paper} ms)"
-                )
+            row = {"family": family, "model": name, "nodes": len(graphs[None].nodes), "capture_s": capture_s[None]}
+            row.update(one(graphs[None], graphs[2], world))
+            row["paper_ms"] = PAPER_MS[family][PAPER_WORLDS.index(world)] if world in PAPER_WORLDS else None
+            rows.append(row)
+            what = row.get("error") or f"pricing {row['pricing_s']:.1f} s, DP {_ms(row['search_s'])} ms"
+            if "gap" in row:
+                what += f"; 2 layers: DP {_ms(row['small_dp_s'])} ms, ILP {row['ilp_s']:.1f} s, gap {row['gap']:.1e}"
+            print(f"{name:11s} N={world:3d} {row['digits']} P={row['P']:5d}: {what} (paper {row['paper_ms']} ms)")
     lines = [
         "# Planning time: segmented DP against the paper's Table 2",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (one process). Cluster `v100-paper`, B = 16, "
-        "S = 2048, fp16. *Capture* is `torch.export` of the whole model on the meta device (once per model); "
-        "*pricing* evaluates Eq. 7-9 for every distinct layer shape; *DP* is the search (Eq. 11-14), which is what "
-        "the paper's Table 2 times. *canonical* searches one split order per network level.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (one process). Cluster `{CLUSTER}` (4 GPUs per "
+        "node), B = 16, S = 2048, fp16. *Capture* is `torch.export` of the whole model on the meta device (once per "
+        "model); *pricing* evaluates Eq. 7-9 for every distinct layer shape; *DP* is the search (Eq. 11-14), which "
+        "is what the paper's Table 2 times. *digits* is the device mesh searched: up to 8 GPUs the full one; past "
+        "that the planner's default *grouped* mesh, whose first digit is all the nodes (every node-level digit "
+        "splits the same dim). *P full* is the per-node strategy count of the full mesh, for comparison. The last "
+        "columns cross-check the DP against the ILP (PuLP) on a two-layer model of the same shapes.",
         "",
-        "| model | nodes | GPUs | space | P (max per node) | capture s | pricing s | DP ms | paper ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | nodes | GPUs | digits | P | P full | capture s | pricing s | DP ms | paper ms | 2 layers: DP ms "
+        "| ILP s | DP - ILP gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        space = "canonical" if r["canonical"] else "full"
+        digits = "x".join(map(str, r["digits"]))
+        p_full = f"{r['P_full']:,}" if r["P_full"] is not None else "-"
         if "error" in r:
-            pricing = f"{r['pricing_s']:.1f}" if "pricing_s" in r else "-"
-            cells = f"{pricing} | not run: {r['error']}"
+            cells = f"{r['pricing_s']:.1f} | not run: {r['error']} | - | - | -"
         else:
-            cells = f"{r['pricing_s']:.1f} | {1000 * r['search_s']:.1f}"
+            if "gap" in r:
+                ilp = f"{r['ilp_s']:.1f}{'' if r['ilp_proven'] else ' (time limit)'} | {r['gap']:.1e}"
+            else:
+                ilp = f"not run ({r['ilp_variables']:,} variables) | -"
+            paper = r["paper_ms"] or "-"
+            cells = f"{r['pricing_s']:.1f} | {_ms(r['search_s'])} | {paper} | {_ms(r['small_dp_s'])} | {ilp}"
         lines.append(
-            f"| {r['model']} | {r['nodes']} | {r['world']} | {space} | {r['P']} | {r['capture_s']:.1f} | {cells} | "
-            f"{r['paper_ms'] if r['paper_ms'] is not None else '-'} |"
+            f"| {r['model']} | {r['nodes']} | {r['world']} | {digits} | {r['P']} | {p_full} | {r['capture_s']:.1f} "
+            f"| {cells} |"
         )
     lines += ["", READING]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

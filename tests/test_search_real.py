@@ -89,6 +89,19 @@ def test_dp_optimum_equals_the_proven_ilp_optimum_on_a_real_model(model: str, la
     assert dp.cost == evaluate(cg, dp.choice) and dp.memory == plan_memory(cg, dp.choice)
 
 
+@pytest.mark.parametrize("model", ["gpt2-tiny", pytest.param("opt-tiny", marks=slow)])
+def test_dp_optimum_equals_the_ilp_optimum_on_the_grouped_16_device_mesh(model: str) -> None:
+    """16 devices as the planner searches them by default (4x2x2: the leading digits merged), one layer; ~20 s."""
+    from primepar_fx.planner import search_mesh
+
+    mesh = search_mesh(DeviceMesh.for_world_size(16), None)
+    assert mesh.digits == (4, 2, 2)
+    cg = price_graph(graph_of(model, 1), mesh, CLUSTER, VALUES, CostOptions()).cost_graph
+    dp, ilp = solve(cg, method="dp"), solve(cg, method="ilp")
+    assert ilp.proven_optimal and dp.proven_optimal
+    assert abs(dp.cost - ilp.cost) <= REL * abs(ilp.cost), (dp.cost, ilp.cost)
+
+
 @pytest.mark.parametrize("alpha", [pytest.param(1e-11, id="alpha=1e-11"), pytest.param(1e-10, id="alpha=1e-10")])
 def test_dp_optimum_equals_the_ilp_optimum_when_memory_is_weighted(alpha: float) -> None:
     # a memory weight makes replication costly, so the optimum mixes splits (not the all-"R,R" plan of alpha=0)
