@@ -35,10 +35,11 @@ Every level gets the same numbers (samples from one node cannot tell levels apar
   compute scales by it; ``c_op`` added to ``fixed`` charges it once per priced sub-operator.
 * ``p2p``: the model prices a ring shift as one p2p step of the block's bytes, the runtime counts one message
   of those bytes per peer sent to.
-* ``all-to-all``: the model prices a re-layout as an all-to-all of the *mean bytes a device sends* ``n``, i.e.
-  ``bytes_coeff * (g-1)/g * n + fixed * (g-1)``; the runtime counts ``n`` bytes and one message per peer, so
-  ``c_byte * g/(g-1)`` is exact and ``c_message`` per step is exact when a re-layout sends to every peer (it
-  over-prices a re-layout that sends to fewer).
+* ``all-to-all``: the model prices a re-layout as the cheaper of an all-to-all of the *mean bytes a device
+  sends* ``n``, i.e. ``bytes_coeff * (g-1)/g * n + fixed * (g-1)``, and the point-to-point exchange the runtime
+  runs (per receiving device, ``p2p`` per message and per byte; the busiest device sets the time); the runtime
+  counts ``n`` bytes and one message per peer, so ``c_byte * g/(g-1)`` is exact for the all-to-all and
+  ``c_message`` per step is exact when a re-layout sends to every peer.
 * ``all-reduce``: the runtime counts one message per call and its bus bytes, the model ``2 (g-1)`` steps and
   the same bus bytes: exact for an all-reduce over all ``g`` ranks; one over fewer ranks is priced cheaper.
   (The model's ``fixed`` is per ring step, independent of the group size; this is the choice that keeps it so.)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from primepar_fx.cost.redistribute import IndexSet, Layout
+from primepar_fx.cost.redistribute import IndexSet, Layout, nearest_holder
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.runtime.stats import CommStats
 
@@ -81,11 +81,6 @@ class Exchange:
         for d in range(ndim):
             points = sorted({p for lay in (held, needed) for r in lay for iv in r[d] for p in iv})
             atoms.append(list(zip(points, points[1:])))
-        coords = [mesh.coords(r) for r in range(world)]
-
-        def distance(a: int, b: int) -> int:
-            return sum(x != y for x, y in zip(coords[a], coords[b]))
-
         local: list[tuple[Slices, Slices]] = []
         sends: dict[int, list[Slices]] = {}
         recvs: dict[int, list[tuple[Slices, tuple[int, ...]]]] = {}
@@ -107,7 +102,7 @@ class Exchange:
                 holders = [r for r in range(world) if all(src[r] is not None for _, _, src in combo)]
                 if not holders:
                     raise ValueError(f"no rank holds a block that rank {k} needs (layouts do not cover the tensor)")
-                sender = k if k in holders else min(holders, key=lambda r: (distance(r, k), r))
+                sender = nearest_holder(holders, k, mesh)  # the cost model's rule, so it counts these messages
                 src = tuple(slice(s[sender], s[sender] + n) for n, _, s in combo)  # type: ignore[operator]
                 if sender == k:
                     if k == me:
