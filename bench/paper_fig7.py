@@ -42,23 +42,25 @@ PAPER_MEMORY = {  # Fig. 8, peak memory as % of Megatron's
 
 READING = """## Reading the results (where we fall short of the paper, and why)
 
-* **4 GPUs:** with no memory limit the best Megatron configuration is often pure data parallelism
-  (`dp4 x mp1`). Its only communication is one gradient all-reduce, which our model prices as cheap on NVLink,
-  so there is little left to win (1.00-1.01x). The paper's Megatron runs were presumably limited by the
-  32 GB V100 memory. Those limits are not stated, and the full 175B models do not fit at all. Passing
-  `--memory-budget` makes both sides respect a limit.
-* **8 GPUs:** we predict 1.05-1.12x against the paper's measured 1.18-1.43x, with P(S×S) chosen for
-  hundreds of nodes. The rest of the gap comes from the model, not the measurements:
-  * the `v100-paper` preset is not calibrated on that cluster, so all-reduce (Megatron's main cost) is
-    priced at the nominal link bandwidth;
-  * the Cannon-skew redistribution around P(S×S) is priced as an all-to-all rather than a P2P
-    permutation;
-  * collectives are not overlapped with compute in the model.
-* **Memory:** our plans use 60-83% of Megatron's peak memory at 8 GPUs, less than the paper's 78-91%,
-  because the model counts only parameter state, stashed activations and ring buffers (no allocator slack
-  or workspace).
-* **16 and 32 GPUs are not in the table yet.** The per-node partition spaces (hundreds to thousands of
-  sequences) make the pricing and the DP too slow there; see `search_time.md`.
+* **Predicted gains are a third to a half of the paper's measured ones.** Against the best Megatron plan, ours
+  is 1.00-1.01x at 4 GPUs (paper 1.11-1.16x), 1.03-1.08x at 8 (paper 1.18-1.43x), 1.03-1.07x at 16 (paper
+  1.16-1.68x) and 1.02-1.14x at 32 (paper 1.19-1.60x). Since the last run, Megatron with sequence parallelism
+  is priced at its real volume: its all-reduce + slice pairs are reduce-scatters (`cost/scatter.py`). The best
+  Megatron is now the `+SP` configuration from 8 GPUs up, and it is about 2-4 points cheaper than before.
+* **Why the gap (the model, not measurements):**
+  * the `v100-paper` preset is not calibrated on that cluster, so Megatron's collectives are priced at nominal
+    link bandwidth;
+  * the model does not overlap collectives with compute;
+  * the paper's Megatron runs were presumably limited by the 32 GB V100s, whose limits it does not state (no
+    budget is set here; `--memory-budget` applies one to both sides);
+  * from 16 GPUs the search runs on the grouped mesh (`4x2x2`, `8x2x2`), which keeps P(S×S) inside a node but
+    gives up P(S×S) and mixed splits across nodes. At 32 GPUs fewer nodes get P(S×S) (30-224, against 90-576 at
+    8-16), and the split-only search there is within 0-1% of ours.
+* **4 GPUs:** the best Megatron is often pure data parallelism (`dp4 x mp1`), whose only communication, one
+  gradient all-reduce on NVLink, leaves little to win.
+* **Memory:** from 8 GPUs up our plans' peaks are 39-94% of Megatron's (paper 68-93%). At 4 GPUs,
+  where the search replicates more, they are 73-103%. The model counts only parameter state, stashed
+  activations and ring buffers: no allocator slack or workspace.
 """
 
 
