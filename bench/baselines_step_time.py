@@ -414,45 +414,41 @@ def markdown(saved: dict, png: str | None) -> str:
 
 READING = """## Reading the results
 
-* **No primepar plan reaches all three targets of issue 6 (item 1).** In the run above (load average 4.7-6.7):
-  the plan searched with the `cpu-gloo` preset reaches the memory target only (time 1.11x, peak 0.87x, bytes
-  2.31x `dtensor tp`'s); the plan searched with the spec calibrated on this machine reaches time and bytes but
-  not memory (0.64x, 1.36x, 0.59x); under a memory budget (the predicted peak of Megatron dp1 x mp4 +SP) it
-  reaches time and memory but not bytes (0.89x, 0.98x, 1.75x). Over four runs of this page (load 4.7-14) the
-  preset's plan measured 1.04-1.20x `dtensor tp`'s step time and 0.82-0.88x its peak; bytes and messages do not
-  vary. Which plan the calibrated spec picks depends on the calibration: an earlier quick calibration (19:27)
-  led the search to P(S x S) on 25 nodes, 2.6x the bytes, 1.2-1.3x the time.
-* **Breakdown, preset plan against `dtensor tp`** (ms per step and rank, this run): the same compute on the
-  main thread (198 against 199) and the same wait for a core (326 against 325); more CPU in gloo's threads (154
-  against 109) and more time blocked in communication or waiting for peers (467 against 436). The difference
-  is communication: 327 c10d calls a step against 37, and 69 MiB against 30: ring shifts of P(S x S) on 29
-  linears (54 MiB in 232 shifts), re-layouts (15 MiB in 68 transfers) and 27 small all-reduces of statistics.
-  The search takes the ring because the preset prices a message at 0.1 ms where it costs about 2 ms here
-  (see [cost_fidelity.md](cost_fidelity.md)).
-* **With `dtensor tp`'s own layout primepar still sends 2.3x the bytes** (`primepar megatron dp1 x mp4 +SP`: 69 MiB
-  in 138 messages against 30 MiB in 37), for reasons in primepar's lowering, not its search:
-  * every column-parallel linear all-reduces its own input gradient: q, k and v, gate and up make 5 backward
-    all-reduces a layer where Megatron-LM and DTensor add the partial gradients first and reduce once per
-    attention and once per MLP. Without sequence parallelism primepar's Megatron sends 45 MiB in 33 all-reduces
-    (cost_fidelity.md, `dp1 x mp4`), `dtensor tp (no sp)` 24 MiB in 16;
-  * its sequence parallelism adds point-to-point re-layouts (24 MiB in 96 transfers) to the same all-reduces,
-    where torchtitan replaces each all-reduce by a reduce-scatter and an all-gather of the same bus volume;
-  * its vocabulary-parallel embedding all-reduces the embedding output (1.5 MiB a step).
-  It is still 0.81x `dtensor tp`'s time here: its main thread computes less (144 against 199 ms; DTensor
-  dispatches every op through Python, primepar's rank graph calls plain ATen ops).
+* **The plan searched with the step-fitted spec under a memory budget meets all three targets of issue 6
+  (item 1), narrowly.** The spec is `stepfit-cpu-gloo.json`: the cost model fitted to measured steps of four
+  plans in [cost_fidelity.md](cost_fidelity.md). The budget is the predicted peak of Megatron dp1 x mp4 +SP.
+  In the run above (load average 2.5-5.1; a single-threaded planning benchmark ran on one of the two cores) that
+  plan measures 0.68x `dtensor tp`'s step time and 0.97x its peak. Its bus bytes are 0.999x `dtensor tp`'s
+  (30,691 against 30,720 KiB), 0.89x on the wire. The bytes margin is thin: a plan with one more re-layout
+  would miss it. The plan uses no P(S x S) and replicates 17 nodes; it sends 109 messages a step against
+  `dtensor tp`'s 37, and keeps 28 MiB of activations against 32.6.
+* **Without the budget the same spec picks a faster plan that holds more** (0.51x the time, 0.74x the bytes,
+  1.06x the peak: 7.6 MiB of parameters a rank against 3.6). The `cpu-gloo` preset still picks P(S x S) on 29
+  linears (1.15x the time, 2.34x the bytes, 0.93x the peak). The preset prices a message at 0.1 ms, where it
+  costs about 2 ms here.
+* **With `dtensor tp`'s own layout primepar sends 1.58x the bytes** (`primepar megatron dp1 x mp4 +SP`: 47 MiB
+  in 138 messages against 30 MiB in 37). In the previous run it sent 2.3x: its all-reduce + slice pairs now
+  run as reduce-scatters (`cost/scatter.py`). What remains is lowering, not search. q, k and v (and gate and
+  up) each fetch the sequence-split input with their own all-gather and reduce-scatter its gradient
+  separately, where DTensor gathers once per attention and once per MLP and reduces the summed gradient once.
+  Sharing one re-layout between consumers that need the same layout is not done yet; pairwise edge costs
+  cannot price it.
+* **Breakdown** (ms per step and rank, table above): the budgeted plan computes 162 ms on the main thread
+  against `dtensor tp`'s 230, waits 259 ms for a core against 347, and is blocked 328 ms in communication
+  against 524. DTensor dispatches every op through Python; primepar's rank graph calls plain ATen ops.
 * **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.45x the ring volume
-  (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31) while its all-reduce and point-to-point sends are within
-  0.5% of it; against `dtensor tp` on the wire, the preset plan sends 1.59x and the calibrated one 0.40x.
-* **Memory.** The preset plan shards the weights as much as tensor parallelism (3.8 MiB of 14.3 MiB a rank,
-  against 3.6) and saves as many activations (32.7 against 32.6 MiB); its peak is lower because of what
-  `dtensor tp` holds besides: the LM head's output gathered whole on every rank (no loss parallelism: 4 MiB of
-  logits, and their gradient), other gathered activations, and whole gradients of the vocabulary-sharded
-  embedding (DTensor's `RowwiseParallel` embedding backward returns a replicated gradient: 4.3 MiB of gradients
-  for 3.6 MiB of parameters).
-  The calibrated plan replicates 60 nodes and holds 9.4 MiB of parameters a rank, hence 1.36x the peak.
+  (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31), while its all-reduce and point-to-point sends are
+  within 0.5% of it.
+* **Memory.** `dtensor tp` holds more than tensor parallelism's shards:
+  * the LM head's output gathered whole on every rank (no loss parallelism: 4 MiB of logits, and their
+    gradient);
+  * whole gradients of the vocabulary-sharded embedding (DTensor's `RowwiseParallel` embedding backward
+    returns a replicated gradient: 4.3 MiB of gradients for 3.6 MiB of parameters).
+
+  primepar's budgeted plan holds 5.8 MiB of parameters a rank but fewer activations (28 against 32.6 MiB).
 * **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.31x, two bucket
-  all-reduces a step), then FSDP2 (0.52x, 14 calls) and tensor parallelism without sequence parallelism
-  (0.65x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
+  all-reduces a step), then FSDP2 (0.48x, 14 calls) and tensor parallelism without sequence parallelism
+  (0.61x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
   These are not GPU numbers: with NVLink a message costs microseconds and the ranking may differ.
 * **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 100-200 ms of a
   270-970 ms step, so compute is visible, and all nine systems run in about 3 minutes. The issue's example
