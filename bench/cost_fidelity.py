@@ -346,8 +346,9 @@ READING = """## Reading the results
   each of the 3 other ranks, where the runtime often sends to fewer: the random plans are priced at 1270-1350
   messages a step against 714-760 sent, and at 4.0-4.2 s against 1.8-2.9 s measured (the fit's own formula,
   on the counted messages, gives 17% held out). `dp2 x mp2` goes the other way (24 priced, 74 sent: its
-  all-reduces over 2 ranks cost a third of a message each). Pricing a re-layout by the peers it sends to, and
-  fitting on more than four plans, are the next steps.
+  all-reduces over 2 ranks cost a third of a message each). Since this run (at dba75ef), a re-layout is
+  priced as the cheaper of that all-to-all and the runtime's own point-to-point messages (commit e99855c);
+  fitting on more than four plans is the next step.
 * **The search with the step-fitted spec** picks a plan without P(S x S) (73 messages a step) that measured
   400 ms against 416 ms for the best plan of the first launch (`dp2 x mp2`, timed again next to it), so on
   this machine the fitted spec steers the search to the fastest plans measured. The preset's search picks
