@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from opdims import linear_dims as linear
 
 from primepar_fx.cost.redistribute import (
+    SETS,
     LayoutPairs,
     Redistribution,
     backward_held,
@@ -128,6 +129,36 @@ def test_overlap_is_linear_merge_of_intervals() -> None:
     assert overlap(((0, 3), (6, 9), (12, 15)), ((2, 7), (14, 20))) == 1 + 1 + 1
     assert overlap(((0, 10),), ((0, 10),)) == 10
     assert overlap(((0, 5),), ((5, 10),)) == 0
+
+
+@st.composite
+def index_sets(draw: st.DrawFn) -> tuple[tuple[int, int], ...]:
+    """A random non-empty set of disjoint, sorted, non-adjacent intervals inside [0, 40)."""
+    cuts = sorted(draw(st.sets(st.integers(0, 40), min_size=2, max_size=8)))
+    spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2])]
+    return tuple(spans) if spans else ((0, 1),)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sets=st.lists(index_sets(), min_size=2, max_size=12, unique=True), seed=st.integers(0, 2**16))
+def test_overlap_table_matches_the_merge_in_every_access_pattern(sets, seed) -> None:
+    """The remembered table, the outer-product path and the fallback past ``MEMO_SETS`` all give ``overlap``."""
+    import numpy as np
+
+    ids = np.array([SETS.add(s) for s in sets])
+    want = np.array([[overlap(a, b) for b in sets] for a in sets])
+    rng = np.random.default_rng(seed)
+    a, b = rng.permutation(len(ids)), rng.permutation(len(ids))
+    assert (SETS.pairwise(ids[a], ids[b]) == want[a, b]).all()  # elementwise, through the table
+    assert (SETS.pairwise(ids[a][:, None], ids[b][None]) == want[a][:, b]).all()  # outer product
+    assert (SETS.overlaps(ids[a], ids[b]) == want[a][:, b]).all()
+    limit = SETS.MEMO_SETS
+    try:
+        SETS.MEMO_SETS = int(ids.min())  # every set past the table: intersected afresh
+        assert (SETS.pairwise(ids[a], ids[b]) == want[a, b]).all()
+        assert (SETS.overlaps(ids[a], ids[b]) == want[a][:, b]).all()
+    finally:
+        SETS.MEMO_SETS = limit
 
 
 # ------------------------------------------------------------------------------------------ hand cases

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import sympy
+import itertools
 
-from primepar_fx.cost.scatter import bias_broadcasts, scatters
+import numpy as np
+import sympy
+from opdims import biased_linear_dims as biased_linear
+
+from primepar_fx.cost.redistribute import SETS, backward_held, backward_needed, forward_held, forward_needed, values_key
+from primepar_fx.cost.scatter import bias_broadcasts, broadcasts_many, scatters, scatters_many
+from primepar_fx.partition import DeviceMesh, OpPartition, enumerate_sequences
 from primepar_fx.rules.spec import OpDims
 
 WHOLE = ((0, 4),), ((0, 6),)  # a 4 x 6 tensor, held whole
@@ -50,3 +56,57 @@ def test_a_bias_broadcasts_over_pieces_cut_along_other_dims_only():
     by_cols = ((((0, 4),), ((0, 3),)), (((0, 4),), ((3, 6),)))
     assert bias_broadcasts(op, 2, held, by_rows)
     assert not bias_broadcasts(op, 2, held, by_cols)
+
+
+def ids(layout) -> np.ndarray:
+    return np.array([[SETS.add(s) for s in row] for row in layout], dtype=np.int64)
+
+
+def assert_many_matches(held, neededs, groups) -> None:
+    got = scatters_many(ids(held), np.stack([ids(n) for n in neededs]), groups)
+    assert got.tolist() == [scatters(held, n, groups) for n in neededs]
+
+
+def test_the_vectorised_test_agrees_on_the_hand_cases():
+    held = (WHOLE, WHOLE)
+    pieces = [
+        ((((0, 2),), ((0, 6),)), (((2, 4),), ((0, 6),))),
+        ((((0, 4),), ((3, 6),)), (((0, 4),), ((0, 3),))),
+        ((((0, 1), (3, 4)), ((0, 6),)), (((1, 3),), ((0, 6),))),
+        ((((0, 2),), ((0, 6),)), (((0, 2),), ((0, 6),))),
+        ((((0, 1),), ((0, 6),)), (((1, 4),), ((0, 6),))),
+        ((((0, 1),), ((0, 6),)), (((1, 2),), ((0, 6),))),
+        held,
+    ]
+    assert_many_matches(held, pieces, [[0, 1]])
+    assert_many_matches(held, pieces, [[0], [1]])
+    top, bottom = (((0, 2),), ((0, 6),)), (((2, 4),), ((0, 6),))
+    left = [(((0, 2),), ((0, 3),)), (((0, 2),), ((3, 6),)), (((2, 4),), ((0, 3),)), (((2, 4),), ((3, 6),))]
+    outside = [*left[:3], (((0, 2),), ((3, 6),))]
+    for groups in ([[0, 1], [2, 3]], [[0, 2], [1, 3]]):
+        assert_many_matches((top, top, bottom, bottom), [tuple(left), tuple(outside)], groups)
+
+
+def test_the_vectorised_tests_agree_on_every_linear_pair_of_a_2x2x2_mesh():
+    """Every Forward (output held, next input needed) and Backward (input gradient held, gradient needed) pair of
+    two linears, over every group pattern: the array tests give the tuple tests' answers, and some pairs scatter."""
+    mesh, vals = DeviceMesh((2, 2, 2)), {}
+    op = biased_linear(2, 4, 8, 8)
+    parts = [OpPartition(op, s, mesh) for s in enumerate_sequences(op, mesh, values=vals)]
+    vkey = values_key(vals)
+    forward = [(forward_held(p, 0), forward_needed(p, 0)) for p in parts]
+    backward = [(backward_held(p, 0), backward_needed(p, 0)) for p in parts]
+    found = 0
+    for side in (forward, backward):
+        needed = [n.layout(vkey) for _, n in side]
+        needed_ids = np.stack([n.layout_ids(vkey) for _, n in side])
+        for (h, _), digits in itertools.product(side[::3], [(0,), (1, 2), (0, 1, 2)]):
+            groups = mesh.groups(digits)
+            held = h.layout(vkey)
+            got = scatters_many(h.layout_ids(vkey), needed_ids, groups)
+            assert got.tolist() == [scatters(held, n, groups) for n in needed]
+            bias = broadcasts_many(op, 2, h.layout_ids(vkey), needed_ids) if side is forward else None
+            if bias is not None:
+                assert bias.tolist() == [bias_broadcasts(op, 2, held, n) for n in needed]
+            found += int(got.sum())
+    assert found > 0

@@ -183,6 +183,9 @@ def covered(bounds: np.ndarray, x: np.ndarray) -> np.ndarray:
 class IndexSets:
     """Every distinct :data:`IndexSet` met so far, numbered, so that layouts compare and intern as int arrays."""
 
+    #: the sets whose pairwise overlaps are remembered: a table of at most this many squared int64 (128 MiB)
+    MEMO_SETS = 4096
+
     def __init__(self) -> None:
         self.clear()
 
@@ -191,6 +194,7 @@ class IndexSets:
         self.sets: list[IndexSet] = []
         self.bounds: list[np.ndarray] = []  # per set, its intervals as an (n, 2) int64 array
         self.sizes: list[int] = []
+        self.memo = np.zeros((0, 0), dtype=np.int64)  # memo[i, j]: |sets[i] ∩ sets[j]|, -1 until computed
 
     def add(self, s: IndexSet) -> int:
         """The number of ``s``, numbering it if it is new."""
@@ -202,7 +206,47 @@ class IndexSets:
         return k
 
     def overlaps(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """``O[i, j] = |sets[a[i]] ∩ sets[b[j]]|``, vectorised over the intervals of the ``a`` sets.
+        """``O[i, j] = |sets[a[i]] ∩ sets[b[j]]|``, each pair of sets intersected once and remembered (up to
+        :attr:`MEMO_SETS` sets; past that, pairs among the later sets are intersected on every call)."""
+        a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+        n = min(len(self.sets), self.MEMO_SETS)
+        if len(self.memo) < n:
+            grown = np.full((max(n, min(2 * len(self.memo), self.MEMO_SETS)),) * 2, -1, dtype=np.int64)
+            grown[: len(self.memo), : len(self.memo)] = self.memo
+            self.memo = grown
+        limit = min(len(self.memo), self.MEMO_SETS)
+        if not len(a) or not len(b) or a.max() >= limit or b.max() >= limit:
+            return self._intersect(a, b)
+        out = self.memo[np.ix_(a, b)]
+        missing = out < 0
+        if missing.any():
+            rows, cols = np.flatnonzero(missing.any(axis=1)), np.flatnonzero(missing.any(axis=0))
+            fresh = self._intersect(a[rows], b[cols])
+            self.memo[np.ix_(a[rows], b[cols])] = fresh
+            out[np.ix_(rows, cols)] = fresh
+        return out
+
+    def pairwise(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``|sets[a] ∩ sets[b]|`` elementwise, ``a`` and ``b`` broadcast against each other."""
+        a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+        if not a.size or not b.size:
+            return np.zeros(np.broadcast_shapes(a.shape, b.shape), dtype=np.int64)
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        if max(a.max(), b.max()) >= min(len(self.sets), self.MEMO_SETS) or prod(shape) > 4 * (a.size + b.size):
+            # an outer product: gather from the small table of the distinct sets, which stays in cache
+            (ua, ia), (ub, ib) = (np.unique(x, return_inverse=True) for x in (a, b))
+            return self.overlaps(ua, ub)[ia.reshape(a.shape), ib.reshape(b.shape)]
+        self.overlaps(a[:0], b[:0])  # grow the table to the sets numbered so far
+        out = self.memo[a, b]
+        missing = out < 0
+        if missing.any():
+            a_missing, b_missing = np.broadcast_to(a, out.shape)[missing], np.broadcast_to(b, out.shape)[missing]
+            self.overlaps(np.unique(a_missing), np.unique(b_missing))
+            out = self.memo[a, b]
+        return out
+
+    def _intersect(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """:meth:`overlaps` computed, vectorised over the intervals of the ``a`` sets.
 
         An interval ``[lo, hi)`` meets a set ``B`` in ``F_B(hi) - F_B(lo)`` elements (:func:`covered`), and
         ``|A ∩ B|`` is the sum of that over the intervals of ``A``.
@@ -469,12 +513,11 @@ def _intern(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def block_overlaps(held: np.ndarray, needed: np.ndarray) -> np.ndarray:
     """``prod_d |held[..., d] ∩ needed[..., d]|``: the overlap of Cartesian blocks given as :data:`SETS` numbers
-    along the last axis, the leading axes broadcast. Each dim's distinct pairs of sets are intersected once."""
+    along the last axis, the leading axes broadcast. Each pair of sets is intersected once
+    (:meth:`IndexSets.pairwise`)."""
     out = np.ones(np.broadcast_shapes(held.shape[:-1], needed.shape[:-1]), dtype=np.int64)
     for d in range(held.shape[-1]):
-        hs, hi = np.unique(held[..., d], return_inverse=True)
-        ns, ni = np.unique(needed[..., d], return_inverse=True)
-        out *= SETS.overlaps(hs, ns)[hi.reshape(held.shape[:-1]), ni.reshape(needed.shape[:-1])]
+        out *= SETS.pairwise(held[..., d], needed[..., d])
     return out
 
 

@@ -28,15 +28,20 @@ from torch import fx
 from primepar_fx.cost.cluster import ClusterSpec, ring_factors
 from primepar_fx.cost.model import CostOptions, _block_bytes, _tmap
 from primepar_fx.cost.redistribute import (
+    SETS,
+    EdgeUse,
     IndexSet,
     Layout,
+    ValuesKey,
+    _intern,
     backward_held,
     backward_needed,
+    block_overlaps,
     forward_held,
     forward_needed,
     values_key,
 )
-from primepar_fx.partition import OpPartition, Phase, collectives
+from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import Collective
 from primepar_fx.rules.spec import OpDims
 
@@ -83,6 +88,39 @@ def scatters(held: Layout, needed: Layout, groups: Sequence[Sequence[int]]) -> b
                 if all(_meets(x, y) for x, y in zip(a, b)):
                     return False
     return True
+
+
+def scatters_many(held: np.ndarray, needed: np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """:func:`scatters` of one held layout to many needed ones at once, on :data:`~primepar_fx.cost.redistribute.SETS`
+    numbers: ``held`` is a ``(world, tensor dims)`` array, ``needed`` an ``(n, world, tensor dims)`` one; the answer
+    is a boolean array of ``n``. Equal index sets have equal numbers, so layouts and blocks compare as ints."""
+    ranks = np.asarray(groups, dtype=np.int64)  # (groups, group size): a mesh's groups have one size
+    if ranks.ndim != 2 or ranks.shape[1] < 2 or (held[ranks] != held[ranks[:, :1]]).any():
+        return np.zeros(len(needed), dtype=bool)  # one-rank groups, or a group's ranks hold different blocks
+    sizes = np.array(SETS.sizes, dtype=np.int64)
+    block = held[ranks[:, 0]]  # (groups, dims)
+    ok = ~(needed == held[None]).all(axis=(1, 2))
+    ok[ok] = (SETS.pairwise(block[None, :, None], needed[ok][:, ranks]) == sizes[needed[ok][:, ranks]]).all(
+        axis=(1, 2, 3)
+    )  # every part inside its group's block, dim by dim
+    parts = needed[ok][:, ranks]  # (candidates, groups, group size, dims)
+    part_size = sizes[parts].prod(axis=-1)
+    equal = (part_size == part_size[..., :1]).all(axis=-1) & (
+        part_size[..., 0] * ranks.shape[1] == sizes[block].prod(-1)
+    )
+    a, b = np.triu_indices(ranks.shape[1], 1)
+    disjoint = (block_overlaps(parts[:, :, a], parts[:, :, b]) == 0).all(axis=-1)
+    ok[ok] = (equal & disjoint).all(axis=-1)
+    return ok
+
+
+def broadcasts_many(op: OpDims, bias: int, held: np.ndarray, needed: np.ndarray) -> np.ndarray:
+    """:func:`bias_broadcasts` for many needed layouts (arrays as in :func:`scatters_many`)."""
+    bias_map = op.inputs[bias]
+    assert bias_map is not None
+    spanned = {d for group in bias_map for d in group}
+    axes = [axis for axis, group in enumerate(op.outputs[0]) if spanned & set(group)]
+    return (needed[:, :, axes] == held[None, :, axes]).all(axis=(1, 2))
 
 
 def has_bias(node: fx.Node) -> bool:
@@ -221,29 +259,45 @@ def scatter_saving(
     out = ScatterSaving(*(np.zeros(shape) for _ in range(6)))
     found = False
     mesh = producers[0].mesh
-    needed = [forward_needed(c, in_index).layout(vkey) for c in consumers] if any(forward) else []
-    grad_needed = [backward_needed(p, out_index).layout(vkey) for p in producers] if any(backward) else []
+    needed = _Distinct([forward_needed(c, in_index) for c in consumers], vkey) if any(forward) else None
+    grad_needed = _Distinct([backward_needed(p, out_index) for p in producers], vkey) if any(backward) else None
     for i, (p, f) in enumerate(zip(producers, forward)):
-        if f is None:
+        if f is None or needed is None:
             continue
-        held, groups = forward_held(p, out_index).layout(vkey), mesh.groups(f.collective.digits)
-        hits = [
-            j
-            for j, n in enumerate(needed)
-            if scatters(held, n, groups) and (f.bias is None or bias_broadcasts(p.op, f.bias, held, n))
-        ]
-        if hits:
+        held = forward_held(p, out_index).layout_ids(vkey)
+        bias = None if f.bias is None else (p.op, f.bias)
+        hits = needed.hits(held, mesh, f.collective.digits, bias)
+        if len(hits):
             found = True
             saving = _saving(cluster, p, f.collective, f"out{out_index}", vkey, item, f.bias)
             out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving
     for j, (q, f) in enumerate(zip(consumers, backward)):
         use = backward_held(q, in_index) if f is not None else None
-        if use is None:
+        if use is None or grad_needed is None:
             continue
-        held, groups = use.layout(vkey), mesh.groups(f.collective.digits)  # type: ignore[union-attr]
-        hits = [i for i, n in enumerate(grad_needed) if scatters(held, n, groups)]
-        if hits:
+        hits = grad_needed.hits(use.layout_ids(vkey), mesh, f.collective.digits, None)  # type: ignore[union-attr]
+        if len(hits):
             found = True
             saving = _saving(cluster, q, f.collective, f"d_in{in_index}", vkey, item)  # type: ignore[union-attr]
             out.backward_s[hits, j], out.backward_bytes[hits, j], out.backward_scattered[hits, j] = saving
     return out if found else None
+
+
+class _Distinct:
+    """The needed layouts of one side of an edge, each distinct one tested once per (held layout, groups, bias)."""
+
+    def __init__(self, uses: Sequence[EdgeUse], vkey: ValuesKey) -> None:
+        self.needed, self.of = _intern(np.stack([u.layout_ids(vkey) for u in uses]))
+        self.memo: dict[tuple, np.ndarray] = {}
+
+    def hits(self, held: np.ndarray, mesh: DeviceMesh, digits: tuple[int, ...], bias: tuple[OpDims, int] | None):
+        """The strategies whose needed layout ``held`` (all-reduced over the ``digits`` groups of ``mesh``)
+        reduce-scatters to (:func:`scatters_many`), and that keep ``bias = (op, input)`` broadcasting over the
+        piece."""
+        key = (held.tobytes(), digits, bias)
+        if key not in self.memo:
+            ok = scatters_many(held, self.needed, mesh.groups(digits))
+            if bias is not None:
+                ok &= broadcasts_many(bias[0], bias[1], held, self.needed)
+            self.memo[key] = np.flatnonzero(ok[self.of])
+        return self.memo[key]
