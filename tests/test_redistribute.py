@@ -309,10 +309,51 @@ def test_messages_of_every_linear_pair_are_the_senders_the_runtime_plans() -> No
         for (i, p), (j, c) in itertools.product(enumerate(producers), enumerate(consumers)):
             held, needed = forward_held(p, 0).layout(vkey), forward_needed(c, 0).layout(vkey)
             a, b = pairs.held_of[i], pairs.needed_of[j]
-            assert (count[a, b].tolist(), cross[a, b].tolist()) == runtime_messages(held, needed, mesh, per_node)
+            expected = runtime_messages(held, needed, mesh, per_node)
+            assert (count[a, b].tolist(), cross[a, b].tolist()) == expected
+            assert reference_messages(held, needed, mesh, per_node) == expected
             assert tuple(received[a, b].tolist()) == Exchange.plan(held, needed, mesh, 0).received
         for p, c in itertools.product(producers[::3], consumers[::3]):
             assert_messages_match_runtime(p, c, {}, per_node)
+
+
+def reference_messages(held, needed, mesh: DeviceMesh, per_node: int) -> tuple[list[int], list[bool]]:
+    """Per rank, from the tuples: the other classes of ``held`` whose block meets its needed block, and whether
+    the sender :func:`class_senders` picks for one of them is on another node (the runtime's rule, which
+    ``test_messages_of_every_linear_pair_are_the_senders_the_runtime_plans`` checks on small meshes)."""
+    first = tuple(held.index(block) for block in held)
+    senders = class_senders(first, mesh)
+    counts, crosses = [], []
+    for k in range(mesh.size):
+        meets = [
+            r
+            for r in sorted(set(first))
+            if held[r] != held[k] and all(overlap(h, n) for h, n in zip(held[r], needed[k]))
+        ]
+        counts.append(len(meets))
+        crosses.append(any(senders[r, k] // per_node != k // per_node for r in meets))
+    return counts, crosses
+
+
+def test_messages_past_64_ranks_match_the_sender_rule() -> None:
+    """128 ranks (32 nodes of 4): the packed words of ranks 0-63 and 64-127 are counted together."""
+    mesh = DeviceMesh((32, 2, 2))
+    p_op, c_op = linear(2, 64, 8, 8), linear(2, 64, 8, 4)
+    producers = [OpPartition(p_op, s, mesh) for s in enumerate_sequences(p_op, mesh)]
+    consumers = [OpPartition(c_op, s, mesh) for s in enumerate_sequences(c_op, mesh)]
+    vkey = values_key({})
+    pairs = LayoutPairs.build(
+        [forward_held(p, 0).layout_ids(vkey) for p in producers],
+        [forward_needed(c, 0).layout_ids(vkey) for c in consumers],
+    )
+    count, cross = pairs.messages(mesh, 4)
+    crossing = 0
+    for (i, p), (j, c) in itertools.product(enumerate(producers[::4]), enumerate(consumers[::4])):
+        held, needed = forward_held(p, 0).layout(vkey), forward_needed(c, 0).layout(vkey)
+        a, b = pairs.held_of[4 * i], pairs.needed_of[4 * j]
+        assert (count[a, b].tolist(), cross[a, b].tolist()) == reference_messages(held, needed, mesh, 4)
+        crossing += int(cross[a, b].sum())
+    assert crossing > 0
 
 
 def test_cannon_skew_is_one_message_per_receiving_device() -> None:

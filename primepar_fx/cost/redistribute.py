@@ -567,28 +567,32 @@ class LayoutPairs:
 
         The blocks of one layout are equal or disjoint, so its devices fall into classes that hold one block each.
         Device ``k`` receives one message from every other class whose block meets its needed block, sent by that
-        class's :func:`nearest_holder`. Each distinct pair of (held block, needed block) is intersected once; the
-        ranks ``r`` of a held layout are packed 64 to a word, so that a word per (held layout, needed block) says
-        which ranks' blocks meet it, and a popcount counts the senders.
+        class's :func:`nearest_holder`. The ranks ``r`` of a held layout are packed 64 to a word. Two blocks meet
+        when they meet in every dim, and the AND of packed words is the packed AND, so each dim contributes a word
+        per (held layout, needed set of that dim), from a small table of its distinct sets; the AND over dims says
+        which ranks' blocks meet a needed block, and a popcount counts the senders.
         """
         world, dims = self.held.shape[1:]
-        hb, hid = _intern(self.held.reshape(-1, dims))
-        nb, nid = _intern(self.needed.reshape(-1, dims))
-        meets = block_overlaps(hb[:, None], nb[None]) > 0  # [held block, needed block]
-        hid, nid = hid.reshape(len(self.held), world), nid.reshape(len(self.needed), world)
+        _, hid = _intern(self.held.reshape(-1, dims))
+        hid = hid.reshape(len(self.held), world)
         # other[i, r, k]: r is the first rank of a class that is not k's; far[i, r, k]: its sender is off k's node
         first = (hid[:, :, None] == hid[:, None, :]).argmax(axis=-1)
         other, far = np.empty((2, len(self.held), world, world), dtype=bool)
         for i, row in enumerate(first):
             other[i], far[i] = _class_messages(tuple(row.tolist()), mesh, devices_per_node)
+        needed_sets = [np.unique(self.needed[..., d], return_inverse=True) for d in range(dims)]
         count = np.zeros((len(self.held), len(self.needed), world), dtype=np.int64)
         cross = np.zeros(count.shape, dtype=bool)
-        chunk = max(1, budget // max(1, len(self.needed) * world, 64 * len(nb)))
+        chunk = max(1, budget // max(1, len(self.needed) * world))
         for lo in range(0, len(self.held), chunk):
             i = slice(lo, lo + chunk)
             for r in range(0, world, 64):
                 ranks = slice(r, r + 64)
-                bits = _pack(meets[hid[i, ranks]])[:, nid]  # [i, j, k]: bit r, rank r's block meets k's needed block
+                bits = np.full((len(self.held[i]), len(self.needed), world), ~np.uint64(0))
+                for d, (ns, ni) in enumerate(needed_sets):
+                    hs, hi = np.unique(self.held[i, ranks, d], return_inverse=True)
+                    meets = SETS.overlaps(hs, ns) > 0  # [held set, needed set] of dim d
+                    bits &= _pack(meets[hi.reshape(-1, min(64, world - r))])[:, ni.reshape(len(self.needed), world)]
                 count[i] += _popcount(bits & _pack(other[i, ranks])[:, None])
                 cross[i] |= (bits & _pack(far[i, ranks])[:, None]) != 0
         return count, cross
