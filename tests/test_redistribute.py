@@ -292,18 +292,24 @@ def test_all_linear_pairs_on_2x2_match_brute_force_and_matrix() -> None:
         assert 0 <= r.forward_elems <= 4 * 2 * 4 * 4 and 0 <= r.backward_elems <= 4 * 2 * 4 * 4
 
 
+def every_forward_pair(p_op: OpDims, c_op: OpDims, mesh: DeviceMesh) -> tuple[list, list, LayoutPairs]:
+    """Every partition of two ops on ``mesh`` and the Forward :class:`LayoutPairs` between them."""
+    producers = [OpPartition(p_op, s, mesh) for s in enumerate_sequences(p_op, mesh)]
+    consumers = [OpPartition(c_op, s, mesh) for s in enumerate_sequences(c_op, mesh)]
+    vkey = values_key({})
+    pairs = LayoutPairs.build(
+        [forward_held(p, 0).layout_ids(vkey) for p in producers],
+        [forward_needed(c, 0).layout_ids(vkey) for c in consumers],
+    )
+    return producers, consumers, pairs
+
+
 def test_messages_of_every_linear_pair_are_the_senders_the_runtime_plans() -> None:
     # on 2 x 2 (one node of two: digit 0 crosses) and on 2 x 2 x 2 (two nodes of four)
     for digits, per_node in (((2, 2), 2), ((2, 2, 2), 4)):
         mesh = DeviceMesh(digits)
-        p_op, c_op = linear(2, 4, 4, 4), linear(2, 4, 4, 2)
-        producers = [OpPartition(p_op, s, mesh) for s in enumerate_sequences(p_op, mesh)]
-        consumers = [OpPartition(c_op, s, mesh) for s in enumerate_sequences(c_op, mesh)]
+        producers, consumers, pairs = every_forward_pair(linear(2, 4, 4, 4), linear(2, 4, 4, 2), mesh)
         vkey = values_key({})
-        pairs = LayoutPairs.build(
-            [forward_held(p, 0).layout_ids(vkey) for p in producers],
-            [forward_needed(c, 0).layout_ids(vkey) for c in consumers],
-        )
         count, cross = pairs.messages(mesh, per_node)
         received = pairs.received()
         for (i, p), (j, c) in itertools.product(enumerate(producers), enumerate(consumers)):
@@ -338,14 +344,8 @@ def reference_messages(held, needed, mesh: DeviceMesh, per_node: int) -> tuple[l
 def test_messages_past_64_ranks_match_the_sender_rule() -> None:
     """128 ranks (32 nodes of 4): the packed words of ranks 0-63 and 64-127 are counted together."""
     mesh = DeviceMesh((32, 2, 2))
-    p_op, c_op = linear(2, 64, 8, 8), linear(2, 64, 8, 4)
-    producers = [OpPartition(p_op, s, mesh) for s in enumerate_sequences(p_op, mesh)]
-    consumers = [OpPartition(c_op, s, mesh) for s in enumerate_sequences(c_op, mesh)]
+    producers, consumers, pairs = every_forward_pair(linear(2, 64, 8, 8), linear(2, 64, 8, 4), mesh)
     vkey = values_key({})
-    pairs = LayoutPairs.build(
-        [forward_held(p, 0).layout_ids(vkey) for p in producers],
-        [forward_needed(c, 0).layout_ids(vkey) for c in consumers],
-    )
     count, cross = pairs.messages(mesh, 4)
     crossing = 0
     for (i, p), (j, c) in itertools.product(enumerate(producers[::4]), enumerate(consumers[::4])):
