@@ -20,19 +20,19 @@ from primepar_fx.cost.redistribute import (
     SETS,
     LayoutPairs,
     Redistribution,
+    _intern,
     backward_held,
     backward_needed,
-    class_senders,
     forward_held,
     forward_needed,
     index_set,
-    nearest_holder,
     overlap,
     redistribution,
     redistribution_matrix,
     values_key,
 )
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences
+from primepar_fx.partition.mesh import class_senders, nearest_holder
 from primepar_fx.rules.spec import OpDims, TensorMap
 from primepar_fx.runtime.exchange import Exchange
 from primepar_fx.shapes import B, S
@@ -159,6 +159,25 @@ def test_overlap_table_matches_the_merge_in_every_access_pattern(sets, seed) -> 
         assert (SETS.overlaps(ids[a], ids[b]) == want[a][:, b]).all()
     finally:
         SETS.MEMO_SETS = limit
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 30),
+    width=st.integers(1, 40),
+    high=st.sampled_from([1, 3, 1000, 2**40]),
+    seed=st.integers(0, 99),
+)
+def test_interning_rows_matches_numpy_unique(rows, width, high, seed) -> None:
+    """Short rows of small numbers (one mixed-radix code each) and long or large ones (numpy's row unique) alike."""
+    import numpy as np
+
+    items = np.random.default_rng(seed).integers(0, high, size=(rows, width, 1))
+    items[rows // 2] = items[0]  # a repeat
+    distinct, inverse = _intern(items)
+    want, want_inverse = np.unique(items.reshape(rows, -1), axis=0, return_inverse=True)
+    assert (distinct.reshape(len(distinct), -1) == want).all() and distinct.shape[1:] == items.shape[1:]
+    assert (inverse == want_inverse.reshape(-1)).all()
 
 
 # ------------------------------------------------------------------------------------------ hand cases
@@ -354,6 +373,29 @@ def test_messages_past_64_ranks_match_the_sender_rule() -> None:
         assert (count[a, b].tolist(), cross[a, b].tolist()) == reference_messages(held, needed, mesh, 4)
         crossing += int(cross[a, b].sum())
     assert crossing > 0
+
+
+def block_elements(block) -> set:
+    return set(itertools.product(*[[x for lo, hi in dim for x in range(lo, hi)] for dim in block]))
+
+
+@pytest.mark.parametrize(("digits", "per_node"), [((2, 2, 2), 2), ((2, 2, 2), 4), ((3, 2), 4)])
+def test_node_local_is_every_needed_element_held_on_the_node(digits, per_node) -> None:
+    """Element by element: every device's needed block lies in the union of the blocks its node's ranks hold (on
+    ``(3, 2)`` with 4 per node the nodes have 4 and 2 ranks)."""
+    mesh = DeviceMesh(digits)
+    size = 12 if 3 in digits else 8
+    producers, consumers, pairs = every_forward_pair(linear(2, size, 4, 4), linear(2, size, 4, 2), mesh)
+    node = [k // per_node for k in range(mesh.size)]
+    local = pairs.node_local(node)
+    vkey, seen = values_key({}), set()
+    for (i, p), (j, c) in itertools.product(enumerate(producers), enumerate(consumers)):
+        held, needed = forward_held(p, 0).layout(vkey), forward_needed(c, 0).layout(vkey)
+        on_node = [set().union(*(block_elements(held[r]) for r in range(mesh.size) if node[r] == n)) for n in set(node)]
+        expected = all(block_elements(needed[k]) <= on_node[node[k]] for k in range(mesh.size))
+        assert bool(local[i, j]) == expected, (p.seq, c.seq)
+        seen.add(expected)
+    assert seen == {True, False}
 
 
 def test_cannon_skew_is_one_message_per_receiving_device() -> None:

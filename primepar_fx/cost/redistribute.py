@@ -61,7 +61,7 @@ import sympy
 
 from primepar_fx.partition.comm import gradient_phase_inputs
 from primepar_fx.partition.dsi import OpPartition, PartitionError, Phase
-from primepar_fx.partition.mesh import DeviceMesh
+from primepar_fx.partition.mesh import DeviceMesh, class_senders
 from primepar_fx.partition.seq import PartitionSeq
 from primepar_fx.rules.spec import OpDims, TensorMap
 
@@ -447,38 +447,6 @@ def redistribution(
 
 
 # ------------------------------------------------------------------------------------------- who sends
-@lru_cache(maxsize=64)
-def digit_distance(mesh: DeviceMesh) -> np.ndarray:
-    """``D[a, b]``: the number of device-ID digits in which ranks ``a`` and ``b`` differ (read-only)."""
-    coords = np.array([mesh.coords(r) for r in range(mesh.size)], dtype=np.int64).reshape(mesh.size, len(mesh))
-    out = (coords[:, None, :] != coords[None, :, :]).sum(axis=-1)
-    out.flags.writeable = False
-    return out
-
-
-def nearest_holder(holders: Sequence[int], k: int, mesh: DeviceMesh) -> int:
-    """The rank that gives rank ``k`` a block the ranks ``holders`` hold: ``k`` itself when it is one of them, else
-    the holder that differs from ``k`` in the fewest device-ID digits, the lowest rank on a tie (the rule of
-    :meth:`primepar_fx.runtime.exchange.Exchange.plan` and of the ring's senders)."""
-    dist = digit_distance(mesh)
-    return min(holders, key=lambda r: (int(dist[r, k]), r))
-
-
-@lru_cache(maxsize=1 << 12)
-def class_senders(classes: tuple[int, ...], mesh: DeviceMesh) -> np.ndarray:
-    """``S[r, k]``: :func:`nearest_holder` of rank ``r``'s class for rank ``k``, for every pair (read-only).
-
-    ``classes[r]`` labels the block rank ``r`` holds; ranks with one label hold one block. ``(distance, rank)`` is
-    ordered as the single integer ``distance * world + rank``.
-    """
-    world, cls = mesh.size, np.asarray(classes)
-    key = digit_distance(mesh) * world + np.arange(world)[:, None]  # key[r', k]
-    same = cls[:, None] == cls[None, :]  # [r, r']
-    out = np.where(same[:, :, None], key[None], np.iinfo(np.int64).max).min(axis=1) % world
-    out.flags.writeable = False
-    return out
-
-
 @lru_cache(maxsize=1 << 12)
 def _class_messages(first: tuple[int, ...], mesh: DeviceMesh, devices_per_node: int) -> tuple[np.ndarray, np.ndarray]:
     """``(other, far)`` for a held layout whose rank ``r`` holds the block of rank ``first[r]`` (the first rank
@@ -506,8 +474,19 @@ def _popcount(words: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- all pairs
 def _intern(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows of ``items`` (sorted) and, for each row, the index of its distinct copy."""
-    distinct, inverse = np.unique(items.reshape(len(items), -1), axis=0, return_inverse=True)
+    """The distinct rows of ``items`` (non-negative ints, sorted) and, for each row, the index of its distinct copy.
+
+    Short rows are read as one mixed-radix number each, which keeps their order, and numbered with a 1-d unique."""
+    rows = items.reshape(len(items), -1)
+    base = int(rows.max()) + 1 if rows.size else 1
+    if rows.shape[1] * max(1, base - 1).bit_length() <= 62:
+        code = np.zeros(len(rows), dtype=np.int64)
+        for col in rows.T:
+            code = code * base + col
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        distinct = rows[first]
+    else:
+        distinct, inverse = np.unique(rows, axis=0, return_inverse=True)
     return distinct.reshape(len(distinct), *items.shape[1:]), inverse.reshape(-1)
 
 
@@ -601,20 +580,22 @@ class LayoutPairs:
         """``L[i, j]``: under held layout ``i``, every device finds its needed block of layout ``j`` on its own node.
 
         Devices of one layout hold blocks that are equal or disjoint, so a node's coverage of a needed block is the
-        sum of its overlaps with the node's distinct held blocks; the block stays node-local when that covers it.
-        Only blocks on one node are intersected with each other.
+        sum of its overlaps with the node's distinct held blocks (a rank counts unless an earlier rank of its node
+        holds its block); the block stays node-local when that covers it. Node by node, the distinct held blocks of
+        every layout are intersected once with the distinct needed blocks.
         """
         nodes, volume = np.asarray(node_of), self._volume()
-        dims = self.held.shape[-1]
-        out = np.ones((len(self.held), len(self.needed)), dtype=bool)
+        (n_held, _, dims), n_needed = self.held.shape, len(self.needed)
+        out = np.ones((n_held, n_needed), dtype=bool)
         for node in np.unique(nodes):
-            on = nodes == node
-            held_rows, held_at = _intern(self.held[:, on].reshape(len(self.held) * on.sum(), dims))
-            needed_rows, needed_at = _intern(self.needed[:, on].reshape(len(self.needed) * on.sum(), dims))
-            table = block_overlaps(held_rows[:, None], needed_rows[None])
-            blocks = held_at.reshape(len(self.held), -1)
-            cover = np.stack([table[np.unique(b)].sum(axis=0) for b in blocks])
-            out &= (cover[:, needed_at.reshape(len(self.needed), -1)] >= volume[None, :, on]).all(axis=-1)
+            on = np.flatnonzero(nodes == node)
+            held_rows, held_at = _intern(self.held[:, on].reshape(n_held * len(on), dims))
+            needed_rows, needed_at = _intern(self.needed[:, on].reshape(n_needed * len(on), dims))
+            held_at, needed_at = held_at.reshape(n_held, len(on)), needed_at.reshape(n_needed, len(on))
+            table = block_overlaps(held_rows[:, None], needed_rows[None])  # [held block, needed block]
+            repeat = np.tril(held_at[:, :, None] == held_at[:, None, :], -1).any(axis=-1)  # an earlier rank holds it
+            cover = (table[held_at] * ~repeat[..., None]).sum(axis=1)  # [i, needed block]
+            out &= (cover[:, needed_at] >= volume[None][..., on]).all(axis=-1)
         return out[self.held_of][:, self.needed_of]
 
 
@@ -647,24 +628,6 @@ def edge_pairs(
         [_source_grad_needed(p, out_index, shared).layout_ids(vkey) for p in producers],
     )
     return fwd, bwd
-
-
-def redistribution_locality(
-    producers: Sequence[OpPartition],
-    out_index: int,
-    consumers: Sequence[OpPartition],
-    in_index: int,
-    values: Mapping[sympy.Symbol, int],
-    devices_per_node: int,
-    shared: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(fwd, bwd)`` boolean matrices: whether the redistribution of each pair stays inside every node."""
-    node_of = [k // devices_per_node for k in range(producers[0].mesh.size)]
-    fwd, bwd = edge_pairs(producers, out_index, consumers, in_index, values, shared)
-    local = fwd.node_local(node_of)
-    if bwd is None:
-        return local, np.ones_like(local)
-    return local, np.ascontiguousarray(bwd.node_local(node_of).T)
 
 
 def redistribution_matrix(

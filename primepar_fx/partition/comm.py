@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from primepar_fx.partition.dsi import PHASES, OpPartition, Phase, TensorSlice
-from primepar_fx.partition.mesh import DeviceMesh
+from primepar_fx.partition.mesh import DeviceMesh, class_senders
 from primepar_fx.partition.seq import PartitionSeq
 from primepar_fx.rules.spec import OpDims, TensorMap
 
@@ -92,22 +92,6 @@ class Transfer:
         return sum(1 for k, s in enumerate(self.senders) if s != k)
 
 
-def _holder(part: OpPartition, slices: dict[int, TensorSlice], want: TensorSlice, me: int) -> int:
-    """The rank that holds ``want``: ``me`` if possible, else the one differing from me in the fewest digits."""
-    if slices[me] == want:
-        return me
-    mine = part.mesh.coords(me)
-    best = None
-    for k, s in slices.items():
-        if s == want:
-            dist = sum(a != b for a, b in zip(mine, part.mesh.coords(k)))
-            if best is None or dist < best[0]:
-                best = (dist, k)
-    if best is None:
-        raise AssertionError(f"no device holds slice {want} of {part.seq}")
-    return best[1]
-
-
 def _slices_at(part: OpPartition, tmap: TensorMap, use: Use) -> dict[int, TensorSlice]:
     return {k: part.tensor_slice(use[0], tmap, c, use[1]) for k, c in enumerate(part.mesh.devices())}
 
@@ -115,7 +99,14 @@ def _slices_at(part: OpPartition, tmap: TensorMap, use: Use) -> dict[int, Tensor
 def shift_senders(part: OpPartition, tmap: TensorMap, src: Use, dst: Use) -> tuple[int, ...]:
     """For every rank, the rank it receives its ``dst`` slice of a tensor from, given the ``src`` layout."""
     have, want = _slices_at(part, tmap, src), _slices_at(part, tmap, dst)
-    return tuple(_holder(part, have, want[k], k) for k in range(part.mesh.size))
+    first: dict[TensorSlice, int] = {}  # each slice's first holder labels its class
+    senders = class_senders(tuple(first.setdefault(s, k) for k, s in have.items()), part.mesh)
+    out = []
+    for k in range(part.mesh.size):
+        if want[k] not in first:
+            raise AssertionError(f"no device holds slice {want[k]} of {part.seq}")
+        out.append(int(senders[first[want[k]], k]))  # k itself if it holds it, else the nearest holder
+    return tuple(out)
 
 
 def transfers(part: OpPartition) -> list[Transfer]:

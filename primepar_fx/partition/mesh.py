@@ -8,9 +8,12 @@ ranks that share a node share the leading digits. The paper's binary IDs are the
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
+
+import numpy as np
 
 
 def prime_factors(n: int) -> list[int]:
@@ -103,3 +106,36 @@ class DeviceMesh:
         for rank, coords in enumerate(self.devices()):
             buckets.setdefault(tuple(coords[i] for i in fixed), []).append(rank)
         return list(buckets.values())
+
+
+# ------------------------------------------------------------------------------------------- who sends
+@lru_cache(maxsize=64)
+def digit_distance(mesh: DeviceMesh) -> np.ndarray:
+    """``D[a, b]``: the number of device-ID digits in which ranks ``a`` and ``b`` differ (read-only)."""
+    coords = np.array([mesh.coords(r) for r in range(mesh.size)], dtype=np.int64).reshape(mesh.size, len(mesh))
+    out = (coords[:, None, :] != coords[None, :, :]).sum(axis=-1)
+    out.flags.writeable = False
+    return out
+
+
+def nearest_holder(holders: Sequence[int], k: int, mesh: DeviceMesh) -> int:
+    """The rank that gives rank ``k`` a block the ranks ``holders`` hold: ``k`` itself when it is one of them, else
+    the holder that differs from ``k`` in the fewest device-ID digits, the lowest rank on a tie (the rule of
+    :meth:`primepar_fx.runtime.exchange.Exchange.plan` and of the ring's senders)."""
+    dist = digit_distance(mesh)
+    return min(holders, key=lambda r: (int(dist[r, k]), r))
+
+
+@lru_cache(maxsize=1 << 12)
+def class_senders(classes: tuple[int, ...], mesh: DeviceMesh) -> np.ndarray:
+    """``S[r, k]``: :func:`nearest_holder` of rank ``r``'s class for rank ``k``, for every pair (read-only).
+
+    ``classes[r]`` labels the block rank ``r`` holds; ranks with one label hold one block. ``(distance, rank)`` is
+    ordered as the single integer ``distance * world + rank``.
+    """
+    world, cls = mesh.size, np.asarray(classes)
+    key = digit_distance(mesh) * world + np.arange(world)[:, None]  # key[r', k]
+    same = cls[:, None] == cls[None, :]  # [r, r']
+    out = np.where(same[:, :, None], key[None], np.iinfo(np.int64).max).min(axis=1) % world
+    out.flags.writeable = False
+    return out

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from primepar_fx.cost.redistribute import IndexSet, Layout, nearest_holder
+from primepar_fx.cost.redistribute import IndexSet, Layout
 from primepar_fx.partition import DeviceMesh
+from primepar_fx.partition.mesh import nearest_holder
 from primepar_fx.runtime.stats import CommStats
 
 Slices = tuple[slice, ...]
