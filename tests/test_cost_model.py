@@ -14,9 +14,9 @@ import sympy
 from opdims import linear_dims as linear
 
 from primepar_fx.cost.cluster import ClusterSpec, LinearLatency, load_cluster, ring_factors
+from primepar_fx.cost.layouts import Layout
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
 from primepar_fx.cost.redistribute import (
-    Layout,
     backward_held,
     backward_needed,
     forward_held,

@@ -34,15 +34,14 @@ from opdims import linear_dims
 
 import primepar_fx
 from primepar_fx.cost.costgraph import out_index, shared_parameters
+from primepar_fx.cost.layouts import Layout, values_key
 from primepar_fx.cost.redistribute import (
-    Layout,
     backward_held,
     backward_needed,
     forward_held,
     forward_needed,
     per_device_traffic,
     redistribution,
-    values_key,
 )
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, enumerate_sequences

@@ -16,20 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opdims import linear_dims as linear
 
+from primepar_fx.cost.layouts import SETS, index_set, intern_rows, overlap, values_key
 from primepar_fx.cost.redistribute import (
-    SETS,
     LayoutPairs,
     Redistribution,
-    _intern,
     backward_held,
     backward_needed,
     forward_held,
     forward_needed,
-    index_set,
-    overlap,
     redistribution,
     redistribution_matrix,
-    values_key,
 )
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences
 from primepar_fx.partition.mesh import class_senders, nearest_holder
@@ -174,7 +170,7 @@ def test_interning_rows_matches_numpy_unique(rows, width, high, seed) -> None:
 
     items = np.random.default_rng(seed).integers(0, high, size=(rows, width, 1))
     items[rows // 2] = items[0]  # a repeat
-    distinct, inverse = _intern(items)
+    distinct, inverse = intern_rows(items)
     want, want_inverse = np.unique(items.reshape(rows, -1), axis=0, return_inverse=True)
     assert (distinct.reshape(len(distinct), -1) == want).all() and distinct.shape[1:] == items.shape[1:]
     assert (inverse == want_inverse.reshape(-1)).all()

@@ -8,7 +8,8 @@ import numpy as np
 import sympy
 from opdims import biased_linear_dims as biased_linear
 
-from primepar_fx.cost.redistribute import SETS, backward_held, backward_needed, forward_held, forward_needed, values_key
+from primepar_fx.cost.layouts import SETS, values_key
+from primepar_fx.cost.redistribute import backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.cost.scatter import bias_broadcasts, broadcasts_many, scatters, scatters_many
 from primepar_fx.partition import DeviceMesh, OpPartition, enumerate_sequences
 from primepar_fx.rules.spec import OpDims

@@ -52,7 +52,8 @@ import sympy
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
-from primepar_fx.cost.redistribute import LayoutPairs, ValuesKey, edge_pairs, values_key
+from primepar_fx.cost.layouts import ValuesKey, values_key
+from primepar_fx.cost.redistribute import LayoutPairs, edge_pairs
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
 from primepar_fx.rules.spec import OpDims, TensorMap

@@ -35,16 +35,17 @@ all-reduce separately (Eq. 7). Here every held set is the one after the all-redu
 ``OpPartition.tensor_slice`` describes: it does not depend on the summed dims.
 
 **Messages.** The runtime (:class:`~primepar_fx.runtime.exchange.Exchange`) sends device ``D`` each block it lacks
-from the holder nearest in device-ID digits, the lowest rank on a tie (:func:`nearest_holder`), one message per
-sender. The blocks of one layout are equal or disjoint, so its devices form classes that hold one block each, and
-``D`` receives one message from every other class whose block meets ``needed(D)``
-(:meth:`LayoutPairs.messages`, with :func:`class_senders` the rule for all pairs of ranks at once). The cost model
-prices these messages (:func:`primepar_fx.cost.model.p2p_seconds`).
+from the holder nearest in device-ID digits, the lowest rank on a tie
+(:func:`~primepar_fx.partition.mesh.nearest_holder`), one message per sender. The blocks of one layout are equal or
+disjoint, so its devices form classes that hold one block each, and ``D`` receives one message from every other
+class whose block meets ``needed(D)`` (:meth:`LayoutPairs.messages`, with
+:func:`~primepar_fx.partition.mesh.class_senders` the rule for all pairs of ranks at once). The cost model prices
+these messages (:func:`primepar_fx.cost.model.p2p_seconds`).
 
 Sizes are sympy expressions in ``B`` and ``S``. They are evaluated at the caller's ``values`` (required), so every
-count is an exact integer. Every distinct index set is numbered once (:data:`SETS`), and a layout is memoised per
-``(op, seq, mesh, tmap, phase, t, values)`` as an int array of set numbers (:func:`layout_ids`).
-:func:`redistribution_matrix` prices every (producer strategy, consumer strategy) pair of an edge at once with
+count is an exact integer. Index sets and layouts live in :mod:`primepar_fx.cost.layouts`: every distinct set is
+numbered once, and a layout is memoised per ``(op, seq, mesh, tmap, phase, t, values)`` as an int array of set
+numbers. :func:`redistribution_matrix` prices every (producer strategy, consumer strategy) pair of an edge at once with
 numpy (:class:`LayoutPairs`), intersecting each distinct pair of sets once.
 """
 
@@ -54,24 +55,31 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
-from types import MappingProxyType
 
 import numpy as np
 import sympy
 
+from primepar_fx.cost.layouts import (
+    SETS,
+    IndexSet,
+    Layout,
+    PartKey,
+    ValuesKey,
+    block_overlaps,
+    clear_layout_caches,
+    dim_sizes,
+    intern_rows,
+    layout,
+    layout_ids,
+    overlap,
+    part_key,
+    set_size,
+    values_key,
+)
 from primepar_fx.partition.comm import gradient_phase_inputs
-from primepar_fx.partition.dsi import OpPartition, PartitionError, Phase
+from primepar_fx.partition.dsi import OpPartition, Phase
 from primepar_fx.partition.mesh import DeviceMesh, class_senders
-from primepar_fx.partition.seq import PartitionSeq
-from primepar_fx.rules.spec import OpDims, TensorMap
-
-#: Sorted, disjoint, half-open ``(start, stop)`` intervals of flat indices along one tensor dim.
-IndexSet = tuple[tuple[int, int], ...]
-#: Per device (rank order), per tensor dim, the :data:`IndexSet` the device holds or needs.
-Layout = tuple[tuple[IndexSet, ...], ...]
-#: Concrete values of the size symbols, as a hashable key.
-ValuesKey = tuple[tuple[sympy.Symbol, int], ...]
-PartKey = tuple[OpDims, PartitionSeq, DeviceMesh]
+from primepar_fx.rules.spec import TensorMap
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,206 +112,6 @@ class Redistribution:
     @property
     def total_elems(self) -> int:
         return self.forward_elems + self.backward_elems
-
-
-# ---------------------------------------------------------------------------------------------- index sets
-@lru_cache(maxsize=1 << 16)
-def index_set(sizes: tuple[int, ...], dim_slice: tuple[tuple[int, int], ...]) -> IndexSet:
-    """The flat indices ``{sum_j x_j * s_j : i_j * b_j <= x_j < (i_j + 1) * b_j}`` of one tensor dim.
-
-    ``sizes`` are the group's iteration-dim sizes ``n_j`` (major first) and ``dim_slice`` its ``(i_j, p_j)``
-    pairs, with ``b_j = n_j / p_j`` and ``s_j`` the product of the more minor sizes. The set is built major to
-    minor: the prefix set ``P`` becomes ``{x * n_j + y : x in P, y in block_j}``. A whole block keeps each interval
-    contiguous. A proper block turns each prefix value into its own interval, so the result has
-    ``prod_{j < j*} b_j`` intervals, where ``j*`` is the most minor split dim.
-    """
-    out: list[tuple[int, int]] = [(0, 1)]
-    for n, (i, p) in zip(sizes, dim_slice):
-        if n % p:
-            raise PartitionError(f"a dim of size {n} does not split into {p} parts")
-        lo, hi = i * n // p, (i + 1) * n // p
-        if lo == 0 and hi == n:
-            out = [(a * n, b * n) for a, b in out]
-        else:
-            out = [(x * n + lo, x * n + hi) for a, b in out for x in range(a, b)]
-    return tuple(out)
-
-
-def set_size(s: IndexSet) -> int:
-    return sum(b - a for a, b in s)
-
-
-@lru_cache(maxsize=1 << 16)
-def overlap(a: IndexSet, b: IndexSet) -> int:
-    """``|a ∩ b|`` of two sorted disjoint interval lists, by a linear two-pointer merge."""
-    i = j = total = 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if lo < hi:
-            total += hi - lo
-        if a[i][1] <= b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def values_key(values: Mapping[sympy.Symbol, int]) -> ValuesKey:
-    return tuple(sorted(((k, int(v)) for k, v in values.items()), key=lambda kv: str(kv[0])))
-
-
-@lru_cache(maxsize=4096)
-def concrete_sizes(op: OpDims, vkey: ValuesKey) -> Mapping[str, int]:
-    """Every iteration dim's size at ``values`` as an exact int (raises if a symbol is left or it is fractional)."""
-    subs = {k: sympy.Integer(v) for k, v in vkey}
-    out = {}
-    for d, size in zip(op.dims, op.sizes):
-        expr = sympy.sympify(size).xreplace(subs)
-        if not expr.is_Integer:
-            raise ValueError(f"size {size} of dim {d!r} is not an integer at {dict(vkey)}: {expr}")
-        out[d] = int(expr)
-    return MappingProxyType(out)
-
-
-def dim_sizes(op: OpDims, tmap: TensorMap, vkey: ValuesKey) -> tuple[int, ...]:
-    """The concrete size of each tensor dim: the product of its group's iteration-dim sizes (1 for ``()``)."""
-    sizes = concrete_sizes(op, vkey)
-    return tuple(prod(sizes[d] for d in group) for group in tmap)
-
-
-def covered(bounds: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """``F(x) = |B ∩ [0, x)|`` at every ``x`` for a set ``B`` given as its ``(n, 2)`` array of intervals."""
-    lo, length = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
-    before = np.concatenate(([0], np.cumsum(length)))  # elements of B in the intervals before each one
-    n = np.searchsorted(lo, x, side="right")  # intervals of B that start at or before x
-    last = np.maximum(n - 1, 0)
-    return np.where(n > 0, before[last] + np.minimum(x - lo[last], length[last]), 0)
-
-
-class IndexSets:
-    """Every distinct :data:`IndexSet` met so far, numbered, so that layouts compare and intern as int arrays."""
-
-    #: the sets whose pairwise overlaps are remembered: a table of at most this many squared int64 (128 MiB)
-    MEMO_SETS = 4096
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.number: dict[IndexSet, int] = {}
-        self.sets: list[IndexSet] = []
-        self.bounds: list[np.ndarray] = []  # per set, its intervals as an (n, 2) int64 array
-        self.sizes: list[int] = []
-        self.memo = np.zeros((0, 0), dtype=np.int64)  # memo[i, j]: |sets[i] ∩ sets[j]|, -1 until computed
-
-    def add(self, s: IndexSet) -> int:
-        """The number of ``s``, numbering it if it is new."""
-        k = self.number.setdefault(s, len(self.sets))
-        if k == len(self.sets):
-            self.sets.append(s)
-            self.bounds.append(np.array(s, dtype=np.int64).reshape(len(s), 2))
-            self.sizes.append(set_size(s))
-        return k
-
-    def overlaps(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """``O[i, j] = |sets[a[i]] ∩ sets[b[j]]|``, each pair of sets intersected once and remembered (up to
-        :attr:`MEMO_SETS` sets; past that, pairs among the later sets are intersected on every call)."""
-        a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
-        n = min(len(self.sets), self.MEMO_SETS)
-        if len(self.memo) < n:
-            grown = np.full((max(n, min(2 * len(self.memo), self.MEMO_SETS)),) * 2, -1, dtype=np.int64)
-            grown[: len(self.memo), : len(self.memo)] = self.memo
-            self.memo = grown
-        limit = min(len(self.memo), self.MEMO_SETS)
-        if not len(a) or not len(b) or a.max() >= limit or b.max() >= limit:
-            return self._intersect(a, b)
-        out = self.memo[np.ix_(a, b)]
-        missing = out < 0
-        if missing.any():
-            rows, cols = np.flatnonzero(missing.any(axis=1)), np.flatnonzero(missing.any(axis=0))
-            fresh = self._intersect(a[rows], b[cols])
-            self.memo[np.ix_(a[rows], b[cols])] = fresh
-            out[np.ix_(rows, cols)] = fresh
-        return out
-
-    def pairwise(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """``|sets[a] ∩ sets[b]|`` elementwise, ``a`` and ``b`` broadcast against each other."""
-        a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
-        if not a.size or not b.size:
-            return np.zeros(np.broadcast_shapes(a.shape, b.shape), dtype=np.int64)
-        shape = np.broadcast_shapes(a.shape, b.shape)
-        if max(a.max(), b.max()) >= min(len(self.sets), self.MEMO_SETS) or prod(shape) > 4 * (a.size + b.size):
-            # an outer product: gather from the small table of the distinct sets, which stays in cache
-            (ua, ia), (ub, ib) = (np.unique(x, return_inverse=True) for x in (a, b))
-            return self.overlaps(ua, ub)[ia.reshape(a.shape), ib.reshape(b.shape)]
-        self.overlaps(a[:0], b[:0])  # grow the table to the sets numbered so far
-        out = self.memo[a, b]
-        missing = out < 0
-        if missing.any():
-            a_missing, b_missing = np.broadcast_to(a, out.shape)[missing], np.broadcast_to(b, out.shape)[missing]
-            self.overlaps(np.unique(a_missing), np.unique(b_missing))
-            out = self.memo[a, b]
-        return out
-
-    def _intersect(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """:meth:`overlaps` computed, vectorised over the intervals of the ``a`` sets.
-
-        An interval ``[lo, hi)`` meets a set ``B`` in ``F_B(hi) - F_B(lo)`` elements (:func:`covered`), and
-        ``|A ∩ B|`` is the sum of that over the intervals of ``A``.
-        """
-        out = np.zeros((len(a), len(b)), dtype=np.int64)
-        if not len(a):
-            return out
-        bounds = np.concatenate([self.bounds[i] for i in a])
-        starts = np.cumsum([0] + [len(self.bounds[i]) for i in a[:-1]])
-        for j, k in enumerate(b):
-            within = covered(self.bounds[k], bounds[:, 1]) - covered(self.bounds[k], bounds[:, 0])
-            out[:, j] = np.add.reduceat(within, starts)
-        return out
-
-
-#: The numbering of every index set in a layout (:func:`layout_ids`); :func:`clear_caches` resets it.
-SETS = IndexSets()
-
-
-@lru_cache(maxsize=1 << 16)
-def set_number(sizes: tuple[int, ...], dim_slice: tuple[tuple[int, int], ...]) -> int:
-    """The number in :data:`SETS` of :func:`index_set` ``(sizes, dim_slice)``."""
-    return SETS.add(index_set(sizes, dim_slice))
-
-
-@lru_cache(maxsize=1 << 14)
-def layout_ids(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: ValuesKey) -> np.ndarray:
-    """:func:`layout` as a ``(world, tensor dims)`` int64 array of :data:`SETS` numbers (read-only).
-
-    Devices that hold the same slice of a tensor dim share its set, which is built once: the DSIs of every device
-    come from :meth:`OpPartition.dsi_table`, and the slices of a dim are told apart by their mixed-radix code.
-    """
-    part = OpPartition(*key)
-    sizes = concrete_sizes(part.op, vkey)
-    idx = part.dsi_table(phase, t)
-    out = np.empty((part.mesh.size, len(tmap)), dtype=np.int64)
-    for k, group in enumerate(tmap):
-        code = np.zeros(part.mesh.size, dtype=np.int64)
-        for d in group:
-            code = code * part.parts[d] + idx[d]
-        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-        gs = tuple(sizes[d] for d in group)
-        numbers = [set_number(gs, tuple((int(idx[d][dev]), part.parts[d]) for d in group)) for dev in first]
-        out[:, k] = np.array(numbers, dtype=np.int64)[inverse.reshape(-1)]
-    out.flags.writeable = False
-    return out
-
-
-@lru_cache(maxsize=1 << 14)
-def layout(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: ValuesKey) -> Layout:
-    """Per device (rank order) and tensor dim, the :data:`IndexSet` of ``tmap`` at ``(phase, t)`` (Eq. 8)."""
-    return tuple(tuple(SETS.sets[k] for k in row) for row in layout_ids(key, tmap, phase, t, vkey).tolist())
-
-
-def part_key(part: OpPartition) -> PartKey:
-    """A hashable key for an :class:`OpPartition`, which holds a dict and so cannot be hashed itself."""
-    return part.op, part.seq, part.mesh
 
 
 # ------------------------------------------------------------------------------------------------ the edge
@@ -473,33 +281,6 @@ def _popcount(words: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------- all pairs
-def _intern(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows of ``items`` (non-negative ints, sorted) and, for each row, the index of its distinct copy.
-
-    Short rows are read as one mixed-radix number each, which keeps their order, and numbered with a 1-d unique."""
-    rows = items.reshape(len(items), -1)
-    base = int(rows.max()) + 1 if rows.size else 1
-    if rows.shape[1] * max(1, base - 1).bit_length() <= 62:
-        code = np.zeros(len(rows), dtype=np.int64)
-        for col in rows.T:
-            code = code * base + col
-        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-        distinct = rows[first]
-    else:
-        distinct, inverse = np.unique(rows, axis=0, return_inverse=True)
-    return distinct.reshape(len(distinct), *items.shape[1:]), inverse.reshape(-1)
-
-
-def block_overlaps(held: np.ndarray, needed: np.ndarray) -> np.ndarray:
-    """``prod_d |held[..., d] ∩ needed[..., d]|``: the overlap of Cartesian blocks given as :data:`SETS` numbers
-    along the last axis, the leading axes broadcast. Each pair of sets is intersected once
-    (:meth:`IndexSets.pairwise`)."""
-    out = np.ones(np.broadcast_shapes(held.shape[:-1], needed.shape[:-1]), dtype=np.int64)
-    for d in range(held.shape[-1]):
-        out *= SETS.pairwise(held[..., d], needed[..., d])
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class LayoutPairs:
     """Every (held layout, needed layout) pair of one edge, from :func:`layout_ids` arrays, one per strategy.
@@ -515,7 +296,7 @@ class LayoutPairs:
 
     @classmethod
     def build(cls, helds: Sequence[np.ndarray], neededs: Sequence[np.ndarray]) -> LayoutPairs:
-        (held, held_of), (needed, needed_of) = _intern(np.stack(helds)), _intern(np.stack(neededs))
+        (held, held_of), (needed, needed_of) = intern_rows(np.stack(helds)), intern_rows(np.stack(neededs))
         return cls(held_of, needed_of, held, needed)
 
     def _volume(self) -> np.ndarray:
@@ -552,7 +333,7 @@ class LayoutPairs:
         which ranks' blocks meet a needed block, and a popcount counts the senders.
         """
         world, dims = self.held.shape[1:]
-        _, hid = _intern(self.held.reshape(-1, dims))
+        _, hid = intern_rows(self.held.reshape(-1, dims))
         hid = hid.reshape(len(self.held), world)
         # other[i, r, k]: r is the first rank of a class that is not k's; far[i, r, k]: its sender is off k's node
         first = (hid[:, :, None] == hid[:, None, :]).argmax(axis=-1)
@@ -589,8 +370,8 @@ class LayoutPairs:
         out = np.ones((n_held, n_needed), dtype=bool)
         for node in np.unique(nodes):
             on = np.flatnonzero(nodes == node)
-            held_rows, held_at = _intern(self.held[:, on].reshape(n_held * len(on), dims))
-            needed_rows, needed_at = _intern(self.needed[:, on].reshape(n_needed * len(on), dims))
+            held_rows, held_at = intern_rows(self.held[:, on].reshape(n_held * len(on), dims))
+            needed_rows, needed_at = intern_rows(self.needed[:, on].reshape(n_needed * len(on), dims))
             held_at, needed_at = held_at.reshape(n_held, len(on)), needed_at.reshape(n_needed, len(on))
             table = block_overlaps(held_rows[:, None], needed_rows[None])  # [held block, needed block]
             repeat = np.tril(held_at[:, :, None] == held_at[:, None, :], -1).any(axis=-1)  # an earlier rank holds it
@@ -659,12 +440,6 @@ def redistribution_matrix(
 
 def clear_caches() -> None:
     """Drop the memoised sizes, layouts and overlaps (e.g. between models)."""
-    concrete_sizes.cache_clear()
-    layout.cache_clear()
-    layout_ids.cache_clear()
+    clear_layout_caches()
     class_senders.cache_clear()
     _class_messages.cache_clear()
-    set_number.cache_clear()
-    index_set.cache_clear()
-    overlap.cache_clear()
-    SETS.clear()

@@ -26,21 +26,9 @@ import torch
 from torch import fx
 
 from primepar_fx.cost.cluster import ClusterSpec, ring_factors
+from primepar_fx.cost.layouts import SETS, IndexSet, Layout, ValuesKey, block_overlaps, intern_rows, values_key
 from primepar_fx.cost.model import CostOptions, _block_bytes, _tmap
-from primepar_fx.cost.redistribute import (
-    SETS,
-    EdgeUse,
-    IndexSet,
-    Layout,
-    ValuesKey,
-    _intern,
-    backward_held,
-    backward_needed,
-    block_overlaps,
-    forward_held,
-    forward_needed,
-    values_key,
-)
+from primepar_fx.cost.redistribute import EdgeUse, backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import Collective
 from primepar_fx.rules.spec import OpDims
@@ -91,7 +79,7 @@ def scatters(held: Layout, needed: Layout, groups: Sequence[Sequence[int]]) -> b
 
 
 def scatters_many(held: np.ndarray, needed: np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
-    """:func:`scatters` of one held layout to many needed ones at once, on :data:`~primepar_fx.cost.redistribute.SETS`
+    """:func:`scatters` of one held layout to many needed ones at once, on :data:`~primepar_fx.cost.layouts.SETS`
     numbers: ``held`` is a ``(world, tensor dims)`` array, ``needed`` an ``(n, world, tensor dims)`` one; the answer
     is a boolean array of ``n``. Equal index sets have equal numbers, so layouts and blocks compare as ints."""
     ranks = np.asarray(groups, dtype=np.int64)  # (groups, group size): a mesh's groups have one size
@@ -287,7 +275,7 @@ class _Distinct:
     """The needed layouts of one side of an edge, each distinct one tested once per (held layout, groups, bias)."""
 
     def __init__(self, uses: Sequence[EdgeUse], vkey: ValuesKey) -> None:
-        self.needed, self.of = _intern(np.stack([u.layout_ids(vkey) for u in uses]))
+        self.needed, self.of = intern_rows(np.stack([u.layout_ids(vkey) for u in uses]))
         self.memo: dict[tuple, np.ndarray] = {}
 
     def hits(self, held: np.ndarray, mesh: DeviceMesh, digits: tuple[int, ...], bias: tuple[OpDims, int] | None):

@@ -26,7 +26,7 @@ import sympy
 import torch
 from torch import fx, nn
 
-from primepar_fx.cost.redistribute import Layout
+from primepar_fx.cost.layouts import Layout
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.passes.annotate import annotate_plan
