@@ -49,6 +49,7 @@ def plan(
     baselines: bool = True,
     fallback: str | None = None,
     grouped: bool | None = None,
+    progress: bool = False,
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
@@ -56,7 +57,7 @@ def plan(
     (default: the example's sizes) are the sizes the plan is priced at; they may differ from the example's, since
     the graph is symbolic in ``B`` and ``S``. Works on meta-device models. ``grouped`` merges the leading device
     digits for the search (default: past three digits, e.g. 16 or more GPUs; see
-    :func:`~primepar_fx.planner.search_mesh`).
+    :func:`~primepar_fx.planner.search_mesh`). ``progress`` shows the pricing's progress bars on stderr.
     """
     args, kwargs = _split_inputs(example_inputs)
     graph = analyze(model, args, kwargs, fallback=fallback)
@@ -73,6 +74,7 @@ def plan(
         allow_prime=allow_prime,
         baselines=baselines,
         grouped=grouped,
+        progress=progress,
     )
 
 

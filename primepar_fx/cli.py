@@ -146,6 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         digits=digits,
         canonical=args.canonical,
         grouped=args.grouped,
+        progress=sys.stderr.isatty(),
     )
     print(plan.summary_table(tablefmt=args.format))
     mega = plan.baselines.get("megatron")

@@ -37,6 +37,7 @@ from primepar_fx.baselines import config_name, data_parallel_assignment, megatro
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.cost.costgraph import PricedGraph, price_graph
 from primepar_fx.cost.model import CostOptions
+from primepar_fx.cost.redistribute import clear_caches
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
@@ -301,19 +302,24 @@ def plan_graph(
     digits: tuple[int, ...] | None = None,
     canonical: bool = False,
     grouped: bool | None = None,
+    progress: bool = False,
 ) -> Plan:
     """Search the cheapest plan for ``graph`` and compare it with the baselines (module docstring).
 
     ``digits`` overrides the cluster's device digits. ``grouped`` searches with the leading digits merged
     (:func:`search_mesh`; default: only past :data:`GROUPED_DIGITS` digits); the baselines are priced on the
-    ungrouped mesh either way, so Megatron keeps all of its data x model splits.
+    ungrouped mesh either way, so Megatron keeps all of its data x model splits. ``progress`` shows the pricing's
+    progress bars on stderr.
     """
     spec, full = _setup(cluster, world_size, digits)
     mesh = search_mesh(full, grouped)
     values = {B: batch, S: seq}
     opts = CostOptions(dtype=dtype, alpha=alpha)
+    clear_caches()  # each plan numbers its own index sets, so the table of their overlaps holds this plan's
     t0 = time.perf_counter()
-    priced = price_graph(graph, mesh, spec, values, opts, allow_prime=allow_prime, canonical=canonical)
+    priced = price_graph(
+        graph, mesh, spec, values, opts, allow_prime=allow_prime, canonical=canonical, progress=progress
+    )
     t1 = time.perf_counter()
     sol = solve_for_peak(priced, memory_budget=memory_budget, alpha=alpha, method=method)
     ours = summarize(graph, priced, sol.choice, opts)
@@ -321,7 +327,9 @@ def plan_graph(
     if baselines:
         base = price_baselines(graph, full, spec, values, opts, memory_budget)
         if allow_prime:
-            split_priced = price_graph(graph, mesh, spec, values, opts, allow_prime=False, canonical=canonical)
+            split_priced = price_graph(
+                graph, mesh, spec, values, opts, allow_prime=False, canonical=canonical, progress=progress
+            )
             split_sol = solve_for_peak(split_priced, memory_budget=memory_budget, alpha=alpha, method=method)
             split = summarize(graph, split_priced, split_sol.choice, opts)
             base["split_only"] = Baseline(

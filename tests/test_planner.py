@@ -31,9 +31,13 @@ def test_plan_works_on_a_meta_device_model_and_round_trips_through_json(tmp_path
     assert Plan.load(path) == plan
 
 
-def test_every_node_gets_a_legal_partition_and_the_plan_matches_its_model() -> None:
+def test_every_node_gets_a_legal_partition_and_the_plan_matches_its_model(capsys) -> None:
     g = graph("gpt2-tiny")
     plan = plan_graph(g, world_size=4, batch=8, seq=64, baselines=False)
+    shown = plan_graph(g, world_size=4, batch=8, seq=64, baselines=False, progress=True)
+    assert "pricing nodes" in capsys.readouterr().err  # the bars go to stderr, and change nothing
+    assert [n.partition for n in shown.nodes] == [n.partition for n in plan.nodes]
+    assert shown.predicted == plan.predicted
     plan.check_model((n.name, n.op) for n in g.nodes.values())
     from primepar_fx.partition import DeviceMesh, OpPartition
 

@@ -19,6 +19,7 @@ import numpy as np
 import sympy
 import torch
 from torch import fx
+from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
@@ -91,6 +92,7 @@ def price_graph(
     canonical: bool = False,
     replicate_constants: bool = True,
     restrict: Callable[[str, list[PartitionSeq]], list[PartitionSeq]] | None = None,
+    progress: bool = False,
 ) -> PricedGraph:
     """Build the :class:`CostGraph`; ``fixed`` pins some nodes to one sequence (used to price baselines).
 
@@ -104,6 +106,8 @@ def price_graph(
 
     ``restrict(name, seqs)`` narrows the enumerated sequences of each searched node (not the ``fixed`` or
     replicated constant ones) to the ones it returns, e.g. to force P(S x S) wherever it is legal.
+
+    ``progress`` shows a progress bar per pass (nodes, then edges) on stderr.
     """
     start = time.perf_counter()
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
@@ -112,7 +116,7 @@ def price_graph(
     node_cache: dict[tuple, tuple[int, list[PartitionSeq], list[NodeCost]]] = {}  # value: (entry number, ...)
     space: dict[str, int] = {}  # node -> entry number of its node_cache entry, a cheap key for the edge cache
     legal: dict[tuple, list[PartitionSeq]] = {}
-    for name, node in graph.nodes.items():
+    for name, node in tqdm(graph.nodes.items(), desc="pricing nodes", disable=not progress, leave=False):
         if fixed is not None and name in fixed:
             seqs = [fixed[name]]
         elif replicate_constants and not node.requires_grad:
@@ -153,7 +157,8 @@ def price_graph(
             fusable_cache[key] = found if any(found) else None
         return fusable_cache[key]
 
-    for u, v, data in graph.graph.edges(data=True):
+    edges = graph.graph.edges(data=True)
+    for u, v, data in tqdm(edges, total=len(edges), desc="pricing edges", disable=not progress, leave=False):
         pu, pv = graph.nodes[u], graph.nodes[v]
         k_in, k_out = data["dst_in"], out_index(pv)
         if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
