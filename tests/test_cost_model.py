@@ -21,6 +21,7 @@ from primepar_fx.cost.redistribute import (
     backward_needed,
     forward_held,
     forward_needed,
+    redistribution,
     redistribution_matrix,
 )
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences, transfers
@@ -240,9 +241,9 @@ def test_p2x2_hides_its_ring_and_beats_megatron_column_and_row_splits() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- edges
-def a2a_seconds(cluster: ClusterSpec, level: int, group: int, elems: int, item: int, world: int) -> float:
-    """An all-to-all of ``group`` devices carrying the mean per-device bytes over all ``world`` devices."""
-    return cluster.levels[level].collective_time("all-to-all", group, elems * item / world)
+def a2a_seconds(cluster: ClusterSpec, level: int, group: int, busiest: int, item: int) -> float:
+    """An all-to-all of ``group`` devices, each exchanging the ``busiest`` receiver's elements."""
+    return cluster.levels[level].collective_time("all-to-all", group, busiest * item)
 
 
 def runtime_p2p_seconds(cluster: ClusterSpec, held: Layout, needed: Layout, mesh: DeviceMesh, item: int) -> float:
@@ -278,19 +279,24 @@ def test_edge_cost_is_the_cheaper_of_an_all_to_all_and_the_runtime_exchange(dtyp
     assert moving.any() and (~moving).any()
     assert (seconds[~moving] == 0.0).all()
     assert (seconds[moving] > 0.0).all()
+
     # four devices share one node: each direction with traffic is the cheaper of one intra-node all-to-all of the
-    # 4 devices carrying the mean per-device bytes and the exchange the runtime plans
-    a2a = np.vectorize(lambda elems: a2a_seconds(CLUSTER, 0, 4, elems, item, 4))
-    p2p = np.zeros(seconds.shape)
+    # 4 devices, each exchanging the busiest receiver's bytes, and the exchange the runtime plans
+    def a2a(elems: int) -> float:
+        return a2a_seconds(CLUSTER, 0, 4, elems, item) if elems else 0.0
+
+    p2p, only_a2a = np.zeros(seconds.shape), np.zeros(seconds.shape)
     for i, j in np.argwhere(moving):
         p, c = producers[i], consumers[j]
+        r = redistribution(p, 0, c, 0, NO_VALUES)
+        busiest_f, busiest_b = max(r.per_device_forward), max(r.per_device_backward)
         uses = [(forward_held(p, 0), forward_needed(c, 0)), (backward_held(c, 0), backward_needed(p, 0))]
         p2p_f, p2p_b = (runtime_p2p_seconds(CLUSTER, h.layout(()), n.layout(()), MESH, item) for h, n in uses)
-        p2p[i, j] = min(a2a(fwd[i, j]), p2p_f) if fwd[i, j] else 0.0
-        p2p[i, j] += min(a2a(bwd[i, j]), p2p_b) if bwd[i, j] else 0.0
+        p2p[i, j] = min(a2a(busiest_f), p2p_f) if fwd[i, j] else 0.0
+        p2p[i, j] += min(a2a(busiest_b), p2p_b) if bwd[i, j] else 0.0
+        only_a2a[i, j] = a2a(busiest_f) + a2a(busiest_b)
     np.testing.assert_allclose(seconds, p2p, rtol=1e-9, atol=0.0)
-    old = np.where(fwd > 0, a2a(fwd), 0.0) + np.where(bwd > 0, a2a(bwd), 0.0)
-    assert (seconds <= old).all() and (seconds < old).any()
+    assert (seconds <= only_a2a).all() and (seconds < only_a2a).any()
 
     names = [str(p.seq) for p in producers], [str(c.seq) for c in consumers]
     same = names[0].index("B,B"), names[1].index("B,B")
@@ -304,7 +310,7 @@ def test_edge_cost_is_the_cheaper_of_an_all_to_all_and_the_runtime_exchange(dtyp
     assert nbytes[rep] == 3 * O_ELEMS * item
     # ... which every device gathers from the 3 others, a quarter each: 3 messages beat the all-to-all
     assert seconds[rep] == pytest.approx(p2p_seconds(0, 3, 3 * O_ELEMS // 4, item), rel=1e-12)
-    assert seconds[rep] < a2a(bwd[rep])
+    assert seconds[rep] < a2a(3 * O_ELEMS // 4)
 
 
 @pytest.mark.parametrize(("dtype", "item"), DTYPES)
@@ -318,8 +324,8 @@ def test_cannon_skew_edge_is_one_message_per_receiving_device(dtype: str, item: 
     seconds, nbytes = edge_cost_matrix(producer, 0, consumer, 0, CLUSTER, NO_VALUES, CostOptions(dtype=dtype))
     assert nbytes[0, 0] == (2 * block + 2 * block) * item
     assert seconds[0, 0] == pytest.approx(2 * p2p_seconds(0, 1, block, item), rel=1e-12)
-    # the all-to-all pricing charged 3 steps each way for the mean of half a block per device
-    assert seconds[0, 0] < 2 * a2a_seconds(CLUSTER, 0, 4, 2 * block, item, 4)
+    # an all-to-all would take 3 ring steps each way for the block the busiest devices receive
+    assert seconds[0, 0] < 2 * a2a_seconds(CLUSTER, 0, 4, block, item)
 
 
 def test_all_gather_like_relayout_keeps_the_cheaper_of_all_to_all_and_p2p() -> None:
@@ -329,7 +335,7 @@ def test_all_gather_like_relayout_keeps_the_cheaper_of_all_to_all_and_p2p() -> N
     producer = [OpPartition(first, PartitionSeq.parse("M,M"), MESH)]
     consumer = [OpPartition(second, PartitionSeq.parse("R,R"), MESH)]
     gathered = 3 * O_ELEMS // 4
-    a2a = a2a_seconds(CLUSTER, 0, 4, 4 * gathered, 4, 4)
+    a2a = a2a_seconds(CLUSTER, 0, 4, gathered, 4)
     p2p = p2p_seconds(0, 3, gathered, 4)
     seconds, nbytes = edge_cost_matrix(producer, 0, consumer, 0, CLUSTER, NO_VALUES, CostOptions())
     assert nbytes[0, 0] == 4 * gathered * 4
@@ -356,7 +362,7 @@ def test_edge_cost_prices_each_receiver_at_the_level_its_senders_are_on() -> Non
     # half of dO on each device and holds an eighth: 8 devices x 3/8 of dO, each device gathering an eighth from
     # each of the 3 others on its node (the all-to-all inside the node is dearer).
     assert nbytes[0, 0] == 3 * O_ELEMS * 4
-    assert a2a_seconds(CLUSTER, 0, 4, 3 * O_ELEMS, 4, 8) > p2p_seconds(0, 3, 3 * O_ELEMS // 8, 4)
+    assert a2a_seconds(CLUSTER, 0, 4, 3 * O_ELEMS // 8, 4) > p2p_seconds(0, 3, 3 * O_ELEMS // 8, 4)
     assert seconds[0, 0] == pytest.approx(p2p_seconds(0, 3, 3 * O_ELEMS // 8, 4), rel=1e-12)
     # "R,B,B" splits the batch in four inside each node: the devices whose quarter lies in the other node's
     # half lack it (4 x 1/4 of O) and fetch it from the device of the other node that differs only in the node
@@ -365,6 +371,6 @@ def test_edge_cost_prices_each_receiver_at_the_level_its_senders_are_on() -> Non
     assert nbytes[0, 1] == (O_ELEMS + 3 * O_ELEMS) * 4
     forward = p2p_seconds(1, 1, O_ELEMS // 4, 4)
     backward = p2p_seconds(0, 2, O_ELEMS // 2, 4)
-    assert forward < a2a_seconds(CLUSTER, 1, 8, O_ELEMS, 4, 8)
-    assert backward < a2a_seconds(CLUSTER, 0, 4, 3 * O_ELEMS, 4, 8)
+    assert forward < a2a_seconds(CLUSTER, 1, 8, O_ELEMS // 4, 4)
+    assert backward < a2a_seconds(CLUSTER, 0, 4, O_ELEMS // 2, 4)
     assert seconds[0, 1] == pytest.approx(forward + backward, rel=1e-12)

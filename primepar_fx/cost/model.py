@@ -20,8 +20,8 @@ Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition `
 Inter-operator cost (Eq. 8-9): the redistribution traffic of :mod:`primepar_fx.cost.redistribute`. Each direction
 (Forward, and Backward for the gradient) is priced as the cheaper of two ways to move it:
 
-* an all-to-all carrying the mean per-device traffic, inside a node when every device finds its data there and
-  across the mesh otherwise (:func:`all_to_all_levels`);
+* an all-to-all in which every device exchanges as many bytes as the busiest receiver's Eq. 9 term, inside a node
+  when every device finds its data there and across the mesh otherwise (:func:`all_to_all_levels`);
 * the point-to-point exchange the runtime runs (:class:`~primepar_fx.runtime.exchange.Exchange`,
   :func:`p2p_seconds`): device ``k`` receives its Eq. 9 term ``bytes_k`` in ``m_k`` messages, one from each rank
   that sends it something (the holder nearest in device-ID digits), at the ``"p2p"`` latency of the slowest level
@@ -32,10 +32,9 @@ Inter-operator cost (Eq. 8-9): the redistribution traffic of :mod:`primepar_fx.c
   skew (P(S x S) to P(S x S)) is a permutation: one message per receiving device.
 
 The p2p price is the cheaper for gathers and small exchanges (a message costs one p2p intercept where an all-to-all
-of ``g`` devices pays ``g - 1`` ring steps, and p2p moves bytes at a higher efficiency). The all-to-all, priced on
-the *mean* traffic, stays the cheaper where few devices receive much: a P2x2 Cannon skew moves blocks to half the
-devices, so above about 1.2 MB a block on ``v100-paper`` it keeps the all-to-all price, which charges no device for
-the whole block it receives.
+of ``g`` devices pays ``g - 1`` ring steps, and p2p moves bytes at a higher efficiency). Both directions are priced
+on the busiest device, so a re-layout that loads a few devices (a Cannon skew moves blocks to half of them) costs
+what those devices take to receive, whichever way it runs.
 
 Sizes are sympy expressions in ``B`` and ``S`` evaluated at the caller's ``values``; results are floats (seconds)
 and ints (bytes).
@@ -264,7 +263,8 @@ def edge_cost_matrix(
         time = np.zeros(elems.shape)
         if mesh.size > 1 and elems.any():
             time = p2p_seconds(pairs, received, mesh, cluster, item)
-            inside, across = all_to_all_levels(elems, mesh, cluster, item)
+            busiest = received.max(axis=-1)[pairs.held_of][:, pairs.needed_of]
+            inside, across = all_to_all_levels(busiest, mesh, cluster, item)
             if (time > np.minimum(inside, across)).any():  # else no all-to-all is cheaper, wherever it runs
                 per_node = min(mesh.size, cluster.devices_per_node)
                 local = pairs.node_local([k // per_node for k in range(mesh.size)])
@@ -275,21 +275,22 @@ def edge_cost_matrix(
 
 
 def all_to_all_levels(
-    elems: np.ndarray, mesh: DeviceMesh, cluster: ClusterSpec, itemsize: int
+    busiest: np.ndarray, mesh: DeviceMesh, cluster: ClusterSpec, itemsize: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One direction of a re-layout as an all-to-all carrying the mean per-device traffic ``elems / world``, per
-    strategy pair: ``(inside, across)``, run inside each node (over its devices), which is the price when every
-    device finds its needed block on its own node (:meth:`~primepar_fx.cost.redistribute.LayoutPairs.node_local`),
-    or across the whole mesh at the inter-node level. Zero where nothing moves."""
+    """One direction of a re-layout as an all-to-all, per strategy pair, from ``busiest``, the elements the busiest
+    device receives: every device's part of the all-to-all is priced at that many bytes (the slowest device sets the
+    time). ``(inside, across)``: run inside each node (over its devices), which is the price when every device finds
+    its needed block on its own node (:meth:`~primepar_fx.cost.redistribute.LayoutPairs.node_local`), or across the
+    whole mesh at the inter-node level. Zero where nothing moves."""
     world = mesh.size
     per_node = min(world, cluster.devices_per_node)
-    per_device = elems * (itemsize / world)
+    per_device = busiest * itemsize
     out = []
     for level, group in ((0, per_node), (len(cluster.levels) - 1, world)):
         price = cluster.levels[level].collective_time
         unit = price("all-to-all", group, 1.0) - price("all-to-all", group, 0.0)
         fixed = price("all-to-all", group, 0.0)
-        out.append(np.where(elems > 0, per_device * unit + fixed, 0.0) if group > 1 else np.zeros(elems.shape))
+        out.append(np.where(busiest > 0, per_device * unit + fixed, 0.0) if group > 1 else np.zeros(busiest.shape))
     return out[0], out[1]
 
 
