@@ -194,6 +194,44 @@ def test_minplus_power_equals_repeated_products_and_recovers_every_boundary():
         assert math.isclose(sum(m[a, b] for a, b in zip(cuts, cuts[1:])), term.table[p, q])
 
 
+def tied_stack(layers: int, *, seed: int, columns: bool = False) -> CostGraph:
+    """Fig. 6 layers plus a tied-parameter edge from the first node to the last whose matrix has two distinct rows
+    (or, ``columns``, two distinct columns): what a tied word embedding gives the search."""
+    base = fig6_stack(layers, seed=seed, max_p=3)
+    sizes = {n: base.strategies(n) for n in base.nodes}
+    sizes["input"] = sizes[base.nodes[-1]] = 4
+    graph = build(base.nodes, sizes, list(base.edge_cost), seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    tied = rng.random((2, 4)) * 10.0
+    tied = tied[[0, 1, 1, 0]]  # strategies 0 and 3 store the parameter alike, and 1 and 2
+    edges = dict(graph.edge_cost) | {("input", base.nodes[-1]): tied.T if columns else tied}
+    return CostGraph(graph.nodes, graph.node_cost, edges, graph.node_memory)
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_long_edge_with_few_distinct_rows_goes_through_a_proxy_and_keeps_the_optimum(columns):
+    graph = tied_stack(6, seed=4, columns=columns)
+    # the first node's 4 strategies are too many to condition on (as an embedding's are)
+    options = DPOptions(max_global_states=3, min_fanout=4)
+    solver = DPSolver(graph, options)
+    plain = DPSolver(graph, DPOptions(max_global_states=3, min_fanout=4, max_proxy_states=0))
+    (proxy,) = solver.structure.globals
+    assert proxy.startswith("~proxy:input->") and plain.structure.globals == ()
+    assert len(solver.structure.segments) > 6 > len(plain.structure.segments)  # the layers' cuts are back
+    result = solver.minimise()
+    assert set(result.choice) == set(graph.nodes)  # the proxy is not part of the answer
+    assert_close(result.value, evaluate(graph, result.choice))
+    assert_close(result.value, plain.minimise().value)
+    assert_close(result.value, ilp_cost(graph))
+    # under a budget, the Lagrangian search and its crossover of plans run on the proxied graph too
+    least, free = smallest_memory(graph), solve(graph, method="dp").memory
+    budget = (least + free) / 2
+    dp = solve(graph, method="dp", memory_budget=budget, options=options)
+    ilp = solve(graph, method="ilp", memory_budget=budget)
+    assert set(dp.choice) == set(graph.nodes) and dp.memory <= budget
+    assert dp.cost >= ilp.cost * (1 - REL) - REL and dp.bound <= ilp.cost * (1 + REL) + REL
+
+
 # ------------------------------------------------------------------------------------------- memory budget
 @SETTINGS
 @given(seed=st.integers(0, 10**6), slack=st.floats(0.0, 0.5))

@@ -137,7 +137,12 @@ def solve_budget_dp(
     result = BudgetResult(best.choice, best.cost, best.memory, bound, runs)
     if result.proven_optimal:
         return result
-    mixed = _crossover(graph, solver.structure, seen, budget, alpha)
+    px = solver.proxied  # the crossover cuts where the DP does, on the graph with its proxies
+    mixed = _crossover(
+        px.graph, solver.structure, [_Plan(px.extend(p.choice), p.cost, p.memory) for p in seen], budget, alpha
+    )
+    if mixed is not None:
+        mixed = _Plan(px.strip(mixed.choice), mixed.cost, mixed.memory)
     if mixed is not None and mixed.cost < best.cost:
         log.debug("budget: crossing plans over lowers the cost from %.6g to %.6g", best.cost, mixed.cost)
         best = mixed
@@ -227,8 +232,10 @@ def _crossover(graph: CostGraph, structure: Structure, plans: list[_Plan], budge
         pa, pb = prefix(ka, a_plan.choice), prefix(kb, inner)
         into = np.array([0.0] + [_handover(graph, order[c], a_plan.choice, inner, glob) for c in cuts[1:]])
         back = np.array([0.0] + [_handover(graph, order[c], inner, a_plan.choice, glob) for c in cuts[1:]])
-        inner_c = pb.cost[idx][None, :] - pb.cost[idx][:, None]
-        cost = pa.cost[idx][:, None] + inner_c + (pa.cost[-1] - pa.cost[idx])[None, :] + into[:, None] + back[None, :]
+        with np.errstate(invalid="ignore"):  # inf - inf where a plan is infinite past a cut (a proxy's edges)
+            inner_c = pb.cost[idx][None, :] - pb.cost[idx][:, None]
+            cost = pa.cost[idx][:, None] + inner_c + (pa.cost[-1] - pa.cost[idx])[None, :] + into[:, None]
+            cost = np.nan_to_num(cost + back[None, :], nan=np.inf)
         inner_m = pb.memory[idx][None, :] - pb.memory[idx][:, None]
         memory = pa.memory[idx][:, None] + inner_m + (pa.memory[-1] - pa.memory[idx])[None, :]
         ok = np.triu(memory <= budget, 1)

@@ -72,8 +72,8 @@ class Structure:
     touches: Mapping[str, tuple[Edge, ...]]
 
 
-def cut_positions(order: tuple[str, ...], edges: list[Edge]) -> list[int]:
-    """Positions in ``order`` that no edge jumps over (always including the first and the last)."""
+def jump_counts(order: tuple[str, ...], edges: list[Edge]) -> np.ndarray:
+    """For every position in ``order``, the number of ``edges`` that jump over it."""
     pos = {n: i for i, n in enumerate(order)}
     cover = np.zeros(len(order) + 1, dtype=np.int64)
     for u, v in edges:
@@ -81,16 +81,32 @@ def cut_positions(order: tuple[str, ...], edges: list[Edge]) -> list[int]:
         if b - a > 1:
             cover[a + 1] += 1
             cover[b] -= 1
-    covered = np.cumsum(cover[:-1])
-    return [int(i) for i in np.flatnonzero(covered == 0)]
+    return np.cumsum(cover[:-1])
 
 
-def select_globals(graph: CostGraph, *, min_fanout: int, max_states: int, max_product: int) -> tuple[str, ...]:
-    """Nodes to condition on (see the module docstring)."""
-    cands = [n for n in graph.nodes if len(graph.succ[n]) >= min_fanout and graph.strategies(n) <= max_states]
+def cut_positions(order: tuple[str, ...], edges: list[Edge]) -> list[int]:
+    """Positions in ``order`` that no edge jumps over (always including the first and the last)."""
+    return [int(i) for i in np.flatnonzero(jump_counts(order, edges) == 0)]
+
+
+def select_globals(
+    graph: CostGraph, *, min_fanout: int, max_states: int, max_product: int, forced: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """Nodes to condition on (see the module docstring); ``forced`` ones (the DP's proxies) first, while the product
+    of strategy counts allows."""
+    chosen, size = [], 1
+    for g in forced:
+        if size * graph.strategies(g) <= max_product:
+            chosen.append(g)
+            size *= graph.strategies(g)
+    cands = [
+        n
+        for n in graph.nodes
+        if len(graph.succ[n]) >= min_fanout and graph.strategies(n) <= max_states and n not in forced
+    ]
     if not cands:
-        return ()
-    drop = set(cands)
+        return tuple(sorted(chosen, key=graph.index.__getitem__))
+    drop = set(cands) | set(chosen)
     order = tuple(n for n in graph.nodes if n not in drop)
     inner = [e for e in graph.edge_cost if e[0] not in drop and e[1] not in drop]
     cut_pos = sorted(graph.index[order[c]] for c in cut_positions(order, inner)) if order else []
@@ -98,7 +114,6 @@ def select_globals(graph: CostGraph, *, min_fanout: int, max_states: int, max_pr
     for g in cands:
         lo, hi = graph.index[g], max(graph.index[v] for v in graph.succ[g])
         jumps[g] = bisect.bisect_left(cut_pos, hi) - bisect.bisect_right(cut_pos, lo)
-    chosen, size = [], 1
     for g in sorted(cands, key=lambda n: (-jumps[n], graph.index[n])):
         if jumps[g] >= 2 and size * graph.strategies(g) <= max_product:
             chosen.append(g)
@@ -192,9 +207,12 @@ def analyse(
     max_global_states: int = 16,
     max_global_product: int = 64,
     max_period: int = 256,
+    forced: tuple[str, ...] = (),
 ) -> Structure:
-    """Globals, cuts, segments, classes and stacks of ``graph``."""
-    glob = select_globals(graph, min_fanout=min_fanout, max_states=max_global_states, max_product=max_global_product)
+    """Globals, cuts, segments, classes and stacks of ``graph``; ``forced`` nodes are made global first."""
+    glob = select_globals(
+        graph, min_fanout=min_fanout, max_states=max_global_states, max_product=max_global_product, forced=forced
+    )
     gset = set(glob)
     order = tuple(n for n in graph.nodes if n not in gset)
     inner = [e for e in graph.edge_cost if e[0] not in gset and e[1] not in gset]
