@@ -70,18 +70,26 @@ def add_proxies(
 
     Candidates are the edges that alone jump ``min_jumps`` or more positions no other edge jumps; the cuts are then
     found without all of them."""
+    if max_states < 1:
+        return Proxied(graph, {})
     order = graph.nodes
     kept = [e for e in graph.edge_cost if e[0] not in skip and e[1] not in skip]
+    weights = np.random.default_rng(0).random(max((max(m.shape) for m in graph.edge_cost.values()), default=1)) + 0.5
     alone = np.concatenate(([0], np.cumsum(jump_counts(order, kept) == 1)))  # alone[k]: such positions before k
     cands = {}
     for u, v in kept:
         lo, hi, matrix = graph.index[u], graph.index[v], graph.edge_cost[u, v]
         if alone[hi] - alone[lo + 1] < min_jumps or min(matrix.shape) <= 1:
             continue
+        # a quick bound first: equal rows have equal sums under any weights (rows of +inf stay +inf, never NaN)
+        rows = len(np.unique(matrix @ weights[: matrix.shape[1]]))
+        cols = len(np.unique(weights[: matrix.shape[0]] @ matrix))
+        if min(rows, cols) > max_states:
+            continue
         axis, distinct, classes = _narrow_side(matrix)
         if len(distinct) <= max_states and len(distinct) < matrix.shape[axis]:
             cands[u, v] = (axis, distinct, classes)
-    if not cands or max_states < 1:
+    if not cands:
         return Proxied(graph, {})
     cuts = cut_positions(order, [e for e in kept if e not in cands])
     node_cost, edge_cost = dict(graph.node_cost), {e: m for e, m in graph.edge_cost.items()}
