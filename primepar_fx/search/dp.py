@@ -139,7 +139,7 @@ class DPSolver:
         gset = set(self.structure.globals)
         self._global_edges = [e for e in graph.edge_cost if e[0] in gset and e[1] in gset]
         #: joint strategies of the globals: the chain runs once for each, the tables of untouched classes once
-        self._repeats = math.prod(graph.strategies(x) for x in self.structure.globals)
+        self._repeats = self._states(self.structure.globals)
         self.items = self._schedule()
 
     # ----------------------------------------------------------------------------------------- planning
@@ -158,6 +158,15 @@ class DPSolver:
             self._plans[key] = engine.plan_elimination(domains, scopes, keep, limit=limit, names=nodes)
         return self._plans[key]
 
+    def _deps(self, segs) -> tuple[str, ...]:
+        """The globals any of ``segs`` touches, in DP order."""
+        found = {x for s in segs for x in self.structure.class_deps[s.cls]}
+        return tuple(x for x in self.structure.globals if x in found)
+
+    def _states(self, globals_: tuple[str, ...]) -> int:
+        """Joint strategies of ``globals_``: how many times work that depends on them is done."""
+        return math.prod(self.graph.strategies(x) for x in globals_)
+
     def _ends(self, seg: Segment) -> int:
         return self.graph.strategies(seg.nodes[0]) * self.graph.strategies(seg.nodes[-1])
 
@@ -174,7 +183,7 @@ class DPSolver:
                 return math.inf
 
         def runs(seg: Segment) -> int:
-            return self._repeats if self.structure.class_deps[seg.cls] else 1
+            return self._states(self.structure.class_deps[seg.cls])
 
         tables = sum(work(s, True) * runs(s) for s in {s.cls: s for s in segs}.values())
         chain = tables + self._repeats * sum(self._ends(s) + OVERHEAD for s in segs)
@@ -185,9 +194,9 @@ class DPSolver:
         p0 = self.graph.strategies(segs[0].nodes[0])
         chain = sum(p0 * self._ends(s) + OVERHEAD for s in segs[1 : stack.period])
         n_products = stack.count.bit_length() - 1 + bin(stack.count).count("1") - 1
-        once = base + chain + n_products * (p0**3 + OVERHEAD)
-        touched = any(self.structure.class_deps[s.cls] for s in segs[: stack.period])
-        return once * (self._repeats if touched else 1) + self._repeats * (p0 * p0 + OVERHEAD)
+        once = chain + n_products * (p0**3 + OVERHEAD)
+        runs = self._states(self._deps(segs[: stack.period]))
+        return base + once * runs + self._repeats * (p0 * p0 + OVERHEAD)
 
     def _schedule(self) -> list[_Item]:
         """Decide, for every segment, how the chain consumes it (module docstring, point 4)."""
@@ -200,7 +209,7 @@ class DPSolver:
             costs = self._costs(group)
             if math.isinf(costs["fold"]) and math.isinf(costs["table"]):
                 self._plan(group[0], False)  # raises TableTooLarge with the offending node
-            shared = mode != "none" and len(group) > 1 and costs["table"] < costs["fold"]
+            shared = mode != "none" and costs["table"] < costs["fold"]  # across layers, or across global states
             kind_of[cls] = "table" if shared or math.isinf(costs["fold"]) else "fold"
         items, stacks = [], {st.first: st for st in self.structure.stacks} if mode != "none" else {}
         k = 0
@@ -232,13 +241,14 @@ class DPSolver:
         base = {n: g.node_cost[n] if mem is None else g.node_cost[n] + memory_weight * mem[n] for n in g.nodes}
         states = list(itertools.product(*(range(g.strategies(x)) for x in st.globals)))
         shared: dict = {}  # tables of classes that touch no global: the same for every joint strategy
+        local: dict = {}  # tables of classes that touch globals, keyed by those globals' strategies
         best: tuple[float, dict[str, int], int, list] = (math.inf, {}, -1, [])
         for a in _progress(states, len(states), "global strategies", self.options.progress):
             assign = dict(zip(st.globals, a))
             const = self._global_constant(base, assign)
             if math.isinf(const):
                 continue
-            value, last, trace = self._forward(self._conditioned(base, assign), assign, _Caches(shared, {}))
+            value, last, trace = self._forward(self._conditioned(base, assign), assign, _Caches(shared, local))
             if value + const < best[0]:
                 best = (value + const, assign, last, trace)
         if math.isinf(best[0]):
@@ -268,30 +278,34 @@ class DPSolver:
         return [unary[n] for n in seg.nodes[1:]] + [self.graph.edge_cost[e] for e in seg.edges]
 
     def _class_table(self, seg: Segment, unary, assign, caches: _Caches) -> engine.Result:
-        """``C_ij`` of ``seg``'s class (Eq. 11-13 inside the segment), computed once per joint strategy.
+        """``C_ij`` of ``seg``'s class (Eq. 11-13 inside the segment), computed once per strategy of the globals it
+        touches (once in all when it touches none).
 
         A class next to a global is re-run incrementally from its first run: only engine steps downstream of the
         conditioned node costs are recomputed.
         """
-        if not self.structure.class_deps[seg.cls]:
+        deps = self.structure.class_deps[seg.cls]
+        if not deps:
             if seg.cls not in caches.shared:
                 caches.shared[seg.cls] = engine.run(self._plan(seg, True), self._tables(seg, unary), chunk=self._chunk)
             return caches.shared[seg.cls]
-        if seg.cls not in caches.local:
+        key = (seg.cls, *(assign[x] for x in deps))
+        if key not in caches.local:
             plan, tables, ref = self._plan(seg, True), self._tables(seg, unary), caches.shared.get(("ref", seg.cls))
             if ref is None:
                 ref = caches.shared["ref", seg.cls] = engine.run(plan, tables, chunk=self._chunk, keep_outputs=True)
-                caches.local[seg.cls] = ref
+                caches.local[key] = ref
             else:
                 touched = [i - 1 for i, n in enumerate(seg.nodes) if i and self.structure.touches[n]]
-                caches.local[seg.cls] = engine.run(plan, tables, chunk=self._chunk, base=ref, changed=touched)
-        return caches.local[seg.cls]
+                caches.local[key] = engine.run(plan, tables, chunk=self._chunk, base=ref, changed=touched)
+        return caches.local[key]
 
     def _stack_term(self, stack: Stack, unary, assign, caches: _Caches) -> minplus.Term:
         """``C_{0,L}`` of a stack: one layer's segment tables chained, then ``count`` copies by squaring (Eq. 14)."""
         segs = self.structure.segments[stack.first : stack.first + stack.period]
-        cache = caches.local if any(self.structure.class_deps[s.cls] for s in segs) else caches.shared
-        key = ("stack", stack.first)
+        deps = self._deps(segs)
+        cache = caches.local if deps else caches.shared
+        key = ("stack", stack.first, *(assign[x] for x in deps))
         if key not in cache:
             chunk = self._chunk
             leaves = [minplus.leaf(self._class_table(s, unary, assign, caches).table) for s in segs]
