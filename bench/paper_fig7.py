@@ -43,10 +43,12 @@ PAPER_MEMORY = {  # Fig. 8, peak memory as % of Megatron's
 READING = """## Reading the results (where we fall short of the paper, and why)
 
 * **Predicted gains are a third to a half of the paper's measured ones.** Against the best Megatron plan, ours
-  is 1.00-1.01x at 4 GPUs (paper 1.11-1.16x), 1.03-1.08x at 8 (paper 1.18-1.43x), 1.03-1.07x at 16 (paper
-  1.16-1.68x) and 1.02-1.14x at 32 (paper 1.19-1.60x). Since the last run, Megatron with sequence parallelism
-  is priced at its real volume: its all-reduce + slice pairs are reduce-scatters (`cost/scatter.py`). The best
-  Megatron is now the `+SP` configuration from 8 GPUs up, and it is about 2-4 points cheaper than before.
+  is 1.00-1.01x at 4 GPUs (paper 1.11-1.16x), 1.02-1.07x at 8 (paper 1.18-1.43x), 1.03-1.06x at 16 (paper
+  1.16-1.68x) and 1.02-1.14x at 32 (paper 1.19-1.60x). Megatron with sequence parallelism is priced at its real
+  volume: its all-reduce + slice pairs are reduce-scatters (`cost/scatter.py`), and the best Megatron is the
+  `+SP` configuration from 8 GPUs up. Since the last run, a re-layout priced as an all-to-all is charged for its
+  busiest receiver rather than the mean device; that costs a Cannon skew more, so some nodes give up P(S×S)
+  (llama2-70b at 32 GPUs now has none) and the gains drop by up to a point.
 * **Why the gap (the model, not measurements):**
   * the `v100-paper` preset is not calibrated on that cluster, so Megatron's collectives are priced at nominal
     link bandwidth;
@@ -54,11 +56,11 @@ READING = """## Reading the results (where we fall short of the paper, and why)
   * the paper's Megatron runs were presumably limited by the 32 GB V100s, whose limits it does not state (no
     budget is set here; `--memory-budget` applies one to both sides);
   * from 16 GPUs the search runs on the grouped mesh (`4x2x2`, `8x2x2`), which keeps P(S×S) inside a node but
-    gives up P(S×S) and mixed splits across nodes. At 32 GPUs fewer nodes get P(S×S) (30-224, against 90-576 at
+    gives up P(S×S) and mixed splits across nodes. At 32 GPUs fewer nodes get P(S×S) (0-224, against 85-576 at
     8-16), and the split-only search there is within 0-1% of ours.
 * **4 GPUs:** the best Megatron is often pure data parallelism (`dp4 x mp1`), whose only communication, one
   gradient all-reduce on NVLink, leaves little to win.
-* **Memory:** from 8 GPUs up our plans' peaks are 39-94% of Megatron's (paper 68-93%). At 4 GPUs,
+* **Memory:** from 8 GPUs up our plans' peaks are 39-95% of Megatron's (paper 68-93%). At 4 GPUs,
   where the search replicates more, they are 73-103%. The model counts only parameter state, stashed
   activations and ring buffers: no allocator slack or workspace.
 """
