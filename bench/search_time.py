@@ -52,8 +52,9 @@ READING = """## Reading the results
 
 * **The DP takes 0.1-0.3 s at every size and for every model.** On the planner's default space, llama2-70b takes
   0.20 s at 32 GPUs (paper 6.07 s) and 0.19-0.27 s at 4-128 GPUs. OPT-175B and BLOOM-176B take 0.08-0.14 s. At
-  4 and 8 GPUs this is still slower than the paper's 80-89 ms, because our graph is the whole ATen graph
-  (1,400-4,300 nodes) where the paper's has 13 operators per layer.
+  4 GPUs OPT and BLOOM match the paper (75-89 ms against 85 ms); llama2-70b at 4 and 8 GPUs (0.21-0.27 s) and OPT
+  and BLOOM at 8 (121-129 ms) are slower than its 80-89 ms, because our graph is the whole ATen graph (1,400-4,300
+  nodes) where the paper's has 13 operators per layer.
   * OPT and BLOOM tie the word embedding to the LM head. That edge now goes through a proxy node that the DP
     conditions on (`search/proxy.py`): 27 states, one per layout the embedding stores its weight in. So the layers
     stay separable and are merged by squaring. Before this, the edge was carried through every layer, and these
