@@ -3,8 +3,9 @@
 :func:`capture` runs ``torch.export.export`` (non-strict) with ``Dim("batch")`` on dim ``batch_dim`` and
 ``Dim("seq", max=...)`` on dim ``seq_dim`` of every tensor input. The graph is left at the ATen level export
 produces, *not* decomposed, so ``aten.linear``, ``aten.scaled_dot_product_attention`` and ``aten.layer_norm``
-stay single nodes. Export names its size symbols by hash (``s72`` ...); :class:`Captured` maps them onto
-:data:`~primepar_fx.shapes.B` and :data:`~primepar_fx.shapes.S` through the first tensor user input's shape.
+stay single nodes; its op nodes are then renamed densely in graph order (:func:`renumber`). Export names its size
+symbols by hash (``s72`` ...); :class:`Captured` maps them onto :data:`~primepar_fx.shapes.B` and
+:data:`~primepar_fx.shapes.S` through the first tensor user input's shape.
 
 When the model's code pins the batch or sequence length (a hard-coded ``.view(B, 32, ...)``, a Python branch on
 the length), export fails with a constraint violation; :func:`capture` re-raises it as
@@ -161,7 +162,11 @@ def capture(
                 raise _specialization_error(str(exc), events, {"batch": batch, "seq": seq}) from exc
             raise
 
+    renamed = renumber(program.graph_module)
     sig = program.graph_signature
+    for spec in sig.output_specs:  # the signature names the output nodes
+        if getattr(spec.arg, "name", None) in renamed:
+            spec.arg.name = renamed[spec.arg.name]
     buffers = dict(sig.inputs_to_buffers)
     buffers.update(sig.inputs_to_lifted_tensor_constants)
     captured = Captured(
@@ -177,6 +182,48 @@ def capture(
     )
     log.info("captured %s: %d nodes", model_name, len(captured.gm.graph.nodes))
     return captured
+
+
+_NUMBERED = re.compile(r"^(.*)_(\d+)$")
+#: names FX never gives a node (keywords and builtins such as ``pow``, ``and``, ``slice``): their first node is ``_1``
+_FX_ILLEGAL = frozenset(torch.fx.graph._illegal_names)
+
+
+def split_name(name: str) -> tuple[str, int]:
+    """``"add_3"`` -> ``("add", 3)``; ``"add"`` -> ``("add", 0)``."""
+    m = _NUMBERED.match(name)
+    return (m.group(1), int(m.group(2))) if m else (name, 0)
+
+
+def renumber(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Name the op nodes densely in graph order: the ``k``-th node named ``add...`` becomes ``add_k`` (``add``;
+    ``pow_1`` for the first ``pow``, since FX keeps Python's keywords and builtins for themselves).
+
+    ``torch.export`` numbers names in the order it created nodes, including nodes it later removed (size
+    arithmetic, dead mask code), so its numbering has gaps that depend on the whole trace. Dense names depend
+    only on the graph: a model's ``k``-th layer's nodes are numbered ``first + k * per_layer``, which is what
+    lets :mod:`primepar_fx.replicate` name the nodes of layers it never captured. Placeholders and the output
+    keep their names. Returns the names changed, old -> new.
+    """
+    graph = gm.graph
+    taken = {n.name for n in graph.nodes if n.op != "call_function"}
+    count: dict[str, int] = {}
+    names = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        base, _ = split_name(node.name)
+        k = count.get(base, 0)
+        while (name := f"{base}_{k}" if k else base) in taken or name in _FX_ILLEGAL:
+            k += 1
+        count[base] = k + 1
+        names.append((node, name))
+    renamed = {node.name: name for node, name in names if node.name != name}
+    for node, name in names:
+        node.name = name
+    graph._graph_namespace._used_names.update(name for _, name in names)
+    gm.recompile()
+    return renamed
 
 
 def _model_name(model: nn.Module) -> str:
