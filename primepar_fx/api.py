@@ -13,6 +13,7 @@ from primepar_fx.capture import capture
 from primepar_fx.graph import OpGraph, build_graph
 from primepar_fx.plan import Plan
 from primepar_fx.planner import plan_graph
+from primepar_fx.replicate import analyze_replicated
 
 
 def analyze(
@@ -23,12 +24,17 @@ def analyze(
     name: str | None = None,
     fallback: str | None = None,
     seq_max: int | None = None,
+    replicate_layers: bool = False,
 ) -> OpGraph:
     """Capture ``model`` with symbolic batch ``B`` and sequence ``S`` and apply the op dimension rules.
 
     ``fallback="replicate"`` runs ops without a rule replicated instead of raising
-    :class:`~primepar_fx.rules.registry.MissingRuleError`.
+    :class:`~primepar_fx.rules.registry.MissingRuleError`. ``replicate_layers=True`` captures two layers of the
+    model's layer stack and replicates them (:mod:`primepar_fx.replicate`): the same nodes, names and edges, in a
+    fraction of the time, but a graph that can be planned and not compiled.
     """
+    if replicate_layers:
+        return analyze_replicated(model, example_args, example_kwargs, name=name, fallback=fallback, seq_max=seq_max)
     captured = capture(model, example_args, example_kwargs, name=name, seq_max=seq_max)
     return build_graph(captured, fallback=fallback)
 
@@ -50,6 +56,7 @@ def plan(
     fallback: str | None = None,
     grouped: bool | None = None,
     progress: bool = False,
+    replicate_layers: bool = True,
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
@@ -58,9 +65,11 @@ def plan(
     the graph is symbolic in ``B`` and ``S``. Works on meta-device models. ``grouped`` merges the leading device
     digits for the search (default: past three digits, e.g. 16 or more GPUs; see
     :func:`~primepar_fx.planner.search_mesh`). ``progress`` shows the pricing's progress bars on stderr.
+    ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
+    (:mod:`primepar_fx.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     """
     args, kwargs = _split_inputs(example_inputs)
-    graph = analyze(model, args, kwargs, fallback=fallback)
+    graph = analyze(model, args, kwargs, fallback=fallback, replicate_layers=replicate_layers)
     return plan_graph(
         graph,
         world_size=world_size,

@@ -183,12 +183,11 @@ def _edges(graph: OpGraph) -> list[_Edge]:
 
     Read from the fx graph so an input used twice (``mul(x, x)``) yields both edges; ``graph.graph`` otherwise.
     """
-    gm = getattr(getattr(graph, "captured", None), "gm", None)
-    fx_nodes = {n.name: n for n in gm.graph.nodes} if gm is not None else {}
+    fx = getattr(graph, "captured", None) is not None
     out = []
     for name, node in graph.nodes.items():
-        if name in fx_nodes:
-            pairs = [(a.name, i) for i, a in enumerate(fx_nodes[name].all_input_nodes)]
+        if fx:
+            pairs = [(a, i) for i, a in enumerate(graph.input_names(name)) if a is not None]
         else:
             pairs = [(src, graph.graph.edges[src, name]["dst_in"]) for src in graph.graph.predecessors(name)]
         for src, i in pairs:

@@ -91,7 +91,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     mesh = _mesh(args)
     t0 = time.perf_counter()
     model, ex_args, ex_kwargs, name = load_model(args.model)
-    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback)
+    replicate = not args.full_capture
+    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
     print(
         explain_table(graph, mesh, batch=args.batch, seq=args.seq, allow_prime=not args.no_prime, tablefmt=args.format)
     )
@@ -129,7 +130,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     model, ex_args, ex_kwargs, name = load_model(args.model)
-    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback)
+    replicate = not args.full_capture
+    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
     digits = tuple(int(d) for d in args.digits.split(",")) if args.digits else None
     plan = plan_graph(
         graph,
@@ -199,6 +201,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", "-n", type=int, default=1, help="number of devices (default 1)")
     p.add_argument("--digits", help="device-ID digit radices, most significant first, e.g. 3,2,2")
     p.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
+    p.add_argument(
+        "--full-capture",
+        action="store_true",
+        help="export every layer instead of two replicated (for models whose later layers differ)",
+    )
     p.add_argument("--no-prime", action="store_true", help="leave P(S x S) out of the space (split-only)")
     p.add_argument("--format", default="simple", help="tabulate table format (simple, github, ...)")
 

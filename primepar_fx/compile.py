@@ -435,6 +435,7 @@ def compile_graph(
 
     Parameters are copied from the captured program, so modules compiled from one graph train independently.
     """
+    graph.require_captured("compile_graph")
     world, rank = checked_world(world_size)
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

@@ -9,6 +9,7 @@ This is what the cost model and the search read.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -48,6 +49,15 @@ class OpNode:
         return op_name(self.target)
 
 
+@dataclass(frozen=True)
+class LayerStack:
+    """How a replicated graph was made: the stack ``fqn`` of ``count`` layers, of which ``captured`` were."""
+
+    fqn: str
+    count: int
+    captured: int
+
+
 @dataclass
 class OpGraph:
     """Compute nodes in topological order plus their data-flow edges."""
@@ -59,10 +69,43 @@ class OpGraph:
     param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     #: tied parameters: FQN -> the FQN of the parameter it shares storage with (first in graph order)
     tied: dict[str, str] = field(default_factory=dict)
+    #: set when the nodes were replicated from a short capture (:mod:`primepar_fx.replicate`): plan, not compile
+    replicated: LayerStack | None = None
+    #: replicated graphs: node -> the captured node it repeats, whose facts (dtypes, users, arguments) it shares
+    origin: dict[str, str] | None = None
+    #: replicated graphs: node -> the name of each of its FX inputs (``None`` where it is not a compute node)
+    inputs: dict[str, tuple[str | None, ...]] | None = None
 
     @property
     def name(self) -> str:
         return self.captured.model_name
+
+    def require_captured(self, what: str) -> None:
+        """Raise a ValueError when the nodes were replicated from a short capture: ``what`` needs every FX node."""
+        if self.replicated is not None:
+            r = self.replicated
+            raise ValueError(
+                f"{what} needs the whole captured graph, but {self.name}'s was replicated from {r.captured} of the "
+                f"{r.count} layers of {r.fqn} (planning only); capture it with primepar_fx.analyze(model, ...)"
+            )
+
+    @functools.cached_property
+    def _fx_by_name(self) -> dict[str, fx.Node]:
+        return {n.name: n for n in self.captured.gm.graph.nodes}
+
+    def fx_node(self, name: str) -> fx.Node:
+        """The captured FX node of compute node ``name`` (of a replicated graph: the node it repeats).
+
+        Read its facts (dtypes, user count, arguments), not its inputs' names: :meth:`input_names` has those.
+        """
+        return self._fx_by_name[self.origin[name] if self.origin is not None else name]
+
+    def input_names(self, name: str) -> tuple[str | None, ...]:
+        """The name of each FX input of compute node ``name``, in order (an input read twice appears twice);
+        ``None`` for inputs that are not compute nodes (parameters, user inputs, size nodes)."""
+        if self.inputs is not None:
+            return self.inputs[name]
+        return tuple(a.name if a.name in self.nodes else None for a in self._fx_by_name[name].all_input_nodes)
 
     def total_flops(self) -> sympy.Expr:
         return sympy.expand(sum((n.flops for n in self.nodes.values()), sympy.Integer(0)))

@@ -69,15 +69,13 @@ def tensor_itemsize(node: fx.Node, out: int, opts: CostOptions) -> int:
 def shared_parameters(graph: OpGraph) -> list[tuple[str, int, str, int]]:
     """``(u, k_u, v, k_v)`` for every parameter that several nodes read: ``u`` is its first reader (it stores the
     parameter in its own layout, input ``k_u``) and ``v`` a later one (input ``k_v``). Tied embeddings are this."""
-    out = []
-    params = graph.captured.params
-    for ph in graph.captured.gm.graph.nodes:
-        if ph.op != "placeholder" or ph.name not in params:
-            continue
-        readers = [n for n in ph.users if n.name in graph.nodes]
-        for v in readers[1:]:
-            out.append((readers[0].name, readers[0].all_input_nodes.index(ph), v.name, v.all_input_nodes.index(ph)))
-    return out
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for name, node in graph.nodes.items():
+        for k, fqn in zip(sorted(node.dims.weights), node.params):
+            seen = readers.setdefault(fqn, [])
+            if not seen or seen[-1][0] != name:  # a node reading it twice stores it once
+                seen.append((name, k))
+    return [(*found[0], *later) for found in readers.values() for later in found[1:]]
 
 
 def price_graph(
@@ -135,7 +133,6 @@ def price_graph(
             node_cache[key] = (len(node_cache), seqs, parts)
         space[name], strategies[name], costs[name] = node_cache[key]
     edge_cost, edge_bytes = {}, {}
-    fx_nodes = {n.name: n for n in graph.captured.gm.graph.nodes}
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     scatter: dict[tuple[str, str], ScatterSaving] = {}
     scatter_cache: dict[tuple, ScatterSaving | None] = {}
@@ -145,9 +142,7 @@ def price_graph(
     def fusable_all(name: str, node: OpNode, k: int | None) -> tuple | None:
         """Per strategy of ``name``: its Forward output all-reduce (``k=None``) or input ``k``'s gradient all-reduce
         that may fuse with a re-layout (:mod:`primepar_fx.cost.scatter`); ``None`` when no strategy has one."""
-        fx_node = fx_nodes.get(name)
-        if fx_node is None:
-            return None
+        fx_node = graph.fx_node(name)
         key = (space[name], k, graph_facts(fx_node, k))  # the answer depends on the partitions and these facts only
         if key not in fusable_cache:
             if k is None:
@@ -163,11 +158,11 @@ def price_graph(
         k_in, k_out = data["dst_in"], out_index(pv)
         if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
             continue
-        key = (space[u], space[v], k_out, k_in, tensor_itemsize(fx_nodes[u], k_out, opts))
+        key = (space[u], space[v], k_out, k_in, tensor_itemsize(graph.fx_node(u), k_out, opts))
         if key not in edge_cache:
             producers = [OpPartition(pu.dims, s, mesh) for s in strategies[u]]
             consumers = [OpPartition(pv.dims, s, mesh) for s in strategies[v]]
-            item = tensor_itemsize(fx_nodes[u], k_out, opts)
+            item = tensor_itemsize(graph.fx_node(u), k_out, opts)
             edge_cache[key] = edge_cost_matrix(producers, k_out, consumers, k_in, cluster, values, opts, itemsize=item)
         edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
         fwd = fusable_all(u, pu, None) if k_out == 0 else None

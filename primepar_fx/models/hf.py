@@ -39,27 +39,27 @@ def _import_transformers() -> Any:
     return transformers
 
 
-def _tiny_config(transformers: Any, family: str) -> Any:
+def _tiny_config(transformers: Any, family: str, layers: int) -> Any:
     common = {"vocab_size": TINY_VOCAB, "use_cache": False, **_SPECIAL_TOKENS}
     if family == "gpt2":
         return transformers.GPT2Config(
-            n_embd=TINY_HIDDEN, n_layer=TINY_LAYERS, n_head=TINY_HEADS, n_inner=4 * TINY_HIDDEN,
+            n_embd=TINY_HIDDEN, n_layer=layers, n_head=TINY_HEADS, n_inner=4 * TINY_HIDDEN,
             n_positions=TINY_MAX_POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common,
         )  # fmt: skip
     if family == "llama":
         return transformers.LlamaConfig(
-            hidden_size=TINY_HIDDEN, num_hidden_layers=TINY_LAYERS, num_attention_heads=TINY_HEADS,
+            hidden_size=TINY_HIDDEN, num_hidden_layers=layers, num_attention_heads=TINY_HEADS,
             num_key_value_heads=TINY_HEADS // 2, intermediate_size=2 * TINY_HIDDEN,
             max_position_embeddings=TINY_MAX_POSITIONS, attention_dropout=0.0, **common,
         )  # fmt: skip
     if family == "opt":
         return transformers.OPTConfig(
-            hidden_size=TINY_HIDDEN, num_hidden_layers=TINY_LAYERS, num_attention_heads=TINY_HEADS,
+            hidden_size=TINY_HIDDEN, num_hidden_layers=layers, num_attention_heads=TINY_HEADS,
             ffn_dim=4 * TINY_HIDDEN, word_embed_proj_dim=TINY_HIDDEN, max_position_embeddings=TINY_MAX_POSITIONS,
             dropout=0.0, attention_dropout=0.0, layerdrop=0.0, **common,
         )  # fmt: skip
     return transformers.BloomConfig(
-        hidden_size=TINY_HIDDEN, n_layer=TINY_LAYERS, n_head=TINY_HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_size=TINY_HIDDEN, n_layer=layers, n_head=TINY_HEADS, hidden_dropout=0.0, attention_dropout=0.0,
         attn_implementation="eager", **common,
     )  # fmt: skip
 
@@ -72,17 +72,17 @@ _MODEL_CLASSES = {
 }
 
 
-def build_hf_tiny(family: str, *, seed: int = 0) -> nn.Module:
+def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> nn.Module:
     """A randomly initialised tiny causal LM of ``family`` (one of gpt2, llama, opt, bloom).
 
-    Hidden 64, 2 layers, 4 heads, vocab 128, at most 64 positions, ``use_cache=False``,
+    Hidden 64, ``layers`` layers (default 2), 4 heads, vocab 128, at most 64 positions, ``use_cache=False``,
     in ``train()`` mode with every dropout probability at 0.0 so runs are deterministic.
     Weights come from ``seed`` without disturbing the caller's global RNG state.
     """
     if family not in HF_FAMILIES:
         raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {HF_FAMILIES}")
     transformers = _import_transformers()
-    config = _tiny_config(transformers, family)
+    config = _tiny_config(transformers, family, layers)
     model_cls = getattr(transformers, _MODEL_CLASSES[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -191,6 +191,7 @@ def localize(
 
     ``whole_params``: parameters arrive whole on every call (the ``torch.compile`` backend) rather than sharded.
     """
+    graph.require_captured("the per-rank passes")
     captured = graph.captured
     specs = captured.program.graph_signature.output_specs
     bad = [s for s in specs if s.kind.name != "USER_OUTPUT"]

@@ -1,0 +1,320 @@
+"""Capture two layers of a deep model and replicate them into the whole graph (a planning-only shortcut).
+
+``torch.export`` costs about 0.2 s per decoder layer on this kind of machine, so an 80-layer model takes
+10-20 s to capture while the planner only needs one layer's nodes and how layers connect.
+:func:`analyze_replicated` therefore:
+
+1. finds the layer stack: the ``nn.ModuleList`` holding the most parameters whose children share one class and
+   one parameter and buffer signature (names, shapes, dtypes) (:func:`find_layer_stack`);
+2. captures the model with that list cut to its first two layers (the model is restored afterwards);
+3. checks that layer 1 repeats layer 0: node for node the same op, dims, shapes, FLOPs, bytes and source line;
+   inputs from its own layer, from the layer before (the *carried* state, such as the hidden states) or from
+   the same node before the stack (shared tensors, such as masks and rotary tables); node names that
+   advance by a fixed count per layer (:func:`_check_repeat`);
+4. writes out the whole :class:`~primepar_fx.graph.OpGraph`: the nodes before the stack, the layer ``L`` times,
+   then the nodes after it, each named as :func:`~primepar_fx.capture.capture` names the full model's nodes
+   (``add``, ``add_1``, ... densely in graph order, so a layer's ``k``-th ``add`` is ``first + layer * per_layer``).
+
+The result is the graph the full capture gives (``tests/test_replicate.py`` checks this node for node on the
+zoo's and Hugging Face's models), so a plan made from it applies to the full model: it carries the same
+``model_fingerprint``. It has no per-layer ``GraphModule``, so it can be planned but not compiled
+(:attr:`OpGraph.replicated <primepar_fx.graph.OpGraph.replicated>` is set and the passes refuse it).
+
+When layer 1 does not repeat layer 0 (layer 0 built a cache that later layers reuse, as Hugging Face's BLOOM
+does), three layers are captured and layers 1 and 2 are the template. When the model has no such stack, or
+neither pair repeats, the full model is captured instead. The check sees only the first layers: a model whose
+forward treats a later layer differently (say every fourth layer with another attention) must be captured whole
+(``primepar_fx.plan(..., replicate_layers=False)``, ``primepar-fx plan --full-capture``). A Hugging Face
+config's ``layer_types`` that are not all the same are detected and captured whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Any
+
+import networkx as nx
+from torch import fx, nn
+
+from primepar_fx.capture import capture, split_name
+from primepar_fx.graph import LayerStack, OpGraph, OpNode, build_graph
+
+log = logging.getLogger(__name__)
+
+
+class NotRepeated(Exception):
+    """Layer 1 of the short capture does not repeat layer 0 (the message says where); the caller captures whole."""
+
+
+# ------------------------------------------------------------------------------------------------ the stack
+def _signature(module: nn.Module) -> tuple:
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    return type(module), tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in tensors)
+
+
+def find_layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The ``(fqn, list)`` of the model's largest stack of more than two identical layers, or ``None``."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) <= 2 or not fqn:
+            continue
+        signatures = {_signature(child) for child in module}
+        if len(signatures) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, fqn, module)
+    if best is None:
+        return None
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    if types is not None and len(set(types)) > 1:
+        log.info("layer stack %s: config.layer_types differ (%s); capturing whole", best[1], sorted(set(types)))
+        return None
+    return best[1], best[2]
+
+
+def _set_submodule(model: nn.Module, fqn: str, value: nn.Module) -> None:
+    parent, _, leaf = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, value)
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def analyze_replicated(
+    model: nn.Module,
+    example_args: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    fallback: str | None = None,
+    seq_max: int | None = None,
+) -> OpGraph:
+    """:func:`~primepar_fx.api.analyze` for planning: capture two layers and replicate them (see the module doc).
+
+    Falls back to capturing the whole model when it has no layer stack or its layers do not repeat.
+    """
+    found = find_layer_stack(model)
+    whole = dict(name=name, seq_max=seq_max)
+    if found is not None:
+        fqn, stack = found
+        for first in (0, 1):  # layers 0 and 1 as the template, else layers 1 and 2 (layer 0 set up a cache)
+            if len(stack) <= first + 2:
+                break
+            _set_submodule(model, fqn, nn.ModuleList(list(stack)[: first + 2]))
+            try:
+                short = build_graph(capture(model, example_args, example_kwargs, **whole), fallback=fallback)
+            finally:
+                _set_submodule(model, fqn, stack)
+            try:
+                return replicate(short, fqn, len(stack), first=first)
+            except NotRepeated as exc:
+                log.info("layer stack %s: layer %d does not repeat layer %d (%s)", fqn, first + 1, first, exc)
+        log.warning("layer stack %s does not repeat; capturing the whole model", fqn)
+    return build_graph(capture(model, example_args, example_kwargs, **whole), fallback=fallback)
+
+
+# ------------------------------------------------------------------------------------------------ replication
+def _layer_of(node: fx.Node, fqn: str) -> int | None:
+    """The stack index of the layer whose module stack ``node`` was traced in, or ``None``."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path.startswith(fqn + "."):
+            index = path[len(fqn) + 1 :].split(".", 1)[0]
+            if index.isdigit():
+                return int(index)
+    return None
+
+
+def _numbered(base: str, num: int) -> str:
+    return f"{base}_{num}" if num else base
+
+
+@dataclasses.dataclass
+class _Layout:
+    """The short graph cut into the nodes before the stack, its two layers and the nodes after it."""
+
+    pre: list[str]
+    layers: tuple[list[str], list[str]]
+    post: list[str]
+    per_layer: Counter  # name base -> op nodes of that name per layer (every op node, not only compute nodes)
+
+
+def _cut(short: OpGraph, fqn: str, first: int) -> _Layout:
+    """Cut the op nodes where layers ``first`` and ``first + 1`` start; a layer's unit runs to the next one's start.
+
+    A unit holds the layer's own nodes and any the loop around it adds (a residual ``add`` outside the layer's
+    module); the second unit is as long as the first, and the rest is after the stack. Earlier layers count as
+    nodes before the stack.
+    """
+    ops = [n for n in short.captured.gm.graph.nodes if n.op == "call_function"]
+    numbers: dict[str, list[int]] = {}
+    for node in ops:
+        base, num = split_name(node.name)
+        numbers.setdefault(base, []).append(num)
+    for base, nums in numbers.items():
+        if nums[0] > 1 or nums != list(range(nums[0], nums[0] + len(nums))):  # capture() numbers densely
+            raise NotRepeated(f"the {base} nodes are not numbered consecutively")
+    tags = [_layer_of(n, fqn) for n in ops]
+    if first not in tags or first + 1 not in tags:
+        raise NotRepeated(f"no node was traced inside layer {first} and layer {first + 1}")
+    start, second = tags.index(first), tags.index(first + 1)
+    third = second + (second - start)
+    if tags[second:third] != [None if t is None else t + 1 for t in tags[start:second]]:
+        raise NotRepeated(f"layer {first + 1}'s nodes from {ops[second].name} on are not laid out as layer {first}'s")
+    if any(t is not None and t >= first for t in tags[:start]) or any(t is not None for t in tags[third:]):
+        raise NotRepeated("a node of the stack lies outside its layers' units")
+    kept = lambda nodes: [n.name for n in nodes if n.name in short.nodes]  # noqa: E731
+    per_layer = Counter(split_name(n.name)[0] for n in ops[second:third])
+    layers = (kept(ops[start:second]), kept(ops[second:third]))
+    if not layers[0]:
+        raise NotRepeated(f"layer {first} has no compute node")
+    return _Layout(kept(ops[:start]), layers, kept(ops[third:]), per_layer)
+
+
+def _param_renamer(fqn: str, first: int):
+    def rename(param: str, layer: int) -> str:  # a parameter of layer ``first`` -> the same one of ``layer``
+        head = f"{fqn}.{first}."
+        return f"{fqn}.{layer}.{param[len(head) :]}" if param.startswith(head) else param
+
+    return rename
+
+
+def _inputs(graph: OpGraph, node: str) -> dict[int, str]:
+    return {i: u for i, u in enumerate(graph.input_names(node)) if u is not None}
+
+
+def _check_repeat(short: OpGraph, rename, first: int, cut: _Layout) -> dict[str, int]:
+    """Check that the second template layer repeats the first; return the carried inputs: node before -> index."""
+    l0, l1 = cut.layers
+    where = {n: (0, j) for j, n in enumerate(l0)} | {n: (1, j) for j, n in enumerate(l1)}
+    carried: dict[str, int] = {}
+    for a, b in zip(l0, l1):
+        na, nb = short.nodes[a], short.nodes[b]
+        same = dataclasses.replace(na, name=nb.name, params=tuple(rename(p, first + 1) for p in na.params))
+        if same != nb:
+            raise NotRepeated(f"layer {first + 1}'s {b} differs from layer {first}'s {a}")
+        base, num = split_name(a)
+        if split_name(b) != (base, num + cut.per_layer[base]):
+            raise NotRepeated(f"{b} is not numbered {cut.per_layer[base]} past {a}")
+        ins_a, ins_b = _inputs(short, a), _inputs(short, b)
+        if ins_a.keys() != ins_b.keys():
+            raise NotRepeated(f"{a} and {b} take different inputs")
+        for slot, ub in ins_b.items():
+            ua = ins_a[slot]
+            layer, j = where.get(ub, (None, None))
+            if layer == 1 and where.get(ua) == (0, j):
+                continue
+            if layer is None and ua == ub:
+                continue
+            if layer == 0 and ua not in where and carried.setdefault(ua, j) == j:
+                continue
+            raise NotRepeated(f"input {slot} of {b} ({ub}) does not repeat input {slot} of {a} ({ua})")
+    shared = {u for n in l0 for u in _inputs(short, n).values() if u not in where and u not in carried}
+    if shared & carried.keys():
+        raise NotRepeated(f"{sorted(shared & carried.keys())[0]} is both carried and shared")
+    for n in cut.post:
+        for u in _inputs(short, n).values():
+            if where.get(u, (1,))[0] == 0:
+                raise NotRepeated(f"{n}, after the stack, reads layer {first}'s {u}")
+    return carried
+
+
+def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0) -> OpGraph:
+    """The ``count``-layer graph from ``short``, the graph of the model with the stack ``fqn`` cut to ``first + 2``.
+
+    Layers ``first`` and ``first + 1`` are the template; earlier ones stay as they were captured. Raises
+    :class:`NotRepeated` when layer ``first + 1`` does not repeat layer ``first``.
+    """
+    cut = _cut(short, fqn, first)
+    rename = _param_renamer(fqn, first)
+    carried = _check_repeat(short, rename, first, cut)
+    l0, l1 = cut.layers
+    captured = first + 2
+
+    def layer_name(name: str, layer: int) -> str:  # a node of the template's first layer, in ``layer``
+        base, num = split_name(name)
+        return _numbered(base, num + (layer - first) * cut.per_layer[base])
+
+    names: dict[tuple[str, int], str] = {}  # (short-graph name, layer) -> name in the whole graph
+    nodes: dict[str, OpNode] = {}
+    for n in cut.pre:
+        nodes[n] = short.nodes[n]
+    layers = range(first, count)
+    for layer in layers:
+        for n in l0:
+            names[n, layer] = new = layer_name(n, layer)
+            node = short.nodes[n]
+            nodes[new] = dataclasses.replace(node, name=new, params=tuple(rename(p, layer) for p in node.params))
+    after = {n: layer_name(n, count - captured + first) for n in cut.post}
+    for n in cut.post:
+        nodes[after[n]] = dataclasses.replace(short.nodes[n], name=after[n])
+    if len(nodes) != len(cut.pre) + len(layers) * len(l0) + len(cut.post):
+        raise NotRepeated("two replicated nodes would share a name")
+
+    index0 = {n: j for j, n in enumerate(l0)}
+    index1 = {n: j for j, n in enumerate(l1)}
+
+    def source(u: str, template: int, layer: int) -> str:
+        """The name of input ``u`` of a node that repeats a node of template layer ``template`` in ``layer``."""
+        if u in index0:
+            return names[u, layer if template == 0 else layer - 1]
+        if u in index1:
+            return names[l0[index1[u]], layer]
+        if u in carried and template == 0 and layer > first:
+            return names[l0[carried[u]], layer - 1]
+        return after.get(u, u)
+
+    # Each node repeats a captured one: the last layer repeats the second template layer (its users come after
+    # the stack), every other layer the first. Its facts (dtypes, users, arguments) are that node's.
+    origin: dict[str, str] = {n: n for n in cut.pre}
+    inputs: dict[str, tuple[str | None, ...]] = {n: short.input_names(n) for n in cut.pre}
+    for layer in layers:
+        template = 1 if layer == count - 1 else 0
+        for j, n in enumerate(l0):
+            name, src = names[n, layer], (l0, l1)[template][j]
+            origin[name] = src
+            inputs[name] = tuple(None if u is None else source(u, template, layer) for u in short.input_names(src))
+    for n in cut.post:
+        origin[after[n]] = n
+        inputs[after[n]] = tuple(None if u is None else source(u, 1, count - 1) for u in short.input_names(n))
+    g = nx.DiGraph()
+    g.add_nodes_from(nodes)
+    for name, ins in inputs.items():
+        for i, u in enumerate(ins):
+            if u is not None:
+                g.add_edge(u, name, dst_in=i)
+
+    def whole(table: dict) -> dict:  # parameter FQN -> value, the template's entries layer by layer
+        head, skip = f"{fqn}.{first}.", f"{fqn}.{first + 1}."
+        template = [(k, v) for k, v in table.items() if k.startswith(head)]
+        out = {}
+        for key, value in table.items():
+            if key.startswith((head, skip)):
+                if key == template[0][0]:
+                    for layer in layers:
+                        for k, v in template:
+                            out[rename(k, layer)] = rename(v, layer) if isinstance(v, str) else v
+            else:
+                out[key] = value
+        return out
+
+    stack = LayerStack(fqn=fqn, count=count, captured=captured)
+    log.info(
+        "graph %s: %d compute nodes from %d captured (%s: %d layers)",
+        short.name,
+        len(nodes),
+        len(short.nodes),
+        fqn,
+        count,
+    )
+    return OpGraph(
+        short.captured,
+        nodes,
+        g,
+        whole(short.param_shapes),
+        whole(short.param_dtypes),
+        whole(short.tied),
+        replicated=stack,
+        origin=origin,
+        inputs=inputs,
+    )

@@ -1,0 +1,174 @@
+"""Two captured layers replicated into the whole graph equal the whole model's capture, node for node."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from primepar_fx import analyze
+from primepar_fx import plan as make_plan
+from primepar_fx.capture import capture, split_name
+from primepar_fx.compile import compile_graph
+from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.replicate import find_layer_stack
+
+LAYERS = 4
+
+
+def assert_same_graph(full, rep) -> None:
+    assert list(rep.nodes) == list(full.nodes)  # names, in graph order
+    for name, node in full.nodes.items():
+        assert rep.nodes[name] == node, name
+    edges = lambda g: sorted((u, v, d["dst_in"]) for u, v, d in g.graph.edges(data=True))  # noqa: E731
+    assert edges(rep) == edges(full)
+    assert list(rep.param_shapes.items()) == list(full.param_shapes.items())
+    assert rep.param_dtypes == full.param_dtypes
+    assert rep.tied == full.tied
+
+
+def both(model, args, kwargs):
+    return analyze(model, args, kwargs), analyze(model, args, kwargs, replicate_layers=True)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "opt-tiny", "bloom-tiny", "llama2-70b"])
+def test_zoo_models_replicate_exactly(name):
+    config = dataclasses.replace(get_config(name), layers=LAYERS)
+    model = build(config, device="meta")
+    stack = model.blocks
+    full, rep = both(model, *example_inputs(config, 2, 16, device="meta"))
+    assert rep.replicated is not None and (rep.replicated.fqn, rep.replicated.count) == ("blocks", LAYERS)
+    assert full.replicated is None
+    assert len(rep.captured.gm.graph.nodes) < len(full.captured.gm.graph.nodes)  # really two layers captured
+    assert model.blocks is stack and len(model.blocks) == LAYERS  # the model is restored
+    assert_same_graph(full, rep)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "opt", "bloom"])
+def test_hugging_face_models_replicate_exactly(family):
+    from primepar_fx.models.hf import build_hf_tiny, hf_example_inputs
+
+    model = build_hf_tiny(family, layers=LAYERS)
+    full, rep = both(model, *hf_example_inputs(model, 2, 16))
+    assert rep.replicated is not None and rep.replicated.count == LAYERS
+    assert_same_graph(full, rep)
+
+
+def test_capture_numbers_op_nodes_densely():
+    """Export leaves gaps (``pow_1`` first, dead size arithmetic); capture renames ``base, base_1, ...``."""
+    from primepar_fx.models.hf import build_hf_tiny, hf_example_inputs
+
+    model = build_hf_tiny("llama", layers=3)
+    captured = capture(model, *hf_example_inputs(model, 2, 16))
+    numbers: dict[str, list[int]] = {}
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function":
+            base, num = split_name(node.name)
+            numbers.setdefault(base, []).append(num)
+    first = {"pow": 1, "and": 1, "slice": 1}  # FX never names a node after a builtin or keyword
+    assert all(nums == list(range(first.get(b, 0), first.get(b, 0) + len(nums))) for b, nums in numbers.items())
+    assert {"linear", "pow", "sym_size_int"} <= numbers.keys()
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(captured.gm.graph, {}))
+    assert [n.name for n in copy.nodes] == [n.name for n in captured.gm.graph.nodes]  # FX keeps every name
+    out = captured.program.graph_signature.output_specs[0].arg.name
+    assert out in {n.name for n in captured.gm.graph.nodes}  # the signature follows the renaming
+    ids = hf_example_inputs(model, 2, 16)[1]["input_ids"]
+    torch.testing.assert_close(captured.gm(*_inputs(captured, model, ids))[0], model(input_ids=ids, labels=ids).loss)
+
+
+def _inputs(captured, model, ids):
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    out = []
+    for node in captured.gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        fqn = captured.params.get(node.name) or captured.buffers.get(node.name)
+        out.append(state[fqn] if fqn in state else ids)
+    return out
+
+
+class _Layer(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return torch.relu(y) if self.index == 1 else torch.tanh(y)  # layer 1 differs from layer 0
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers: int, same_layers: bool = True) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(0 if same_layers else i) for i in range(layers))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) + x
+        return self.head(x).sum()
+
+
+def test_layers_that_do_not_repeat_are_captured_whole():
+    model, x = _Stack(4, same_layers=False), torch.randn(2, 5, 8)
+    full, rep = both(model, (x,), {})
+    assert rep.replicated is None
+    assert_same_graph(full, rep)
+    same, x = _Stack(4), torch.randn(2, 5, 8)
+    full, rep = both(same, (x,), {})
+    assert rep.replicated is not None and rep.replicated.fqn == "layers"
+    assert_same_graph(full, rep)
+
+
+def test_no_layer_stack():
+    assert find_layer_stack(_Stack(2)) is None  # two layers: nothing to save
+    assert find_layer_stack(nn.Sequential(nn.Linear(4, 4))) is None
+    model = _Stack(3)
+    model.layers[2].proj = nn.Linear(8, 8, bias=False)  # another parameter signature
+    assert find_layer_stack(model) is None
+    model = _Stack(3)
+    model.config = type("Config", (), {"layer_types": ["full", "sliding", "full"]})()
+    assert find_layer_stack(model) is None
+
+
+def test_replicated_graph_plans_like_the_full_one_and_is_not_compiled():
+    config = dataclasses.replace(get_config("gpt2-tiny"), layers=LAYERS)
+    model = build(config, device="meta")
+    ex = example_inputs(config, 2, 16, device="meta")
+    full = analyze(model, *ex)
+    kw = dict(world_size=4, cluster="cpu-gloo", batch=8, seq=32, baselines=False)
+    fast, slow = make_plan(model, ex, **kw), make_plan(model, ex, replicate_layers=False, **kw)
+    assert fast.model_fingerprint == slow.model_fingerprint
+    assert fast.nodes == slow.nodes
+    fast.check_model((n.name, n.op) for n in full.nodes.values())
+    rep = analyze(model, *ex, replicate_layers=True)
+    with pytest.raises(ValueError, match="replicated from 2 of the 4 layers of blocks"):
+        compile_graph(rep, plan=fast, world_size=1)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_replicated_graph_prices_like_the_full_one(name):
+    """Every node and edge cost, scatter saving and shared (tied) parameter edge is the full graph's."""
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.cost.costgraph import price_graph
+    from primepar_fx.cost.model import CostOptions
+    from primepar_fx.shapes import B, S
+
+    config = dataclasses.replace(get_config(name), layers=LAYERS)
+    model = build(config, device="meta")
+    full, rep = both(model, *example_inputs(config, 2, 16, device="meta"))
+    cluster = load_cluster("v100-paper")
+    priced = [price_graph(g, cluster.mesh(8), cluster, {B: 8, S: 64}, CostOptions()) for g in (full, rep)]
+    a, b = (p.cost_graph for p in priced)
+    assert a.nodes == b.nodes and a.edge_cost.keys() == b.edge_cost.keys()
+    for n in a.nodes:
+        np.testing.assert_array_equal(a.node_cost[n], b.node_cost[n])
+        np.testing.assert_array_equal(a.node_memory[n], b.node_memory[n])
+    for e in a.edge_cost:
+        np.testing.assert_array_equal(a.edge_cost[e], b.edge_cost[e], err_msg=str(e))
+    assert priced[0].scatter.keys() == priced[1].scatter.keys() and priced[0].scatter
