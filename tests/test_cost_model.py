@@ -374,3 +374,45 @@ def test_edge_cost_prices_each_receiver_at_the_level_its_senders_are_on() -> Non
     assert forward < a2a_seconds(CLUSTER, 1, 8, O_ELEMS // 4, 4)
     assert backward < a2a_seconds(CLUSTER, 0, 4, O_ELEMS // 2, 4)
     assert seconds[0, 1] == pytest.approx(forward + backward, rel=1e-12)
+
+
+def test_edges_with_the_same_distinct_layouts_share_one_priced_direction():
+    """The memo of re-layout prices (keyed by the distinct layouts) changes no edge's matrix, and is shared."""
+    import dataclasses
+
+    from primepar_fx import analyze
+    from primepar_fx.cost.costgraph import price_graph
+    from primepar_fx.cost.redistribute import DIRECTIONS, clear_caches
+    from primepar_fx.models import build, example_inputs, get_config
+    from primepar_fx.shapes import B, S
+
+    config = dataclasses.replace(get_config("llama-tiny"), layers=2)
+    graph = analyze(build(config, device="meta"), *example_inputs(config, 2, 16, device="meta"))
+    cluster = load_cluster("v100-paper")
+    mesh, values = cluster.mesh(8), {B: 8, S: 64}
+    clear_caches()
+    priced = price_graph(graph, mesh, cluster, values, CostOptions())
+    shared = len(DIRECTIONS)
+    fresh = 0
+    for (u, v), matrix in priced.cost_graph.edge_cost.items():
+        if (u, v) in priced.scatter or u == v:
+            continue
+        pu, pv = graph.nodes[u], graph.nodes[v]
+        k_in = graph.graph.edges[u, v]["dst_in"]
+        if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
+            continue
+        DIRECTIONS.clear()
+        seconds, _ = edge_cost_matrix(
+            [OpPartition(pu.dims, s, mesh) for s in priced.strategies[u]],
+            0,
+            [OpPartition(pv.dims, s, mesh) for s in priced.strategies[v]],
+            k_in,
+            cluster,
+            values,
+            CostOptions(),
+        )
+        if len(pu.dims.outputs) == 1 and not pu.params and not pv.params:
+            np.testing.assert_array_equal(seconds, matrix, err_msg=f"{u} -> {v}")
+            fresh += 1
+    assert fresh > 20
+    assert shared < fresh  # edges share priced directions

@@ -52,7 +52,7 @@ import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
 from primepar_fx.cost.layouts import ValuesKey, values_key
-from primepar_fx.cost.redistribute import LayoutPairs, edge_pairs
+from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, edge_pairs
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
 from primepar_fx.rules.spec import OpDims, TensorMap
@@ -258,20 +258,28 @@ def edge_cost_matrix(
     for pairs, flip in ((fwd, False), (bwd, True)):
         if pairs is None:
             continue
-        received = pairs.received()
-        elems = pairs.traffic(received)
-        time = np.zeros(elems.shape)
-        if mesh.size > 1 and elems.any():
-            time = p2p_seconds(pairs, received, mesh, cluster, item)
-            busiest = received.max(axis=-1)[pairs.held_of][:, pairs.needed_of]
-            inside, across = all_to_all_levels(busiest, mesh, cluster, item)
-            if (time > np.minimum(inside, across)).any():  # else no all-to-all is cheaper, wherever it runs
-                per_node = min(mesh.size, cluster.devices_per_node)
-                local = pairs.node_local([k // per_node for k in range(mesh.size)])
-                time = np.minimum(time, np.where(local, inside, across))
+        key = (pairs.digest(), mesh, cluster, item)
+        if key not in DIRECTIONS:
+            DIRECTIONS[key] = _direction(pairs, mesh, cluster, item)
+        time, elems = (a[pairs.held_of][:, pairs.needed_of] for a in DIRECTIONS[key])
         seconds += time.T if flip else time
         total += elems.T if flip else elems
     return seconds, total * item
+
+
+def _direction(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, item: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(seconds, elements)`` of one direction of a re-layout per pair of distinct layouts (not strategies)."""
+    received = pairs.received()
+    elems = received.sum(axis=-1)
+    time = np.zeros(elems.shape)
+    if mesh.size > 1 and elems.any():
+        time = _p2p_distinct(pairs, received, mesh, cluster, item)
+        inside, across = all_to_all_levels(received.max(axis=-1), mesh, cluster, item)
+        if (time > np.minimum(inside, across)).any():  # else no all-to-all is cheaper, wherever it runs
+            per_node = min(mesh.size, cluster.devices_per_node)
+            local = pairs.node_local_distinct([k // per_node for k in range(mesh.size)])
+            time = np.minimum(time, np.where(local, inside, across))
+    return time, elems
 
 
 def all_to_all_levels(
@@ -304,6 +312,12 @@ def p2p_seconds(
     level one of them crosses: ``m_k * fixed + bytes_k * bytes_coeff``, one p2p intercept per message. Every
     message is posted at once, so the exchange takes the time of the busiest receiver: ``max_k``.
     """
+    return _p2p_distinct(pairs, received, mesh, cluster, itemsize)[pairs.held_of][:, pairs.needed_of]
+
+
+def _p2p_distinct(
+    pairs: LayoutPairs, received: np.ndarray, mesh: DeviceMesh, cluster: ClusterSpec, itemsize: int
+) -> np.ndarray:
     count, cross = pairs.messages(mesh, cluster.devices_per_node)
     out = np.zeros(count.shape[:2])
     for level in range(len(cluster.levels)):
@@ -314,4 +328,4 @@ def p2p_seconds(
         fixed = price("p2p", 2, 0.0)
         unit = price("p2p", 2, 1.0) - fixed
         out = np.maximum(out, np.where(mask, count * fixed + received * (itemsize * unit), 0.0).max(axis=-1))
-    return out[pairs.held_of][:, pairs.needed_of]
+    return out
