@@ -22,7 +22,9 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.layouts import values_key
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
+from primepar_fx.cost.redistribute import check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
@@ -127,21 +129,25 @@ def price_graph(
             seqs = legal[node_key(node)] if restrict is None else restrict(name, legal[node_key(node)])
         if not seqs:
             raise ValueError(f"node {name} ({node.op}) has no legal partition on device digits {mesh.digits}")
-        key = (node_key(node), tuple(seqs))
+        nk = node_key(node)
+        key = (nk, None if seqs is legal.get(nk) else tuple(seqs))  # None: the legal sequences, not hashed again
         if key not in node_cache:
             parts = [node_cost(OpPartition(node.dims, s, mesh), node.target, cluster, values, opts) for s in seqs]
             node_cache[key] = (len(node_cache), seqs, parts)
         space[name], strategies[name], costs[name] = node_cache[key]
     edge_cost, edge_bytes = {}, {}
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    sides: dict[tuple, tuple] = {}  # (node entry, output) or (node entry, input, None) -> its edge sides
+    vkey = values_key(values)
     scatter: dict[tuple[str, str], ScatterSaving] = {}
     scatter_cache: dict[tuple, ScatterSaving | None] = {}
 
-    fusable_cache: dict[tuple, tuple | None] = {}
+    fusable_cache: dict[tuple, tuple[int, tuple] | None] = {}
 
-    def fusable_all(name: str, node: OpNode, k: int | None) -> tuple | None:
+    def fusable_all(name: str, node: OpNode, k: int | None) -> tuple[int, tuple] | None:
         """Per strategy of ``name``: its Forward output all-reduce (``k=None``) or input ``k``'s gradient all-reduce
-        that may fuse with a re-layout (:mod:`primepar_fx.cost.scatter`); ``None`` when no strategy has one."""
+        that may fuse with a re-layout (:mod:`primepar_fx.cost.scatter`), with the number of its cache entry (a
+        cheap key); ``None`` when no strategy has one."""
         fx_node = graph.fx_node(name)
         key = (space[name], k, graph_facts(fx_node, k))  # the answer depends on the partitions and these facts only
         if key not in fusable_cache:
@@ -149,7 +155,7 @@ def price_graph(
                 found = tuple(fusable_forward(OpPartition(node.dims, s, mesh), fx_node) for s in strategies[name])
             else:
                 found = tuple(fusable_backward(OpPartition(node.dims, s, mesh), fx_node, k) for s in strategies[name])
-            fusable_cache[key] = found if any(found) else None
+            fusable_cache[key] = (len(fusable_cache), found) if any(found) else None
         return fusable_cache[key]
 
     edges = graph.graph.edges(data=True)
@@ -162,22 +168,30 @@ def price_graph(
         if key not in edge_cache:
             producers = [OpPartition(pu.dims, s, mesh) for s in strategies[u]]
             consumers = [OpPartition(pv.dims, s, mesh) for s in strategies[v]]
+            check_edge(producers[0], k_out, consumers[0], k_in, vkey)
+            if (space[u], k_out) not in sides:  # a node's layouts, shared by its edges
+                sides[space[u], k_out] = producer_sides(producers, k_out, vkey)
+            if (space[v], k_in, None) not in sides:
+                sides[space[v], k_in, None] = consumer_sides(consumers, k_in, vkey)
+            pairs = pairs_of(sides[space[u], k_out], sides[space[v], k_in, None])
             item = tensor_itemsize(graph.fx_node(u), k_out, opts)
-            edge_cache[key] = edge_cost_matrix(producers, k_out, consumers, k_in, cluster, values, opts, itemsize=item)
+            edge_cache[key] = edge_cost_matrix(
+                producers, k_out, consumers, k_in, cluster, values, opts, itemsize=item, pairs=pairs
+            )
         edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
         fwd = fusable_all(u, pu, None) if k_out == 0 else None
         bwd = fusable_all(v, pv, k_in) if pv.requires_grad and pu.requires_grad else None
         if fwd is None and bwd is None:
             continue
-        skey = (key, fwd, bwd)
+        skey = (key, fwd and fwd[0], bwd and bwd[0])
         if skey not in scatter_cache:
             scatter_cache[skey] = scatter_saving(
                 [OpPartition(pu.dims, s, mesh) for s in strategies[u]],
                 k_out,
                 [OpPartition(pv.dims, s, mesh) for s in strategies[v]],
                 k_in,
-                fwd or [None] * len(strategies[u]),
-                bwd or [None] * len(strategies[v]),
+                fwd[1] if fwd else [None] * len(strategies[u]),
+                bwd[1] if bwd else [None] * len(strategies[v]),
                 cluster,
                 values,
                 opts,

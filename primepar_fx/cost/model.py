@@ -237,12 +237,14 @@ def edge_cost_matrix(
     opts: CostOptions,
     shared: bool = False,
     itemsize: int | None = None,
+    pairs: tuple[LayoutPairs, LayoutPairs | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(seconds, bytes)`` of Eq. 8-9 redistribution for every (producer, consumer) partition pair.
 
     ``shared``: a parameter both nodes read (see :func:`~primepar_fx.cost.redistribute.redistribution_matrix`).
     ``itemsize``: bytes per element of this tensor when it is not a floating-point activation of ``opts.dtype``
-    (token ids, masks).
+    (token ids, masks). ``pairs``: the edge's :func:`~primepar_fx.cost.redistribute.edge_pairs`, when the caller
+    has them (from per-node sides it reuses across edges).
 
     ``bytes`` is the Forward plus Backward traffic summed over devices. Each direction costs the cheaper of
     :func:`p2p_seconds` and :func:`all_to_all_levels` (module docstring); which level the all-to-all runs at is
@@ -252,7 +254,7 @@ def edge_cost_matrix(
     if not producers or not consumers:
         empty = np.zeros((len(producers), len(consumers)))
         return empty, empty.astype(np.int64)
-    fwd, bwd = edge_pairs(producers, out_index, consumers, in_index, values, shared)
+    fwd, bwd = pairs or edge_pairs(producers, out_index, consumers, in_index, values, shared)
     mesh = producers[0].mesh
     seconds, total = np.zeros((len(producers), len(consumers))), np.zeros((len(producers), len(consumers)), np.int64)
     for pairs, flip in ((fwd, False), (bwd, True)):

@@ -297,6 +297,7 @@ class LayoutPairs:
 
     @classmethod
     def build(cls, helds: Sequence[np.ndarray], neededs: Sequence[np.ndarray]) -> LayoutPairs:
+        """From one :func:`layout_ids` array per strategy of each side."""
         (held, held_of), (needed, needed_of) = intern_rows(np.stack(helds)), intern_rows(np.stack(neededs))
         return cls(held_of, needed_of, held, needed)
 
@@ -394,6 +395,41 @@ class LayoutPairs:
         return out
 
 
+#: one side of an edge: its distinct layouts and, per strategy, the index of its layout (:func:`intern_rows`)
+Side = tuple[np.ndarray, np.ndarray]
+
+
+def _side(uses: Sequence[EdgeUse], vkey: ValuesKey) -> Side:
+    return intern_rows(np.stack([u.layout_ids(vkey) for u in uses]))
+
+
+def producer_sides(producers: Sequence[OpPartition], out_index: int, vkey: ValuesKey, shared: bool = False) -> tuple:
+    """``(held, grad_needed)``: the :data:`Side` of the producer's Forward output and of its gradient's need."""
+    return (
+        _side([_source_held(p, out_index, shared) for p in producers], vkey),
+        _side([_source_grad_needed(p, out_index, shared) for p in producers], vkey),
+    )
+
+
+def consumer_sides(consumers: Sequence[OpPartition], in_index: int, vkey: ValuesKey) -> tuple:
+    """``(needed, grad_held)``: the :data:`Side` the consumer needs, and of the gradient it holds (``None`` when the
+    input takes no gradient)."""
+    grads = [backward_held(c, in_index) for c in consumers]
+    held = None if any(g is None for g in grads) else _side(grads, vkey)  # type: ignore[arg-type]
+    return _side([forward_needed(c, in_index) for c in consumers], vkey), held
+
+
+def pairs_of(producer: tuple, consumer: tuple) -> tuple[LayoutPairs, LayoutPairs | None]:
+    """The Forward and Backward :class:`LayoutPairs` of an edge from :func:`producer_sides` and
+    :func:`consumer_sides` (which a caller may compute once per node and reuse across its edges)."""
+    (held, held_of), (grad_needed, grad_needed_of) = producer
+    (needed, needed_of), grad_held = consumer
+    fwd = LayoutPairs(held_of, needed_of, held, needed)
+    if grad_held is None:
+        return fwd, None
+    return fwd, LayoutPairs(grad_held[1], grad_needed_of, grad_held[0], grad_needed)
+
+
 def edge_pairs(
     producers: Sequence[OpPartition],
     out_index: int,
@@ -411,18 +447,7 @@ def edge_pairs(
     for side in (producers, consumers):
         if len({(p.op, p.mesh) for p in side}) > 1:
             raise ValueError("all strategies of one side of an edge must share one op and one mesh")
-    fwd = LayoutPairs.build(
-        [_source_held(p, out_index, shared).layout_ids(vkey) for p in producers],
-        [forward_needed(c, in_index).layout_ids(vkey) for c in consumers],
-    )
-    grads = [backward_held(c, in_index) for c in consumers]
-    if any(g is None for g in grads):
-        return fwd, None
-    bwd = LayoutPairs.build(
-        [g.layout_ids(vkey) for g in grads if g is not None],
-        [_source_grad_needed(p, out_index, shared).layout_ids(vkey) for p in producers],
-    )
-    return fwd, bwd
+    return pairs_of(producer_sides(producers, out_index, vkey, shared), consumer_sides(consumers, in_index, vkey))
 
 
 def redistribution_matrix(
