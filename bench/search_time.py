@@ -62,7 +62,7 @@ READING = """## Reading the results
   (`primepar_fx/replicate.py`, [planning.md](../planning.md#0-capture-two-layers-replicate-the-rest)). The bench
   checks that the replicated graph has the full capture's nodes and names. `tests/test_replicate.py` also checks
   its edges, parameters and prices.
-* **Pricing is 1.3-1.6x faster than in the last run, with bit-identical costs.**
+* **Pricing is 1.2-1.7x faster than in the last run, with bit-identical costs.**
   * llama2-70b: 4.0 s at 32 GPUs (was 6.6), 5.0 s at 64 (was 7.9), 7.8 s at 128 (was 13.6).
   * What changed:
     * each direction of a re-layout is priced once per pair of distinct layouts: llama2-70b at 32 GPUs has 45
