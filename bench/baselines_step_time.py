@@ -417,25 +417,25 @@ READING = """## Reading the results
 * **The plan searched with the step-fitted spec under a memory budget meets all three targets of issue 6
   (item 1), narrowly.** The spec is `stepfit-cpu-gloo.json`: the cost model fitted to measured steps of four
   plans in [cost_fidelity.md](cost_fidelity.md). The budget is the predicted peak of Megatron dp1 x mp4 +SP.
-  In the run above (load average 2.5-5.1; a single-threaded planning benchmark ran on one of the two cores) that
-  plan measures 0.68x `dtensor tp`'s step time and 0.97x its peak. Its bus bytes are 0.999x `dtensor tp`'s
+  In the run above (load average 3.1-3.6, nothing else running) that plan measures 0.78x `dtensor tp`'s step
+  time and 0.97x its peak. Its bus bytes are 0.999x `dtensor tp`'s
   (30,691 against 30,720 KiB), 0.89x on the wire. The bytes margin is thin: a plan with one more re-layout
   would miss it. The plan uses no P(S x S) and replicates 17 nodes; it sends 109 messages a step against
   `dtensor tp`'s 37, and keeps 28 MiB of activations against 32.6.
-* **Without the budget the same spec picks a faster plan that holds more** (0.51x the time, 0.74x the bytes,
-  1.06x the peak: 7.6 MiB of parameters a rank against 3.6). The `cpu-gloo` preset still picks P(S x S) on 29
-  linears (1.15x the time, 2.34x the bytes, 0.93x the peak). The preset prices a message at 0.1 ms, where it
+* **Without the budget the same spec picks a faster plan that holds more** (0.60x the time, 0.74x the bytes,
+  1.03x the peak: 7.6 MiB of parameters a rank against 3.6). The `cpu-gloo` preset still picks P(S x S) on 29
+  linears (1.05x the time, 2.34x the bytes, 0.90x the peak). The preset prices a message at 0.1 ms, where it
   costs about 2 ms here.
 * **With `dtensor tp`'s own layout primepar sends 1.58x the bytes** (`primepar megatron dp1 x mp4 +SP`: 47 MiB
-  in 138 messages against 30 MiB in 37). In the previous run it sent 2.3x: its all-reduce + slice pairs now
+  in 138 messages against 30 MiB in 37). Before the reduce-scatter fusion it sent 2.3x: its all-reduce + slice pairs now
   run as reduce-scatters (`cost/scatter.py`). What remains is lowering, not search. q, k and v (and gate and
   up) each fetch the sequence-split input with their own all-gather and reduce-scatter its gradient
   separately, where DTensor gathers once per attention and once per MLP and reduces the summed gradient once.
   Sharing one re-layout between consumers that need the same layout is not done yet; pairwise edge costs
   cannot price it.
-* **Breakdown** (ms per step and rank, table above): the budgeted plan computes 162 ms on the main thread
-  against `dtensor tp`'s 230, waits 259 ms for a core against 347, and is blocked 328 ms in communication
-  against 524. DTensor dispatches every op through Python; primepar's rank graph calls plain ATen ops.
+* **Breakdown** (ms per step and rank, table above): the budgeted plan computes 133 ms on the main thread
+  against `dtensor tp`'s 184, waits 117 ms for a core against 139, and is blocked 285 ms in communication
+  against 370. DTensor dispatches every op through Python; primepar's rank graph calls plain ATen ops.
 * **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.45x the ring volume
   (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31), while its all-reduce and point-to-point sends are
   within 0.5% of it.
@@ -446,12 +446,12 @@ READING = """## Reading the results
     returns a replicated gradient: 4.3 MiB of gradients for 3.6 MiB of parameters).
 
   primepar's budgeted plan holds 5.8 MiB of parameters a rank but fewer activations (28 against 32.6 MiB).
-* **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.31x, two bucket
-  all-reduces a step), then FSDP2 (0.48x, 14 calls) and tensor parallelism without sequence parallelism
-  (0.61x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
+* **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.34x, two bucket
+  all-reduces a step), then FSDP2 (0.52x, 14 calls) and tensor parallelism without sequence parallelism
+  (0.65x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
   These are not GPU numbers: with NVLink a message costs microseconds and the ranking may differ.
-* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 100-200 ms of a
-  270-970 ms step, so compute is visible, and all nine systems run in about 3 minutes. The issue's example
+* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 100-180 ms of a
+  230-790 ms step, so compute is visible, and all nine systems run in about 2 minutes. The issue's example
   (hidden 1024, sequence 256) has about 30 times the FLOPs: 10-20 s a step on these two shared cores, beyond
   the 10-minute budget for the page.
 """
