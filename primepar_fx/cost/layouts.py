@@ -205,19 +205,36 @@ def layout_ids(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: Values
     """:func:`layout` as a ``(world, tensor dims)`` int64 array of :data:`SETS` numbers (read-only).
 
     Devices that hold the same slice of a tensor dim share its set, which is built once: the DSIs of every device
-    come from :meth:`OpPartition.dsi_table`, and the slices of a dim are told apart by their mixed-radix code.
+    come from :meth:`OpPartition.dsi_table`, and the slices of a dim are told apart by their mixed-radix code. The
+    array depends only on each tensor dim's iteration dims (size, parts, every device's DSI), so different ops
+    and partitions that slice a tensor alike share one (:func:`_layout_of_slices`).
     """
     part = OpPartition(*key)
     sizes = concrete_sizes(part.op, vkey)
-    idx = part.dsi_table(phase, t)
-    out = np.empty((part.mesh.size, len(tmap)), dtype=np.int64)
-    for k, group in enumerate(tmap):
-        code = np.zeros(part.mesh.size, dtype=np.int64)
-        for d in group:
-            code = code * part.parts[d] + idx[d]
+    idx = _dsi_table(key, phase, t)
+    return _layout_of_slices(
+        part.mesh.size, tuple(tuple((sizes[d], part.parts[d], idx[d].tobytes()) for d in group) for group in tmap)
+    )
+
+
+@lru_cache(maxsize=1 << 12)
+def _dsi_table(key: PartKey, phase: Phase, t: int) -> dict[str, np.ndarray]:
+    return OpPartition(*key).dsi_table(phase, t)
+
+
+@lru_cache(maxsize=1 << 14)
+def _layout_of_slices(world: int, groups: tuple[tuple[tuple[int, int, bytes], ...], ...]) -> np.ndarray:
+    """:func:`layout_ids` from each tensor dim's ``(size, parts, DSI of every device as int64 bytes)`` per
+    iteration dim."""
+    out = np.empty((world, len(groups)), dtype=np.int64)
+    for k, group in enumerate(groups):
+        idx = [np.frombuffer(b, dtype=np.int64) for _, _, b in group]
+        code = np.zeros(world, dtype=np.int64)
+        for (_, parts, _), i in zip(group, idx):
+            code = code * parts + i
         _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-        gs = tuple(sizes[d] for d in group)
-        numbers = [set_number(gs, tuple((int(idx[d][dev]), part.parts[d]) for d in group)) for dev in first]
+        gs = tuple(size for size, _, _ in group)
+        numbers = [set_number(gs, tuple((int(i[dev]), parts) for (_, parts, _), i in zip(group, idx))) for dev in first]
         out[:, k] = np.array(numbers, dtype=np.int64)[inverse.reshape(-1)]
     out.flags.writeable = False
     return out
@@ -267,6 +284,8 @@ def clear_layout_caches() -> None:
     concrete_sizes.cache_clear()
     layout.cache_clear()
     layout_ids.cache_clear()
+    _dsi_table.cache_clear()
+    _layout_of_slices.cache_clear()
     set_number.cache_clear()
     index_set.cache_clear()
     overlap.cache_clear()
