@@ -484,8 +484,11 @@ DIRECTIONS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def clear_caches() -> None:
-    """Drop the memoised sizes, layouts, overlaps and re-layout prices (e.g. between models)."""
+    """Drop the memoised sizes, layouts, overlaps, re-layout prices and reduce-scatter tests (e.g. between models)."""
+    from primepar_fx.cost.scatter import SCATTERS  # scatter builds on this module
+
     DIRECTIONS.clear()
+    SCATTERS.clear()
     clear_layout_caches()
     class_senders.cache_clear()
     _class_messages.cache_clear()

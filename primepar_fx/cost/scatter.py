@@ -18,6 +18,7 @@ emit as a node of its own, whose result goes only to the re-layout (a single use
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -273,21 +274,26 @@ def scatter_saving(
     return out if found else None
 
 
+#: :meth:`_Distinct.hits` per distinct needed layout, keyed by the held layout, the distinct needed layouts, the
+#: groups and the bias: edges whose layouts agree (q, k and v; the layers) test each pair once
+SCATTERS: dict[tuple, np.ndarray] = {}
+
+
 class _Distinct:
     """The needed layouts of one side of an edge, each distinct one tested once per (held layout, groups, bias)."""
 
     def __init__(self, uses: Sequence[EdgeUse], vkey: ValuesKey) -> None:
         self.needed, self.of = intern_rows(np.stack([u.layout_ids(vkey) for u in uses]))
-        self.memo: dict[tuple, np.ndarray] = {}
+        self.digest = hashlib.blake2b(self.needed.tobytes() + repr(self.needed.shape).encode(), digest_size=16).digest()
 
     def hits(self, held: np.ndarray, mesh: DeviceMesh, digits: tuple[int, ...], bias: tuple[OpDims, int] | None):
         """The strategies whose needed layout ``held`` (all-reduced over the ``digits`` groups of ``mesh``)
         reduce-scatters to (:func:`scatters_many`), and that keep ``bias = (op, input)`` broadcasting over the
         piece."""
-        key = (held.tobytes(), digits, bias)
-        if key not in self.memo:
+        key = (held.tobytes(), self.digest, mesh, digits, bias)
+        if key not in SCATTERS:
             ok = scatters_many(held, self.needed, mesh.groups(digits))
             if bias is not None:
                 ok &= broadcasts_many(bias[0], bias[1], held, self.needed)
-            self.memo[key] = np.flatnonzero(ok[self.of])
-        return self.memo[key]
+            SCATTERS[key] = ok
+        return np.flatnonzero(SCATTERS[key][self.of])
