@@ -323,3 +323,21 @@ def test_canonical_enumeration_keeps_one_order_per_level_and_is_a_subset() -> No
     # digits 1 and 2 share a level: batch before the other dims before R there; digit 0 is free
     assert "D,B,D" in canon and "D,D,B" not in canon and "R,B,R" in canon and "B,R,B" not in canon
     assert {s for s in full if s.split(",")[1:] in (["B", "D"], ["B", "R"], ["D", "R"])} <= canon
+
+
+@pytest.mark.parametrize("digits", [(2, 2), (2, 2, 2), (3, 2)])
+def test_slices_of_every_rank_at_once_equal_the_per_device_slices(digits):
+    """``comm._slices_at`` (from the DSI table) equals :meth:`OpPartition.tensor_slice` device by device."""
+    from primepar_fx.partition import comm
+
+    mesh = DeviceMesh(digits)
+    op = linear_dims(12, 12, 12, 12)
+    checked = 0
+    for seq in enumerate_sequences(op, mesh):
+        part = OpPartition(op, seq, mesh)
+        for tmap, uses in comm.tensor_uses(part).values():
+            for use in uses:
+                slow = {k: part.tensor_slice(use[0], tmap, c, use[1]) for k, c in enumerate(mesh.devices())}
+                assert comm._slices_at(part, tmap, use) == slow, (seq, use)
+                checked += 1
+    assert checked > 50

@@ -93,7 +93,10 @@ class Transfer:
 
 
 def _slices_at(part: OpPartition, tmap: TensorMap, use: Use) -> dict[int, TensorSlice]:
-    return {k: part.tensor_slice(use[0], tmap, c, use[1]) for k, c in enumerate(part.mesh.devices())}
+    """Every rank's :meth:`~OpPartition.tensor_slice` at ``use``, from the DSIs of all devices at once."""
+    idx = part.dsi_table(use[0], use[1])
+    groups = [[(idx[d].tolist(), part.parts[d]) for d in group] for group in tmap]
+    return {k: tuple(tuple((i[k], p) for i, p in group) for group in groups) for k in range(part.mesh.size)}
 
 
 def shift_senders(part: OpPartition, tmap: TensorMap, src: Use, dst: Use) -> tuple[int, ...]:
