@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import sympy
 
-from primepar_fx.partition.mesh import DeviceMesh
+from primepar_fx.partition.mesh import DeviceMesh, device_grid
 from primepar_fx.partition.seq import PartitionSeq, Prime, Replicate, Split
 from primepar_fx.rules.spec import OpDims, TensorMap
 
@@ -129,8 +129,8 @@ class OpPartition:
 
     def dsi_table(self, phase: Phase, t: int = 0) -> dict[str, np.ndarray]:
         """:meth:`dsis` of every device at once: ``I_X`` of each device in rank order, as an int64 array."""
-        world, grid = self.mesh.size, np.array(list(self.mesh.devices()), dtype=np.int64)
-        idx = self._indices(phase, tuple(grid.reshape(world, len(self.mesh.digits)).T), t)
+        world, grid = self.mesh.size, device_grid(self.mesh)
+        idx = self._indices(phase, tuple(grid.T), t)
         return {d: np.broadcast_to(np.asarray(i, dtype=np.int64), (world,)) for d, i in idx.items()}
 
     def _indices(self, phase: Phase, coords: Sequence[Any], t: int) -> dict[str, Any]:

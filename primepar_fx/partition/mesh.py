@@ -108,11 +108,19 @@ class DeviceMesh:
         return list(buckets.values())
 
 
+@lru_cache(maxsize=64)
+def device_grid(mesh: DeviceMesh) -> np.ndarray:
+    """``G[k, p]``: digit ``p`` of rank ``k``'s device ID, an ``(world, digits)`` int64 array (read-only)."""
+    out = np.array(list(mesh.devices()), dtype=np.int64).reshape(mesh.size, len(mesh.digits))
+    out.flags.writeable = False
+    return out
+
+
 # ------------------------------------------------------------------------------------------- who sends
 @lru_cache(maxsize=64)
 def digit_distance(mesh: DeviceMesh) -> np.ndarray:
     """``D[a, b]``: the number of device-ID digits in which ranks ``a`` and ``b`` differ (read-only)."""
-    coords = np.array([mesh.coords(r) for r in range(mesh.size)], dtype=np.int64).reshape(mesh.size, len(mesh))
+    coords = device_grid(mesh)
     out = (coords[:, None, :] != coords[None, :, :]).sum(axis=-1)
     out.flags.writeable = False
     return out
