@@ -43,6 +43,7 @@ and ints (bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import lru_cache
 from math import prod
 
@@ -51,7 +52,7 @@ import sympy
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
-from primepar_fx.cost.layouts import ValuesKey, values_key
+from primepar_fx.cost.layouts import ValuesKey, concrete_sizes, values_key
 from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, edge_pairs
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
@@ -125,15 +126,14 @@ class NodeCost:
 
 @lru_cache(maxsize=1 << 14)
 def _num(expr: sympy.Expr, vkey: ValuesKey) -> float:
-    return float(sympy.sympify(expr).subs(dict(vkey)))
+    return float(sympy.sympify(expr).xreplace({k: sympy.Integer(v) for k, v in vkey}))
 
 
 @lru_cache(maxsize=1 << 16)
 def _block_elems(op: OpDims, parts: tuple[int, ...], tmap: TensorMap, vkey: ValuesKey) -> int:
     """Elements of one device's block of ``tmap`` when iteration dim ``op.dims[i]`` is cut into ``parts[i]``."""
-    part_of = dict(zip(op.dims, parts))
-    local = (prod((op.size(d) / part_of[d] for d in group), start=sympy.Integer(1)) for group in tmap)
-    return int(round(_num(prod(local, start=sympy.Integer(1)), vkey)))
+    part_of, sizes = dict(zip(op.dims, parts)), concrete_sizes(op, vkey)
+    return int(round(float(prod((Fraction(sizes[d], part_of[d]) for group in tmap for d in group), start=1))))
 
 
 def _block_bytes(part: OpPartition, tmap: TensorMap, vkey: ValuesKey, itemsize: int) -> int:
