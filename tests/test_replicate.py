@@ -172,3 +172,31 @@ def test_replicated_graph_prices_like_the_full_one(name):
     for e in a.edge_cost:
         np.testing.assert_array_equal(a.edge_cost[e], b.edge_cost[e], err_msg=str(e))
     assert priced[0].scatter.keys() == priced[1].scatter.keys() and priced[0].scatter
+
+
+def _hf_causal_lm(family: str, **extra):
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=128, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=64, use_cache=False, **extra,
+    )  # fmt: skip
+    model = getattr(transformers, f"{family}ForCausalLM")(config).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, ((), {"input_ids": ids, "labels": ids.clone()})
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Mistral"])
+def test_more_hugging_face_families_replicate_exactly(family):
+    model, ex = _hf_causal_lm(family)
+    full, rep = both(model, *ex)
+    assert rep.replicated is not None
+    assert_same_graph(full, rep)
+
+
+def test_layers_of_different_types_are_captured_whole():
+    """Qwen2 with a sliding window on its last layers: ``config.layer_types`` differ, so every layer is exported."""
+    model, ex = _hf_causal_lm("Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert len(set(model.config.layer_types)) == 2
+    full, rep = both(model, *ex)
+    assert rep.replicated is None
+    assert_same_graph(full, rep)
