@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import platform
 import time
@@ -50,35 +51,38 @@ ILP_TIME_LIMIT = 120.0
 
 READING = """## Reading the results
 
-* **The DP takes 0.06-0.23 s at every size and for every model.** On the planner's default space, llama2-70b takes
-  0.20 s at 32 GPUs (paper 6.07 s) and 0.16-0.23 s at 4-128 GPUs. OPT-175B and BLOOM-176B take 0.06-0.12 s. At
-  4 GPUs OPT and BLOOM are faster than the paper (79 and 59 ms against 85 ms). llama2-70b at 4 and 8 GPUs
-  (0.21-0.23 s) and OPT and BLOOM at 8 (118-119 ms) are slower than its 80-89 ms, because our graph is the whole
+* **The DP takes 0.05-0.22 s at every size and for every model.** On the planner's default space, llama2-70b takes
+  0.18 s at 32 GPUs (paper 6.07 s) and 0.14-0.22 s at 4-128 GPUs. OPT-175B and BLOOM-176B take 0.05-0.17 s. At
+  4 GPUs OPT and BLOOM are faster than the paper (67 and 54 ms against 85 ms). llama2-70b at 4 and 8 GPUs
+  (0.20-0.22 s) and OPT and BLOOM at 8 (113-125 ms) are slower than its 80-89 ms, because our graph is the whole
   ATen graph (1,400-4,300 nodes) where the paper's has 13 operators per layer.
   * OPT and BLOOM tie the word embedding to the LM head. That edge goes through a proxy node that the DP
     conditions on (`search/proxy.py`): 27 states, one per layout the embedding stores its weight in. So the layers
     stay separable and are merged by squaring.
-* **Capture takes 0.7-1.4 s instead of 7-15 s.** The planner exports two layers and replicates them
+* **Capture takes 0.7-1.0 s instead of 6-13 s.** The planner exports two layers and replicates them
   (`primepar_fx/replicate.py`, [planning.md](../planning.md#0-capture-two-layers-replicate-the-rest)). The bench
   checks that the replicated graph has the full capture's nodes and names. `tests/test_replicate.py` also checks
   its edges, parameters and prices.
-* **Pricing is 1.2-1.7x faster than in the last run, with bit-identical costs.**
-  * llama2-70b: 4.0 s at 32 GPUs (was 6.6), 5.0 s at 64 (was 7.9), 7.8 s at 128 (was 13.6).
+* **Pricing is 2-3x faster than in the last run, with bit-identical costs.**
+  * llama2-70b: 2.6 s at 32 GPUs (was 6.6), 3.2 s at 64 (was 7.9), 4.9 s at 128 (was 13.6).
   * What changed:
     * each direction of a re-layout is priced once per pair of distinct layouts: llama2-70b at 32 GPUs has 45
       distinct pairs among its 134 directions;
-    * a node's layouts are interned once for all of its edges.
-  * Each world size is priced from empty caches, as a plan in a new process would be.
-* **The whole plan is 3-5x faster. OPT meets the 64- and 128-GPU targets; llama2-70b still misses all three.**
+    * a tensor's layout is built once per way of slicing it (llama2-70b at 64 GPUs: 1,360 distinct among 11,289);
+    * a node's layouts are interned once for all of its edges;
+    * the reduce-scatter test is remembered across edges;
+    * the ring's senders come from the DSI table of all ranks at once.
+  * Each world size is priced from empty caches, as a plan in a new process would be, and every timing starts
+    after a garbage collection.
+* **The whole plan is 5-6x faster. The 64-GPU target is met; 32 and 128 GPUs still miss.**
   * The issue asked for the whole llama2-70b plan under 0.5 s at 32 GPUs and under 5 s at 64 and 128.
-  * llama2-70b now takes 5.2 s, 6.2 s and 9.0 s (was 23.4, 24.7 and 30.4 s).
-  * OPT-175B takes 2.9/3.5/4.7 s at 32/64/128, and BLOOM-176B 4.4/4.9/7.3 s.
-  * Pricing is most of what is left. About 60% of it is the re-layouts: layouts, received elements, messages
-    and the node-local test, vectorised over (held layout, needed layout, device), with 100-200 strategies a
-    side and up to 128 devices. The rest is the nodes' own costs and the reduce-scatter fusion test.
+  * llama2-70b now takes 3.8 s, 4.4 s and 6.0 s (was 23.4, 24.7 and 30.4 s).
+  * OPT-175B takes 2.0/2.5/3.7 s at 32/64/128, and BLOOM-176B 2.6/3.3/5.1 s.
   * 0.5 s at 32 GPUs is out of reach while capture alone (`torch.export` of two layers) takes 0.7-1.0 s.
-  * Pricing that exploits the node digit's symmetry (layouts are still held per device) is what would close
-    the rest.
+  * At 128 GPUs pricing is most of what is left: 4.9 s. About half of it is the re-layouts (received elements,
+    messages and the node-local test, vectorised over held layout, needed layout and device, with 100-200
+    strategies a side and 128 devices). The rest is layouts, the nodes' own costs and the reduce-scatter test.
+    Pricing that exploits the node digit's symmetry (layouts are still held per device) would close it.
 * **Grouped space from 16 GPUs.** Past three device digits, the full space has 700-7,700 sequences per node,
   and its DP tables pass 10^8 entries. The planner therefore merges the leading (node) digits into one:
   `8x2x2` for 32 GPUs.
@@ -112,6 +116,7 @@ def one(graph, small, world: int) -> dict:
     row["P_full"] = max_strategies(graph, full) if len(full.digits) <= 5 else None
     opts = CostOptions(dtype="fp16")
     clear_caches()  # as the planner does: each world size is a plan of its own, its layouts computed afresh
+    gc.collect()  # start each timing without the garbage of the one before, as a new process would
     t0 = time.perf_counter()
     priced = price_graph(graph, mesh, cluster, VALUES, opts)
     row["pricing_s"] = time.perf_counter() - t0
@@ -149,6 +154,7 @@ def main() -> None:
             config = get_config(name) if layers is None else dataclasses.replace(get_config(name), layers=layers)
             model = build(config, device="meta")
             ex_args, ex_kwargs = example_inputs(config, 2, 16, device="meta")
+            gc.collect()
             t0 = time.perf_counter()
             graphs[key] = analyze(model, ex_args, ex_kwargs, name=name, replicate_layers=replicate)
             capture_s[key] = time.perf_counter() - t0
