@@ -270,10 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     ranks = init_distributed()
     level = os.environ.get("PRIMEPAR_LOG", "WARNING").upper()
     logging.basicConfig(level=level, format=f"[rank {ranks.rank}] %(levelname)s %(name)s: %(message)s")
+    done = False
     try:
-        return run(opts, ranks, parser)
+        code = run(opts, ranks, parser)
+        done = True
+        return code
     finally:
         if ranks.grouped:
+            if done:  # every rank finished: let gloo's transfers drain before its threads are torn down
+                dist.barrier()
             dist.destroy_process_group()
 
 
