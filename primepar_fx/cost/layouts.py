@@ -12,6 +12,7 @@ arrays; :class:`IndexSets` remembers the size of each pair of sets' intersection
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from functools import lru_cache
 from math import prod
@@ -252,6 +253,15 @@ def part_key(part: OpPartition) -> PartKey:
 
 
 # ------------------------------------------------------------------------------------------ as arrays
+def array_digest(*arrays: np.ndarray) -> bytes:
+    """A 16-byte digest of int arrays (shapes and values): a cheap memo key for arrays of layouts."""
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(repr(a.shape).encode())
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return h.digest()
+
+
 def intern_rows(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct rows of ``items`` (non-negative ints, sorted) and, for each row, the index of its distinct copy.
 

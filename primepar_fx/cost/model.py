@@ -257,13 +257,13 @@ def edge_cost_matrix(
     fwd, bwd = pairs or edge_pairs(producers, out_index, consumers, in_index, values, shared)
     mesh = producers[0].mesh
     seconds, total = np.zeros((len(producers), len(consumers))), np.zeros((len(producers), len(consumers)), np.int64)
-    for pairs, flip in ((fwd, False), (bwd, True)):
-        if pairs is None:
+    for direction, flip in ((fwd, False), (bwd, True)):
+        if direction is None:
             continue
-        key = (pairs.digest(), mesh, cluster, item)
+        key = (direction.digest(), mesh, cluster, item)
         if key not in DIRECTIONS:
-            DIRECTIONS[key] = _direction(pairs, mesh, cluster, item)
-        time, elems = (a[pairs.held_of][:, pairs.needed_of] for a in DIRECTIONS[key])
+            DIRECTIONS[key] = _direction(direction, mesh, cluster, item)
+        time, elems = (a[direction.held_of][:, direction.needed_of] for a in DIRECTIONS[key])
         seconds += time.T if flip else time
         total += elems.T if flip else elems
     return seconds, total * item

@@ -51,7 +51,6 @@ numpy (:class:`LayoutPairs`), intersecting each distinct pair of sets once.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -66,6 +65,7 @@ from primepar_fx.cost.layouts import (
     Layout,
     PartKey,
     ValuesKey,
+    array_digest,
     block_overlaps,
     clear_layout_caches,
     dim_sizes,
@@ -303,11 +303,7 @@ class LayoutPairs:
 
     def digest(self) -> bytes:
         """A digest of the distinct layouts: pairs with equal digests price alike whatever their strategies."""
-        h = hashlib.blake2b(digest_size=16)
-        for a in (self.held, self.needed):
-            h.update(repr(a.shape).encode())
-            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
-        return h.digest()
+        return array_digest(self.held, self.needed)
 
     def _volume(self) -> np.ndarray:
         """``V[j, D]``: the elements of device ``D``'s needed block under distinct needed layout ``j``."""

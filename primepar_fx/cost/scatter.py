@@ -18,7 +18,6 @@ emit as a node of its own, whose result goes only to the re-layout (a single use
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -29,7 +28,16 @@ import torch
 from torch import fx
 
 from primepar_fx.cost.cluster import ClusterSpec, ring_factors
-from primepar_fx.cost.layouts import SETS, IndexSet, Layout, ValuesKey, block_overlaps, intern_rows, values_key
+from primepar_fx.cost.layouts import (
+    SETS,
+    IndexSet,
+    Layout,
+    ValuesKey,
+    array_digest,
+    block_overlaps,
+    intern_rows,
+    values_key,
+)
 from primepar_fx.cost.model import CostOptions, _block_bytes, _tmap
 from primepar_fx.cost.redistribute import EdgeUse, backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
@@ -284,7 +292,7 @@ class _Distinct:
 
     def __init__(self, uses: Sequence[EdgeUse], vkey: ValuesKey) -> None:
         self.needed, self.of = intern_rows(np.stack([u.layout_ids(vkey) for u in uses]))
-        self.digest = hashlib.blake2b(self.needed.tobytes() + repr(self.needed.shape).encode(), digest_size=16).digest()
+        self.digest = array_digest(self.needed)
 
     def hits(self, held: np.ndarray, mesh: DeviceMesh, digits: tuple[int, ...], bias: tuple[OpDims, int] | None):
         """The strategies whose needed layout ``held`` (all-reduced over the ``digits`` groups of ``mesh``)
