@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,11 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from primepar_fx.runtime.process import exit_worker, free_port, release
 
 
 def _init(rank: int, world: int, port: int, pg_timeout: float | None) -> None:
@@ -49,9 +44,12 @@ def _entry(
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
+        del result
+        release()  # compiled modules and their groups go now, not during interpreter teardown
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_worker(0)  # success only: an exception above reaches torch's spawn wrapper, which reports it
 
 
 def _start(
@@ -98,7 +96,7 @@ def _entry_each(
     result = fn(rank, world, *args)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
-    os._exit(0)  # no teardown: the other ranks may be dead or blocked
+    exit_worker(0)  # no teardown: the other ranks may be dead or blocked
 
 
 def spawn_each(

@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
@@ -56,6 +55,7 @@ from primepar_fx.cost.cluster import (
     fit_collective,
     load_cluster,
 )
+from primepar_fx.runtime.process import exit_worker, free_port, release
 
 log = logging.getLogger(__name__)
 
@@ -290,11 +290,6 @@ def measure_compute(
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
-def free_port() -> int:
-    """A TCP port on the loopback interface that was free a moment ago (bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _collective_call(kind: str, nbytes: int, rank: int, world: int, device: torch.device) -> tuple[Callable, int]:
@@ -365,6 +360,7 @@ def _worker(
             dist.all_reduce(times, op=dist.ReduceOp.MIN)  # the last rank out of the barrier: no barrier skew
             samples[kind] = [(nbytes, float(t)) for (_, nbytes), t in zip(calls, times.median(dim=1).values.cpu())]
         q.put(("step", rank, "destroy_process_group"))
+        release()
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
@@ -372,6 +368,9 @@ def _worker(
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
         raise
+    q.close()
+    q.join_thread()  # the result is in the pipe before the process leaves without teardown
+    exit_worker(0)
 
 
 def measure_collectives(

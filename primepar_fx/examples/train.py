@@ -34,6 +34,7 @@ from tqdm import tqdm
 import primepar_fx
 from primepar_fx.cli import parse_bytes
 from primepar_fx.partition import PartitionSeq, Split
+from primepar_fx.runtime.process import release
 from primepar_fx.runtime.stats import COMM_KINDS
 
 log = logging.getLogger("primepar_fx.examples.train")
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         if ranks.grouped:
-            if done:  # every rank finished: let gloo's transfers drain before its threads are torn down
+            if done:  # every rank finished: free the module's groups and let gloo's transfers drain first
+                release()
                 dist.barrier()
             dist.destroy_process_group()
 
