@@ -10,12 +10,14 @@ from typing import Any
 import torch
 
 from primepar_fx.capture import capture
+from primepar_fx.gcpause import gc_paused
 from primepar_fx.graph import OpGraph, build_graph
 from primepar_fx.plan import Plan
 from primepar_fx.planner import plan_graph
 from primepar_fx.replicate import analyze_replicated
 
 
+@gc_paused
 def analyze(
     model: torch.nn.Module,
     example_args: tuple[Any, ...] = (),

@@ -32,6 +32,7 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
+from primepar_fx.gcpause import gc_paused
 from primepar_fx.shapes import B, S
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ def _unalias(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
     return pytree.tree_map_only(torch.Tensor, fresh, (args, kwargs))
 
 
+@gc_paused
 def capture(
     model: nn.Module,
     example_args: tuple[Any, ...] = (),

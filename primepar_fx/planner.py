@@ -38,6 +38,7 @@ from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.cost.costgraph import PricedGraph, price_graph
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.cost.redistribute import clear_caches
+from primepar_fx.gcpause import gc_paused
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
@@ -286,6 +287,7 @@ def _make_plan(
     )
 
 
+@gc_paused
 def plan_graph(
     graph: OpGraph,
     *,

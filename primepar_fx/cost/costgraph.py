@@ -26,6 +26,7 @@ from primepar_fx.cost.layouts import values_key
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
 from primepar_fx.cost.redistribute import check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
+from primepar_fx.gcpause import gc_paused
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.search import CostGraph
@@ -80,6 +81,7 @@ def shared_parameters(graph: OpGraph) -> list[tuple[str, int, str, int]]:
     return [(*found[0], *later) for found in readers.values() for later in found[1:]]
 
 
+@gc_paused
 def price_graph(
     graph: OpGraph,
     mesh: DeviceMesh,

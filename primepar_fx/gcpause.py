@@ -1,0 +1,41 @@
+"""Pause Python's cyclic garbage collector around planning work that allocates many short-lived objects.
+
+Capture (``torch.export``) and pricing allocate millions of small objects while a large graph stays alive, and each
+full collection walks all of them: about a tenth of planning time, measured on llama2-70b (capture 1.24 -> 1.09 s,
+pricing at 128 GPUs 5.96 -> 5.37 s). The work creates little cyclic garbage, so collection waits until it ends.
+Reference counting still frees everything else at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """No automatic cyclic collection inside the block; the collector's previous state is restored after it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: run ``fn`` inside :func:`paused`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with paused():
+            return fn(*args, **kwargs)
+
+    return wrapper
