@@ -45,6 +45,7 @@ import sympy
 
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, Split
+from primepar_fx.partition.enumerate import fits
 from primepar_fx.rules.registry import op_name
 from primepar_fx.rules.spec import OpDims
 from primepar_fx.shapes import B as BATCH
@@ -144,13 +145,6 @@ def _lead(op: OpDims, group: tuple[str, ...]) -> str | None:
 def _base(node: OpNode) -> str:
     name = op_name(node.target)
     return name.split(".")[1] if name.startswith("aten.") else name
-
-
-def _fits(size: sympy.Expr, parts: int, values: Values | None) -> bool:
-    expr = sympy.sympify(size)
-    if values:
-        expr = expr.subs(values)
-    return int(expr) % parts == 0 if expr.is_Integer else True
 
 
 def _values(values: dict | None) -> Values | None:
@@ -408,7 +402,7 @@ def _greedy(name: str, op: OpDims, mesh: DeviceMesh, wants, values: Values | Non
             reason = f"the op has no dim {dim}"
         elif dim in op.no_split:
             reason = f"{dim} may not be split"
-        elif not _fits(op.size(dim), parts[dim] * radix, values):
+        elif not fits(op.size(dim), parts[dim] * radix, values):
             reason = f"{dim} of size {op.size(dim)} does not split into {parts[dim] * radix}"
         else:
             parts[dim] *= radix

@@ -7,6 +7,7 @@ equal parts. Symbolic sizes (``B``, ``S``) are checked against ``values`` when g
 
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 import sympy
@@ -17,13 +18,19 @@ from primepar_fx.partition.seq import Element, PartitionSeq, Prime, Replicate, S
 from primepar_fx.rules.spec import OpDims
 
 
-def _fits(size: sympy.Expr, parts: int, values: dict[sympy.Symbol, int] | None) -> bool:
+@lru_cache(maxsize=1 << 14)
+def _size_at(size: sympy.Expr | int, values: tuple[tuple[sympy.Symbol, int], ...]) -> int | None:
+    """``size`` at ``values`` as an int, or ``None`` while a symbol is left."""
     expr = sympy.sympify(size)
     if values:
-        expr = expr.subs(values)
-    if expr.is_Integer:
-        return int(expr) % parts == 0
-    return True
+        expr = expr.xreplace({k: sympy.Integer(v) for k, v in values})
+    return int(expr) if expr.is_Integer else None
+
+
+def fits(size: sympy.Expr | int, parts: int, values: dict[sympy.Symbol, int] | None) -> bool:
+    """Whether ``size`` splits into ``parts`` equal parts at ``values`` (assumed so while a symbol is left)."""
+    n = _size_at(size, tuple(sorted(values.items(), key=lambda kv: str(kv[0]))) if values else ())
+    return n is None or n % parts == 0
 
 
 def _rank(size: sympy.Expr) -> int:
@@ -79,13 +86,13 @@ def enumerate_sequences(
             return
         radix = mesh.digits[pos]
         for d in splittable:
-            if ordered(pos, acc, rank[d]) and _fits(op.size(d), parts[d] * radix, values):
+            if ordered(pos, acc, rank[d]) and fits(op.size(d), parts[d] * radix, values):
                 parts[d] *= radix
                 rec(pos + 1, [*acc, Split(d)], used_prime)
                 parts[d] //= radix
         if prime_ok and not used_prime:
             for s, used in prime_sizes_at(mesh, pos):
-                if all(_fits(op.size(d), parts[d] * s, values) for d in op.matmul):  # type: ignore[union-attr]
+                if all(fits(op.size(d), parts[d] * s, values) for d in op.matmul):  # type: ignore[union-attr]
                     for d in op.matmul:  # type: ignore[union-attr]
                         parts[d] *= s
                     rec(pos + used, [*acc, Prime(s)], True)
