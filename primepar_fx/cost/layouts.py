@@ -163,8 +163,8 @@ class IndexSets:
         shape = np.broadcast_shapes(a.shape, b.shape)
         if max(a.max(), b.max()) >= min(len(self.sets), self.MEMO_SETS) or prod(shape) > 4 * (a.size + b.size):
             # an outer product: gather from the small table of the distinct sets, which stays in cache
-            (ua, ia), (ub, ib) = (np.unique(x, return_inverse=True) for x in (a, b))
-            return self.overlaps(ua, ub)[ia.reshape(a.shape), ib.reshape(b.shape)]
+            (ua, ia), (ub, ib) = self.distinct(a), self.distinct(b)
+            return self.overlaps(ua, ub)[ia, ib]
         self.overlaps(a[:0], b[:0])  # grow the table to the sets numbered so far
         out = self.memo[a, b]
         missing = out < 0
@@ -173,6 +173,19 @@ class IndexSets:
             self.overlaps(np.unique(a_missing), np.unique(b_missing))
             out = self.memo[a, b]
         return out
+
+    def distinct(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``np.unique(x, return_inverse=True)`` for an array of set numbers, the inverse shaped like ``x``: marked
+        in a table of every set number instead of sorted (the numbers are few and small)."""
+        x = np.asarray(x, dtype=np.int64)
+        bound = len(self.sets)
+        if x.size * 8 < bound:  # a small array among many sets: sorting is cheaper than the table
+            out, inverse = np.unique(x, return_inverse=True)
+            return out, inverse.reshape(x.shape)
+        seen = np.zeros(bound, dtype=bool)
+        seen[x.ravel()] = True
+        rank = np.cumsum(seen, dtype=np.int64) - 1
+        return np.flatnonzero(seen), rank[x]
 
     def _intersect(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """:meth:`overlaps` computed, vectorised over the intervals of the ``a`` sets.

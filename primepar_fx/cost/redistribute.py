@@ -346,7 +346,7 @@ class LayoutPairs:
         other, far = np.empty((2, len(self.held), world, world), dtype=bool)
         for i, row in enumerate(first):
             other[i], far[i] = _class_messages(tuple(row.tolist()), mesh, devices_per_node)
-        needed_sets = [np.unique(self.needed[..., d], return_inverse=True) for d in range(dims)]
+        needed_sets = [SETS.distinct(self.needed[..., d]) for d in range(dims)]
         count = np.zeros((len(self.held), len(self.needed), world), dtype=np.int64)
         cross = np.zeros(count.shape, dtype=bool)
         chunk = max(1, budget // max(1, len(self.needed) * world))
@@ -354,11 +354,14 @@ class LayoutPairs:
             i = slice(lo, lo + chunk)
             for r in range(0, world, 64):
                 ranks = slice(r, r + 64)
-                bits = np.full((len(self.held[i]), len(self.needed), world), ~np.uint64(0))
+                bits = None
                 for d, (ns, ni) in enumerate(needed_sets):
-                    hs, hi = np.unique(self.held[i, ranks, d], return_inverse=True)
+                    hs, hi = SETS.distinct(self.held[i, ranks, d])
                     meets = SETS.overlaps(hs, ns) > 0  # [held set, needed set] of dim d
-                    bits &= _pack(meets[hi.reshape(-1, min(64, world - r))])[:, ni.reshape(len(self.needed), world)]
+                    word = _pack(meets[hi.reshape(-1, min(64, world - r))])[:, ni.reshape(len(self.needed), world)]
+                    bits = word if bits is None else np.bitwise_and(bits, word, out=bits)
+                if bits is None:  # a scalar: every block meets every other
+                    bits = np.full((len(self.held[i]), len(self.needed), world), ~np.uint64(0))
                 count[i] += _popcount(bits & _pack(other[i, ranks])[:, None])
                 cross[i] |= (bits & _pack(far[i, ranks])[:, None]) != 0
         return count, cross
