@@ -123,7 +123,9 @@ class IndexSets:
         self.sets: list[IndexSet] = []
         self.bounds: list[np.ndarray] = []  # per set, its intervals as an (n, 2) int64 array
         self.sizes: list[int] = []
-        self.memo = np.zeros((0, 0), dtype=np.int64)  # memo[i, j]: |sets[i] ∩ sets[j]|, -1 until computed
+        # memo[i, j]: |sets[i] ∩ sets[j]|, -1 until computed; int32 (half the memory to fill and read) until a set
+        # has 2**31 elements or more
+        self.memo = np.zeros((0, 0), dtype=np.int32)
 
     def add(self, s: IndexSet) -> int:
         """The number of ``s``, numbering it if it is new."""
@@ -132,6 +134,8 @@ class IndexSets:
             self.sets.append(s)
             self.bounds.append(np.array(s, dtype=np.int64).reshape(len(s), 2))
             self.sizes.append(set_size(s))
+            if self.sizes[-1] > np.iinfo(self.memo.dtype).max:
+                self.memo = self.memo.astype(np.int64)
         return k
 
     def overlaps(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -140,7 +144,7 @@ class IndexSets:
         a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
         n = min(len(self.sets), self.MEMO_SETS)
         if len(self.memo) < n:
-            grown = np.full((max(n, min(2 * len(self.memo), self.MEMO_SETS)),) * 2, -1, dtype=np.int64)
+            grown = np.full((max(n, min(2 * len(self.memo), self.MEMO_SETS)),) * 2, -1, dtype=self.memo.dtype)
             grown[: len(self.memo), : len(self.memo)] = self.memo
             self.memo = grown
         limit = min(len(self.memo), self.MEMO_SETS)
@@ -287,8 +291,20 @@ def intern_rows(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             code = code * base + col
         _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
         distinct = rows[first]
-    else:
-        distinct, inverse = np.unique(rows, axis=0, return_inverse=True)
+    else:  # long rows (whole layouts): a dict of their bytes, then the few distinct rows sorted
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        seen: dict[bytes, int] = {}
+        first: list[int] = []
+        at = np.empty(len(rows), dtype=np.int64)
+        for i, row in enumerate(rows):
+            at[i] = k = seen.setdefault(row.tobytes(), len(first))
+            if k == len(first):
+                first.append(i)
+        distinct = rows[first]
+        order = np.lexsort(distinct.T[::-1])  # lexicographic, first column most significant
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        distinct, inverse = distinct[order], rank[at]
     return distinct.reshape(len(distinct), *items.shape[1:]), inverse.reshape(-1)
 
 
