@@ -22,7 +22,7 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
-from primepar_fx.cost.layouts import values_key
+from primepar_fx.cost.layouts import bound_partition, values_key
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
 from primepar_fx.cost.redistribute import check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
@@ -115,7 +115,9 @@ def price_graph(
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
     strategies: dict[str, list[PartitionSeq]] = {}
     costs: dict[str, list[NodeCost]] = {}
-    node_cache: dict[tuple, tuple[int, list[PartitionSeq], list[NodeCost]]] = {}  # value: (entry number, ...)
+    # value: (entry number, sequences, their costs, their bound partitions)
+    node_cache: dict[tuple, tuple[int, list[PartitionSeq], list[NodeCost], list[OpPartition]]] = {}
+    partitions: dict[str, list[OpPartition]] = {}
     space: dict[str, int] = {}  # node -> entry number of its node_cache entry, a cheap key for the edge cache
     legal: dict[tuple, list[PartitionSeq]] = {}
     for name, node in tqdm(graph.nodes.items(), desc="pricing nodes", disable=not progress, leave=False):
@@ -134,9 +136,10 @@ def price_graph(
         nk = node_key(node)
         key = (nk, None if seqs is legal.get(nk) else tuple(seqs))  # None: the legal sequences, not hashed again
         if key not in node_cache:
-            parts = [node_cost(OpPartition(node.dims, s, mesh), node.target, cluster, values, opts) for s in seqs]
-            node_cache[key] = (len(node_cache), seqs, parts)
-        space[name], strategies[name], costs[name] = node_cache[key]
+            bound = [bound_partition((node.dims, s, mesh)) for s in seqs]
+            priced = [node_cost(p, node.target, cluster, values, opts) for p in bound]
+            node_cache[key] = (len(node_cache), seqs, priced, bound)
+        space[name], strategies[name], costs[name], partitions[name] = node_cache[key]
     edge_cost, edge_bytes = {}, {}
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     sides: dict[tuple, tuple] = {}  # (node entry, output) or (node entry, input, None) -> its edge sides
@@ -154,9 +157,9 @@ def price_graph(
         key = (space[name], k, graph_facts(fx_node, k))  # the answer depends on the partitions and these facts only
         if key not in fusable_cache:
             if k is None:
-                found = tuple(fusable_forward(OpPartition(node.dims, s, mesh), fx_node) for s in strategies[name])
+                found = tuple(fusable_forward(p, fx_node) for p in partitions[name])
             else:
-                found = tuple(fusable_backward(OpPartition(node.dims, s, mesh), fx_node, k) for s in strategies[name])
+                found = tuple(fusable_backward(p, fx_node, k) for p in partitions[name])
             fusable_cache[key] = (len(fusable_cache), found) if any(found) else None
         return fusable_cache[key]
 
@@ -168,8 +171,7 @@ def price_graph(
             continue
         key = (space[u], space[v], k_out, k_in, tensor_itemsize(graph.fx_node(u), k_out, opts))
         if key not in edge_cache:
-            producers = [OpPartition(pu.dims, s, mesh) for s in strategies[u]]
-            consumers = [OpPartition(pv.dims, s, mesh) for s in strategies[v]]
+            producers, consumers = partitions[u], partitions[v]
             check_edge(producers[0], k_out, consumers[0], k_in, vkey)
             if (space[u], k_out) not in sides:  # a node's layouts, shared by its edges
                 sides[space[u], k_out] = producer_sides(producers, k_out, vkey)
@@ -188,9 +190,9 @@ def price_graph(
         skey = (key, fwd and fwd[0], bwd and bwd[0])
         if skey not in scatter_cache:
             scatter_cache[skey] = scatter_saving(
-                [OpPartition(pu.dims, s, mesh) for s in strategies[u]],
+                partitions[u],
                 k_out,
-                [OpPartition(pv.dims, s, mesh) for s in strategies[v]],
+                partitions[v],
                 k_in,
                 fwd[1] if fwd else [None] * len(strategies[u]),
                 bwd[1] if bwd else [None] * len(strategies[v]),
@@ -202,9 +204,7 @@ def price_graph(
             scatter[(u, v)] = scatter_cache[skey]
             edge_cost[(u, v)] = edge_cost[(u, v)] - scatter[(u, v)].forward_s - scatter[(u, v)].backward_s
     for u, k_u, v, k_v in shared_parameters(graph):
-        producers = [OpPartition(graph.nodes[u].dims, s, mesh) for s in strategies[u]]
-        consumers = [OpPartition(graph.nodes[v].dims, s, mesh) for s in strategies[v]]
-        sec, nbytes = edge_cost_matrix(producers, k_u, consumers, k_v, cluster, values, opts, shared=True)
+        sec, nbytes = edge_cost_matrix(partitions[u], k_u, partitions[v], k_v, cluster, values, opts, shared=True)
         if (u, v) in edge_cost:
             sec, nbytes = sec + edge_cost[(u, v)], nbytes + edge_bytes[(u, v)]
         edge_cost[(u, v)], edge_bytes[(u, v)] = sec, nbytes

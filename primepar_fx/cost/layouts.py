@@ -227,7 +227,7 @@ def layout_ids(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: Values
     array depends only on each tensor dim's iteration dims (size, parts, every device's DSI), so different ops
     and partitions that slice a tensor alike share one (:func:`_layout_of_slices`).
     """
-    part = OpPartition(*key)
+    part = bound_partition(key)
     sizes = concrete_sizes(part.op, vkey)
     idx = _dsi_table(key, phase, t)
     return _layout_of_slices(
@@ -237,7 +237,13 @@ def layout_ids(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: Values
 
 @lru_cache(maxsize=1 << 12)
 def _dsi_table(key: PartKey, phase: Phase, t: int) -> dict[str, np.ndarray]:
-    return OpPartition(*key).dsi_table(phase, t)
+    return bound_partition(key).dsi_table(phase, t)
+
+
+@lru_cache(maxsize=1 << 15)
+def bound_partition(key: PartKey) -> OpPartition:
+    """One shared :class:`OpPartition` per ``(op, seq, mesh)`` (binding a sequence is checked work; read it only)."""
+    return OpPartition(*key)
 
 
 @lru_cache(maxsize=1 << 14)
@@ -324,6 +330,7 @@ def clear_layout_caches() -> None:
     layout.cache_clear()
     layout_ids.cache_clear()
     _dsi_table.cache_clear()
+    bound_partition.cache_clear()
     _layout_of_slices.cache_clear()
     set_number.cache_clear()
     index_set.cache_clear()
