@@ -50,6 +50,12 @@ class PricedGraph:
     scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
 
 
+def _frozen(values: list[float]) -> np.ndarray:
+    out = np.array(values)
+    out.flags.writeable = False
+    return out
+
+
 def node_key(node: OpNode) -> tuple:
     return (node.dims, node.target)
 
@@ -208,13 +214,18 @@ def price_graph(
         if (u, v) in edge_cost:
             sec, nbytes = sec + edge_cost[(u, v)], nbytes + edge_bytes[(u, v)]
         edge_cost[(u, v)], edge_bytes[(u, v)] = sec, nbytes
+    vectors = {  # per node cache entry: (seconds, memory bytes) of every strategy, shared (read-only) by its nodes
+        entry: (
+            _frozen([c.time_s for c in priced]),
+            _frozen([float(c.memory_bytes(opts.optimizer_states)) for c in priced]),
+        )
+        for entry, _, priced, _ in node_cache.values()
+    }
     cg = CostGraph(
         nodes=tuple(graph.nodes),
-        node_cost={n: np.array([c.time_s for c in cs]) for n, cs in costs.items()},
+        node_cost={n: vectors[space[n]][0] for n in costs},
         edge_cost=edge_cost,
-        node_memory={
-            n: np.array([float(c.memory_bytes(opts.optimizer_states)) for c in cs]) for n, cs in costs.items()
-        },
+        node_memory={n: vectors[space[n]][1] for n in costs},
         node_key={n: node_key(graph.nodes[n]) for n in graph.nodes},
     )
     seconds = time.perf_counter() - start

@@ -114,29 +114,33 @@ class CostGraph:
         extra = set(self.node_cost) - set(nodes)
         if extra:
             raise ValueError(f"node_cost names unknown node(s) {sorted(extra)[:3]}")
-        costs = {}
+        costs, seen = {}, set()
         for n in nodes:
             if n not in self.node_cost:
                 raise ValueError(f"node {n!r} has no node_cost")
             arr = _as_vector(n, "node_cost", self.node_cost[n])
-            _check_values(arr, f"node_cost[{n!r}]", allow_inf=True)
+            if id(arr) not in seen:  # nodes of identical layers share one array: check it once
+                _check_values(arr, f"node_cost[{n!r}]", allow_inf=True)
+                seen.add(id(arr))
             costs[n] = arr
         return costs
 
     def _checked_memory(self, nodes: tuple[str, ...], costs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         if self.node_memory is None:
             return None
-        memory = {}
+        memory, seen = {}, set()
         for n in nodes:
             arr = _as_vector(n, "node_memory", self.node_memory.get(n, np.zeros(costs[n].shape)))
             if arr.shape != costs[n].shape:
                 raise ValueError(f"node_memory[{n!r}] has shape {arr.shape}, node_cost has {costs[n].shape}")
-            _check_values(arr, f"node_memory[{n!r}]", allow_inf=False)
+            if id(arr) not in seen:
+                _check_values(arr, f"node_memory[{n!r}]", allow_inf=False)
+                seen.add(id(arr))
             memory[n] = arr
         return memory
 
     def _checked_edges(self, index: dict[str, int], costs: dict[str, np.ndarray]) -> dict[tuple[str, str], np.ndarray]:
-        edges = {}
+        edges, seen = {}, set()
         for (u, v), value in self.edge_cost.items():
             if u not in index or v not in index:
                 raise ValueError(f"edge ({u!r}, {v!r}) names a node that is not in the graph")
@@ -146,7 +150,9 @@ class CostGraph:
             want = (costs[u].size, costs[v].size)
             if arr.shape != want:
                 raise ValueError(f"edge_cost[({u!r}, {v!r})] has shape {arr.shape}, expected {want}")
-            _check_values(arr, f"edge_cost[({u!r}, {v!r})]", allow_inf=True)
+            if id(arr) not in seen:
+                _check_values(arr, f"edge_cost[({u!r}, {v!r})]", allow_inf=True)
+                seen.add(id(arr))
             edges[(u, v)] = arr
         return edges
 
