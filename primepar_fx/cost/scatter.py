@@ -99,17 +99,20 @@ def scatters_many(held: np.ndarray, needed: np.ndarray, groups: Sequence[Sequenc
     sizes = np.array(SETS.sizes, dtype=np.int64)
     block = held[ranks[:, 0]]  # (groups, dims)
     ok = ~(needed == held[None]).all(axis=(1, 2))
-    ok[ok] = (SETS.pairwise(block[None, :, None], needed[ok][:, ranks]) == sizes[needed[ok][:, ranks]]).all(
-        axis=(1, 2, 3)
-    )  # every part inside its group's block, dim by dim
+    # the cheap test first: a group's parts are of one size, group size times that is the block's
     parts = needed[ok][:, ranks]  # (candidates, groups, group size, dims)
     part_size = sizes[parts].prod(axis=-1)
     equal = (part_size == part_size[..., :1]).all(axis=-1) & (
         part_size[..., 0] * ranks.shape[1] == sizes[block].prod(-1)
     )
+    ok[ok] = keep = equal.all(axis=-1)
+    parts = parts[keep]
+    ok[ok] = keep = (SETS.pairwise(block[None, :, None], parts) == sizes[parts]).all(
+        axis=(1, 2, 3)
+    )  # every part inside its group's block, dim by dim
+    parts = parts[keep]
     a, b = np.triu_indices(ranks.shape[1], 1)
-    disjoint = (block_overlaps(parts[:, :, a], parts[:, :, b]) == 0).all(axis=-1)
-    ok[ok] = (equal & disjoint).all(axis=-1)
+    ok[ok] = (block_overlaps(parts[:, :, a], parts[:, :, b]) == 0).all(axis=(1, 2))  # disjoint
     return ok
 
 
