@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
+import numpy as np
 import pytest
 import sympy
 from hypothesis import HealthCheck, given, settings
@@ -480,3 +481,15 @@ def test_scalar_edge_moves_nothing() -> None:
     assert (r.forward_elems, r.backward_elems, r.total_elems) == (0, 0, 0)
     fwd, bwd = redistribution_matrix([bind(loss, "B", (2,))], 0, [bind(scale, "R", (2,))], 0, {})
     assert fwd.tolist() == bwd.tolist() == [[0]]
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 5), (2, 7, 4, 3), (1, 64), (4, 13), (2, 1, 2)])
+def test_pack_puts_flag_r_in_bit_r(shape):
+    from primepar_fx.cost.redistribute import _pack
+
+    flags = np.random.default_rng(sum(shape)).random(shape) < 0.5
+    words = _pack(flags)
+    assert words.dtype == np.uint64 and words.shape == flags.shape[:1] + flags.shape[2:]
+    for r in range(flags.shape[1]):
+        assert np.array_equal((words >> np.uint64(r)) & np.uint64(1), flags[:, r].astype(np.uint64))
+    assert not (words >> np.uint64(flags.shape[1])).any()  # no bit past the last flag

@@ -23,7 +23,7 @@ import sympy
 
 from primepar_fx.partition.dsi import OpPartition, PartitionError, Phase
 from primepar_fx.partition.mesh import DeviceMesh
-from primepar_fx.partition.seq import PartitionSeq
+from primepar_fx.partition.seq import PartitionSeq, Prime
 from primepar_fx.rules.spec import OpDims, TensorMap
 
 #: Sorted, disjoint, half-open ``(start, stop)`` intervals of flat indices along one tensor dim.
@@ -229,15 +229,35 @@ def layout_ids(key: PartKey, tmap: TensorMap, phase: Phase, t: int, vkey: Values
     """
     part = bound_partition(key)
     sizes = concrete_sizes(part.op, vkey)
-    idx = _dsi_table(key, phase, t)
+    idx = _split_dsis(key, phase, t)
+    zero = _zero_dsis(part.mesh.size)
     return _layout_of_slices(
-        part.mesh.size, tuple(tuple((sizes[d], part.parts[d], idx[d].tobytes()) for d in group) for group in tmap)
+        part.mesh.size, tuple(tuple((sizes[d], part.parts[d], idx.get(d, zero)) for d in group) for group in tmap)
     )
 
 
-@lru_cache(maxsize=1 << 12)
-def _dsi_table(key: PartKey, phase: Phase, t: int) -> dict[str, np.ndarray]:
-    return bound_partition(key).dsi_table(phase, t)
+#: :func:`_split_dsis` per ``(seq, mesh, phase, t, matmul roles when the sequence has a P(S x S))``
+_SPLIT_DSIS: dict[tuple, dict[str, bytes]] = {}
+
+
+def _split_dsis(key: PartKey, phase: Phase, t: int) -> dict[str, bytes]:
+    """Every device's DSI (int64 bytes, rank order) of each dim the partition cuts; an uncut dim's is 0 everywhere.
+
+    Algorithm 1 reads only the sequence, the mesh and, for a P(S x S), which dims are M, N and K, so ops that share
+    a sequence share the table."""
+    op, seq, mesh = key
+    prime = any(isinstance(e, Prime) for e in seq.elements)
+    memo = (seq, mesh, phase, t, op.matmul if prime else None)
+    if memo not in _SPLIT_DSIS:
+        part = bound_partition(key)
+        table = part.dsi_table(phase, t)
+        _SPLIT_DSIS[memo] = {d: table[d].tobytes() for d in op.dims if part.parts[d] > 1}
+    return _SPLIT_DSIS[memo]
+
+
+@lru_cache(maxsize=64)
+def _zero_dsis(world: int) -> bytes:
+    return np.zeros(world, dtype=np.int64).tobytes()
 
 
 @lru_cache(maxsize=1 << 15)
@@ -329,7 +349,7 @@ def clear_layout_caches() -> None:
     concrete_sizes.cache_clear()
     layout.cache_clear()
     layout_ids.cache_clear()
-    _dsi_table.cache_clear()
+    _SPLIT_DSIS.clear()
     bound_partition.cache_clear()
     _layout_of_slices.cache_clear()
     set_number.cache_clear()

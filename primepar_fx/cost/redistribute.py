@@ -269,9 +269,12 @@ def _class_messages(first: tuple[int, ...], mesh: DeviceMesh, devices_per_node: 
 
 
 def _pack(flags: np.ndarray) -> np.ndarray:
-    """``out[i, ...] = sum_r flags[i, r, ...] << r`` for at most 64 flags along axis 1, as uint64."""
-    weights = np.left_shift(np.uint64(1), np.arange(flags.shape[1], dtype=np.uint64))
-    return np.bitwise_or.reduce(np.where(flags, weights.reshape(-1, *([1] * (flags.ndim - 2))), np.uint64(0)), axis=1)
+    """``out[i, ...] = sum_r flags[i, r, ...] << r`` for at most 64 flags along axis 1, as uint64: the flags packed
+    8 to a byte (least significant bit first), the 8 bytes read as one little-endian word."""
+    packed = np.moveaxis(np.packbits(flags, axis=1, bitorder="little"), 1, -1)
+    if packed.shape[-1] < 8:
+        packed = np.concatenate([packed, np.zeros((*packed.shape[:-1], 8 - packed.shape[-1]), np.uint8)], axis=-1)
+    return np.ascontiguousarray(packed).view(np.dtype("<u8")).astype(np.uint64, copy=False)[..., 0]
 
 
 def _popcount(words: np.ndarray) -> np.ndarray:
