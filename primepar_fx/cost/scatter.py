@@ -110,10 +110,23 @@ def scatters_many(held: np.ndarray, needed: np.ndarray, groups: Sequence[Sequenc
     ok[ok] = keep = (SETS.pairwise(block[None, :, None], parts) == sizes[parts]).all(
         axis=(1, 2, 3)
     )  # every part inside its group's block, dim by dim
-    parts = parts[keep]
-    a, b = np.triu_indices(ranks.shape[1], 1)
-    ok[ok] = (block_overlaps(parts[:, :, a], parts[:, :, b]) == 0).all(axis=(1, 2))  # disjoint
+    ok[ok] = _distinct_parts(parts[keep])
     return ok
+
+
+def _distinct_parts(parts: np.ndarray) -> np.ndarray:
+    """Per candidate, whether the parts of each group are pairwise disjoint; ``parts`` is ``(candidates, groups,
+    group size, dims)`` of set numbers from one layout. Blocks of one layout are equal or disjoint, so the parts
+    are disjoint when no two are equal: sorted as mixed-radix codes, no two neighbours match."""
+    base = max(1, len(SETS.sets))
+    if parts.shape[-1] * base.bit_length() > 62:  # too many dims to code in one int64: test every pair
+        a, b = np.triu_indices(parts.shape[2], 1)
+        return (block_overlaps(parts[:, :, a], parts[:, :, b]) == 0).all(axis=(1, 2))
+    code = np.zeros(parts.shape[:-1], dtype=np.int64)
+    for d in range(parts.shape[-1]):
+        code = code * base + parts[..., d]
+    code.sort(axis=-1)
+    return (np.diff(code, axis=-1) != 0).all(axis=(1, 2))
 
 
 def broadcasts_many(op: OpDims, bias: int, held: np.ndarray, needed: np.ndarray) -> np.ndarray:
