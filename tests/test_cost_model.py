@@ -416,3 +416,33 @@ def test_edges_with_the_same_distinct_layouts_share_one_priced_direction():
             fresh += 1
     assert fresh > 20
     assert shared < fresh  # edges share priced directions
+
+
+@pytest.mark.parametrize("world", [8, 32])
+def test_pricing_on_two_threads_gives_the_costs_of_one(world):
+    """``price_graph(workers=2)`` prices the re-layouts on two threads; every cost and byte count is bit-identical
+    to one thread, each priced from empty caches."""
+    import dataclasses
+
+    from primepar_fx import analyze
+    from primepar_fx.cost.costgraph import price_graph
+    from primepar_fx.cost.redistribute import clear_caches
+    from primepar_fx.models import build, example_inputs, get_config
+    from primepar_fx.planner import search_mesh
+    from primepar_fx.shapes import B, S
+
+    config = dataclasses.replace(get_config("llama-tiny"), layers=2)
+    graph = analyze(build(config, device="meta"), *example_inputs(config, 2, 16, device="meta"))
+    cluster = load_cluster("v100-paper")
+    mesh = search_mesh(cluster.mesh(world), None)
+    priced = []
+    for workers in (1, 2):
+        clear_caches()
+        priced.append(price_graph(graph, mesh, cluster, {B: 16, S: 64}, CostOptions(), workers=workers))
+    one, two = priced
+    for n in one.cost_graph.nodes:
+        np.testing.assert_array_equal(one.cost_graph.node_cost[n], two.cost_graph.node_cost[n])
+    assert one.cost_graph.edge_cost.keys() == two.cost_graph.edge_cost.keys()
+    for e, cost in one.cost_graph.edge_cost.items():
+        np.testing.assert_array_equal(cost, two.cost_graph.edge_cost[e], err_msg=str(e))
+        np.testing.assert_array_equal(one.edge_bytes[e], two.edge_bytes[e], err_msg=str(e))

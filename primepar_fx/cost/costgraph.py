@@ -11,6 +11,7 @@ shape, not L times.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +24,15 @@ from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.layouts import bound_partition, values_key
-from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
-from primepar_fx.cost.redistribute import check_edge, consumer_sides, pairs_of, producer_sides
+from primepar_fx.cost.model import (
+    CostOptions,
+    NodeCost,
+    direction_key,
+    edge_cost_matrix,
+    node_cost,
+    price_directions,
+)
+from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
 from primepar_fx.gcpause import gc_paused
 from primepar_fx.graph import OpGraph, OpNode
@@ -48,6 +56,16 @@ class PricedGraph:
     #: edges where an all-reduce and the re-layout after it fuse into a reduce-scatter, for some strategy pairs;
     #: ``edge_cost`` already has the seconds saved subtracted (:mod:`primepar_fx.cost.scatter`)
     scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
+
+
+def default_workers() -> int:
+    """Threads for pricing re-layouts: one per core this process may use, at most two (more gain little: the rest
+    of the work holds the GIL)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
 
 
 def _frozen(values: list[float]) -> np.ndarray:
@@ -101,6 +119,7 @@ def price_graph(
     replicate_constants: bool = True,
     restrict: Callable[[str, list[PartitionSeq]], list[PartitionSeq]] | None = None,
     progress: bool = False,
+    workers: int | None = None,
 ) -> PricedGraph:
     """Build the :class:`CostGraph`; ``fixed`` pins some nodes to one sequence (used to price baselines).
 
@@ -116,6 +135,9 @@ def price_graph(
     replicated constant ones) to the ones it returns, e.g. to force P(S x S) wherever it is legal.
 
     ``progress`` shows a progress bar per pass (nodes, then edges) on stderr.
+
+    ``workers``: threads that price the distinct re-layouts (:func:`~primepar_fx.cost.model.price_directions`);
+    by default one per core, at most two. The costs do not depend on it.
     """
     start = time.perf_counter()
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
@@ -169,24 +191,37 @@ def price_graph(
             fusable_cache[key] = (len(fusable_cache), found) if any(found) else None
         return fusable_cache[key]
 
-    edges = graph.graph.edges(data=True)
-    for u, v, data in tqdm(edges, total=len(edges), desc="pricing edges", disable=not progress, leave=False):
+    # every data-flow edge with its cache key; each distinct key's layouts, and the directions they re-lay out
+    flows: list[tuple[str, str, int, int, tuple]] = []
+    layouts: dict[tuple, tuple] = {}  # edge key -> (pairs, direction keys)
+    directions: dict[tuple, LayoutPairs] = {}
+    for u, v, data in graph.graph.edges(data=True):
         pu, pv = graph.nodes[u], graph.nodes[v]
         k_in, k_out = data["dst_in"], out_index(pv)
         if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
             continue
-        key = (space[u], space[v], k_out, k_in, tensor_itemsize(graph.fx_node(u), k_out, opts))
+        item = tensor_itemsize(graph.fx_node(u), k_out, opts)
+        key = (space[u], space[v], k_out, k_in, item)
+        flows.append((u, v, k_in, k_out, key))
+        if key in layouts:
+            continue
+        check_edge(partitions[u][0], k_out, partitions[v][0], k_in, vkey)
+        if (space[u], k_out) not in sides:  # a node's layouts, shared by its edges
+            sides[space[u], k_out] = producer_sides(partitions[u], k_out, vkey)
+        if (space[v], k_in, None) not in sides:
+            sides[space[v], k_in, None] = consumer_sides(partitions[v], k_in, vkey)
+        pairs = pairs_of(sides[space[u], k_out], sides[space[v], k_in, None])
+        dkeys = tuple(None if d is None else direction_key(d, mesh, cluster, item) for d in pairs)
+        layouts[key] = pairs, dkeys
+        directions.update((k, d) for k, d in zip(dkeys, pairs) if k is not None)
+    price_directions(directions, mesh, cluster, workers=default_workers() if workers is None else workers)
+    for u, v, k_in, k_out, key in tqdm(flows, desc="pricing edges", disable=not progress, leave=False):
+        pu, pv = graph.nodes[u], graph.nodes[v]
         if key not in edge_cache:
+            pairs, dkeys = layouts[key]
             producers, consumers = partitions[u], partitions[v]
-            check_edge(producers[0], k_out, consumers[0], k_in, vkey)
-            if (space[u], k_out) not in sides:  # a node's layouts, shared by its edges
-                sides[space[u], k_out] = producer_sides(producers, k_out, vkey)
-            if (space[v], k_in, None) not in sides:
-                sides[space[v], k_in, None] = consumer_sides(consumers, k_in, vkey)
-            pairs = pairs_of(sides[space[u], k_out], sides[space[v], k_in, None])
-            item = tensor_itemsize(graph.fx_node(u), k_out, opts)
             edge_cache[key] = edge_cost_matrix(
-                producers, k_out, consumers, k_in, cluster, values, opts, itemsize=item, pairs=pairs
+                producers, k_out, consumers, k_in, cluster, values, opts, itemsize=key[-1], pairs=pairs, keys=dkeys
             )
         edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
         fwd = fusable_all(u, pu, None) if k_out == 0 else None

@@ -42,6 +42,8 @@ and ints (bytes).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
@@ -238,13 +240,14 @@ def edge_cost_matrix(
     shared: bool = False,
     itemsize: int | None = None,
     pairs: tuple[LayoutPairs, LayoutPairs | None] | None = None,
+    keys: tuple[tuple | None, tuple | None] = (None, None),
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(seconds, bytes)`` of Eq. 8-9 redistribution for every (producer, consumer) partition pair.
 
     ``shared``: a parameter both nodes read (see :func:`~primepar_fx.cost.redistribute.redistribution_matrix`).
     ``itemsize``: bytes per element of this tensor when it is not a floating-point activation of ``opts.dtype``
     (token ids, masks). ``pairs``: the edge's :func:`~primepar_fx.cost.redistribute.edge_pairs`, when the caller
-    has them (from per-node sides it reuses across edges).
+    has them (from per-node sides it reuses across edges), and ``keys`` their :func:`direction_key` when known.
 
     ``bytes`` is the Forward plus Backward traffic summed over devices. Each direction costs the cheaper of
     :func:`p2p_seconds` and :func:`all_to_all_levels` (module docstring); which level the all-to-all runs at is
@@ -257,16 +260,42 @@ def edge_cost_matrix(
     fwd, bwd = pairs or edge_pairs(producers, out_index, consumers, in_index, values, shared)
     mesh = producers[0].mesh
     seconds, total = np.zeros((len(producers), len(consumers))), np.zeros((len(producers), len(consumers)), np.int64)
-    for direction, flip in ((fwd, False), (bwd, True)):
+    for direction, flip, known in ((fwd, False, keys[0]), (bwd, True, keys[1])):
         if direction is None:
             continue
-        key = (direction.digest(), mesh, cluster, item)
+        key = known or direction_key(direction, mesh, cluster, item)
         if key not in DIRECTIONS:
             DIRECTIONS[key] = _direction(direction, mesh, cluster, item)
         time, elems = (a[direction.held_of][:, direction.needed_of] for a in DIRECTIONS[key])
         seconds += time.T if flip else time
         total += elems.T if flip else elems
     return seconds, total * item
+
+
+def direction_key(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, item: int) -> tuple:
+    """The :data:`~primepar_fx.cost.redistribute.DIRECTIONS` key of one direction of a re-layout."""
+    return (pairs.digest(), mesh, cluster, item)
+
+
+def price_directions(jobs: Mapping[tuple, LayoutPairs], mesh: DeviceMesh, cluster: ClusterSpec, workers: int) -> None:
+    """Price every direction of ``jobs`` (keyed by :func:`direction_key`) that is not in ``DIRECTIONS`` yet, on up
+    to ``workers`` threads.
+
+    The work is numpy on arrays of (held layout, needed layout, device), which runs without the GIL, so two
+    threads use two cores. Each key's price is computed by one thread from the same inputs as alone, so the
+    result does not depend on the threads. What the threads share: the overlap memo of
+    :data:`~primepar_fx.cost.layouts.SETS`, where a lost write is recomputed later (no set is numbered while they
+    run), and ``lru_cache``d sender tables, which a race at worst computes twice.
+    """
+    todo = [(key, pairs) for key, pairs in jobs.items() if key not in DIRECTIONS]
+    if workers <= 1 or len(todo) <= 1:
+        for key, pairs in todo:
+            DIRECTIONS[key] = _direction(pairs, mesh, cluster, key[3])
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="primepar-price") as pool:
+        priced = pool.map(lambda job: _direction(job[1], mesh, cluster, job[0][3]), todo)
+        for (key, _), result in zip(todo, priced):
+            DIRECTIONS[key] = result
 
 
 def _direction(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, item: int) -> tuple[np.ndarray, np.ndarray]:
