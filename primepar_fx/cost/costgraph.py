@@ -191,10 +191,12 @@ def price_graph(
             fusable_cache[key] = (len(fusable_cache), found) if any(found) else None
         return fusable_cache[key]
 
-    # every data-flow edge with its cache key; each distinct key's layouts, and the directions they re-lay out
-    flows: list[tuple[str, str, int, int, tuple]] = []
+    # pass 1: every data-flow edge with its cache key; each distinct key's layouts and the directions they re-lay
+    # out; the edges where an all-reduce may fuse with the re-layout
+    flows: list[tuple[str, str, int, int, tuple, tuple | None]] = []
     layouts: dict[tuple, tuple] = {}  # edge key -> (pairs, direction keys)
     directions: dict[tuple, LayoutPairs] = {}
+    fusions: dict[tuple, tuple] = {}  # scatter key -> what scatter_saving needs
     for u, v, data in graph.graph.edges(data=True):
         pu, pv = graph.nodes[u], graph.nodes[v]
         k_in, k_out = data["dst_in"], out_index(pv)
@@ -202,7 +204,19 @@ def price_graph(
             continue
         item = tensor_itemsize(graph.fx_node(u), k_out, opts)
         key = (space[u], space[v], k_out, k_in, item)
-        flows.append((u, v, k_in, k_out, key))
+        fwd = fusable_all(u, pu, None) if k_out == 0 else None
+        bwd = fusable_all(v, pv, k_in) if pv.requires_grad and pu.requires_grad else None
+        skey = None if fwd is None and bwd is None else (key, fwd and fwd[0], bwd and bwd[0])
+        flows.append((u, v, k_in, k_out, key, skey))
+        if skey is not None and skey not in fusions:
+            fusions[skey] = (
+                partitions[u],
+                k_out,
+                partitions[v],
+                k_in,
+                fwd[1] if fwd else [None] * len(strategies[u]),
+                bwd[1] if bwd else [None] * len(strategies[v]),
+            )
         if key in layouts:
             continue
         check_edge(partitions[u][0], k_out, partitions[v][0], k_in, vkey)
@@ -214,9 +228,17 @@ def price_graph(
         dkeys = tuple(None if d is None else direction_key(d, mesh, cluster, item) for d in pairs)
         layouts[key] = pairs, dkeys
         directions.update((k, d) for k, d in zip(dkeys, pairs) if k is not None)
-    price_directions(directions, mesh, cluster, workers=default_workers() if workers is None else workers)
-    for u, v, k_in, k_out, key in tqdm(flows, desc="pricing edges", disable=not progress, leave=False):
-        pu, pv = graph.nodes[u], graph.nodes[v]
+
+    # pass 2: the re-layout directions on the worker threads, the reduce-scatter savings meanwhile on this one
+    def savings() -> None:
+        for skey, args in fusions.items():
+            scatter_cache[skey] = scatter_saving(*args, cluster, values, opts)
+
+    price_directions(
+        directions, mesh, cluster, workers=default_workers() if workers is None else workers, alongside=savings
+    )
+    # pass 3: each edge's matrices
+    for u, v, k_in, k_out, key, skey in tqdm(flows, desc="pricing edges", disable=not progress, leave=False):
         if key not in edge_cache:
             pairs, dkeys = layouts[key]
             producers, consumers = partitions[u], partitions[v]
@@ -224,24 +246,7 @@ def price_graph(
                 producers, k_out, consumers, k_in, cluster, values, opts, itemsize=key[-1], pairs=pairs, keys=dkeys
             )
         edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
-        fwd = fusable_all(u, pu, None) if k_out == 0 else None
-        bwd = fusable_all(v, pv, k_in) if pv.requires_grad and pu.requires_grad else None
-        if fwd is None and bwd is None:
-            continue
-        skey = (key, fwd and fwd[0], bwd and bwd[0])
-        if skey not in scatter_cache:
-            scatter_cache[skey] = scatter_saving(
-                partitions[u],
-                k_out,
-                partitions[v],
-                k_in,
-                fwd[1] if fwd else [None] * len(strategies[u]),
-                bwd[1] if bwd else [None] * len(strategies[v]),
-                cluster,
-                values,
-                opts,
-            )
-        if scatter_cache[skey] is not None:
+        if skey is not None and scatter_cache[skey] is not None:
             scatter[(u, v)] = scatter_cache[skey]
             edge_cost[(u, v)] = edge_cost[(u, v)] - scatter[(u, v)].forward_s - scatter[(u, v)].backward_s
     for u, k_u, v, k_v in shared_parameters(graph):

@@ -42,7 +42,7 @@ and ints (bytes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -277,9 +277,15 @@ def direction_key(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, it
     return (pairs.digest(), mesh, cluster, item)
 
 
-def price_directions(jobs: Mapping[tuple, LayoutPairs], mesh: DeviceMesh, cluster: ClusterSpec, workers: int) -> None:
+def price_directions(
+    jobs: Mapping[tuple, LayoutPairs],
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    workers: int,
+    alongside: Callable[[], None] | None = None,
+) -> None:
     """Price every direction of ``jobs`` (keyed by :func:`direction_key`) that is not in ``DIRECTIONS`` yet, on up
-    to ``workers`` threads.
+    to ``workers`` threads; ``alongside()`` runs on the calling thread meanwhile (it must number no new index set).
 
     The work is numpy on arrays of (held layout, needed layout, device), which runs without the GIL, so two
     threads use two cores. Each key's price is computed by one thread from the same inputs as alone, so the
@@ -288,14 +294,23 @@ def price_directions(jobs: Mapping[tuple, LayoutPairs], mesh: DeviceMesh, cluste
     run), and ``lru_cache``d sender tables, which a race at worst computes twice.
     """
     todo = [(key, pairs) for key, pairs in jobs.items() if key not in DIRECTIONS]
-    if workers <= 1 or len(todo) <= 1:
+    if workers <= 1 or not todo:
+        if alongside is not None:
+            alongside()
         for key, pairs in todo:
             DIRECTIONS[key] = _direction(pairs, mesh, cluster, key[3])
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="primepar-price") as pool:
-        priced = pool.map(lambda job: _direction(job[1], mesh, cluster, job[0][3]), todo)
-        for (key, _), result in zip(todo, priced):
-            DIRECTIONS[key] = result
+        priced = [pool.submit(_direction, pairs, mesh, cluster, key[3]) for key, pairs in todo]
+        if alongside is not None:
+            try:
+                alongside()
+            except BaseException:
+                for future in priced:
+                    future.cancel()  # what has started ends before the pool is left
+                raise
+        for (key, _), future in zip(todo, priced):
+            DIRECTIONS[key] = future.result()
 
 
 def _direction(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, item: int) -> tuple[np.ndarray, np.ndarray]:
