@@ -168,14 +168,14 @@ class IndexSets:
         if max(a.max(), b.max()) >= min(len(self.sets), self.MEMO_SETS) or prod(shape) > 4 * (a.size + b.size):
             # an outer product: gather from the small table of the distinct sets, which stays in cache
             (ua, ia), (ub, ib) = self.distinct(a), self.distinct(b)
-            return self.overlaps(ua, ub)[ia, ib]
+            return _gather(self.overlaps(ua, ub), ia, ib)
         self.overlaps(a[:0], b[:0])  # grow the table to the sets numbered so far
-        out = self.memo[a, b]
+        out = _gather(self.memo, a, b)
         missing = out < 0
         if missing.any():
             a_missing, b_missing = np.broadcast_to(a, out.shape)[missing], np.broadcast_to(b, out.shape)[missing]
             self.overlaps(np.unique(a_missing), np.unique(b_missing))
-            out = self.memo[a, b]
+            out = _gather(self.memo, a, b)
         return out
 
     def distinct(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -206,6 +206,12 @@ class IndexSets:
             within = covered(self.bounds[k], bounds[:, 1]) - covered(self.bounds[k], bounds[:, 0])
             out[:, j] = np.add.reduceat(within, starts)
         return out
+
+
+def _gather(table: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``table[rows, cols]`` with ``rows`` and ``cols`` broadcast, as one ``take`` on flat indices (2-3x faster than
+    two-array fancy indexing on these shapes)."""
+    return table.ravel().take(rows * table.shape[1] + cols)
 
 
 #: The numbering of every index set in a layout (:func:`layout_ids`); :func:`clear_layout_caches` resets it.

@@ -361,7 +361,9 @@ class LayoutPairs:
                 for d, (ns, ni) in enumerate(needed_sets):
                     hs, hi = SETS.distinct(self.held[i, ranks, d])
                     meets = SETS.overlaps(hs, ns) > 0  # [held set, needed set] of dim d
-                    word = _pack(meets[hi.reshape(-1, min(64, world - r))])[:, ni.reshape(len(self.needed), world)]
+                    word = np.take(
+                        _pack(meets[hi.reshape(-1, min(64, world - r))]), ni.reshape(len(self.needed), world), axis=1
+                    )
                     bits = word if bits is None else np.bitwise_and(bits, word, out=bits)
                 if bits is None:  # a scalar: every block meets every other
                     bits = np.full((len(self.held[i]), len(self.needed), world), ~np.uint64(0))
@@ -393,7 +395,7 @@ class LayoutPairs:
             table = block_overlaps(held_rows[:, None], needed_rows[None])  # [held block, needed block]
             repeat = np.tril(held_at[:, :, None] == held_at[:, None, :], -1).any(axis=-1)  # an earlier rank holds it
             cover = (table[held_at] * ~repeat[..., None]).sum(axis=1)  # [i, needed block]
-            out &= (cover[:, needed_at] >= volume[None][..., on]).all(axis=-1)
+            out &= (np.take(cover, needed_at, axis=1) >= volume[None][..., on]).all(axis=-1)
         return out
 
 
