@@ -183,7 +183,7 @@ class IndexSets:
         in a table of every set number instead of sorted (the numbers are few and small)."""
         x = np.asarray(x, dtype=np.int64)
         bound = len(self.sets)
-        if x.size * 8 < bound:  # a small array among many sets: sorting is cheaper than the table
+        if x.size * 64 < bound:  # a small array among very many sets: sorting is cheaper than the table
             out, inverse = np.unique(x, return_inverse=True)
             return out, inverse.reshape(x.shape)
         seen = np.zeros(bound, dtype=bool)
@@ -192,11 +192,14 @@ class IndexSets:
         return np.flatnonzero(seen), rank[x]
 
     def _intersect(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """:meth:`overlaps` computed, vectorised over the intervals of the ``a`` sets.
+        """:meth:`overlaps` computed, one set of the shorter list at a time, vectorised over the intervals of all
+        the sets of the longer.
 
         An interval ``[lo, hi)`` meets a set ``B`` in ``F_B(hi) - F_B(lo)`` elements (:func:`covered`), and
-        ``|A ∩ B|`` is the sum of that over the intervals of ``A``.
+        ``|A ∩ B|`` is the sum of that over the intervals of ``A``; the count is symmetric.
         """
+        if len(a) < len(b):
+            return self._intersect(b, a).T.copy()
         out = np.zeros((len(a), len(b)), dtype=np.int64)
         if not len(a):
             return out
