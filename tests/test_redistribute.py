@@ -493,3 +493,24 @@ def test_pack_puts_flag_r_in_bit_r(shape):
     for r in range(flags.shape[1]):
         assert np.array_equal((words >> np.uint64(r)) & np.uint64(1), flags[:, r].astype(np.uint64))
     assert not (words >> np.uint64(flags.shape[1])).any()  # no bit past the last flag
+
+
+def test_pairwise_fills_what_it_missed_from_its_own_answer_not_the_shared_table():
+    """Pricing threads share the overlap table, and one may swap it for a bigger copy that lacks the values another
+    just wrote. ``pairwise`` must fill its gaps from what ``overlaps`` returned, never by re-reading the table."""
+    from primepar_fx.cost.layouts import IndexSets
+
+    sets = IndexSets()
+    numbers = [sets.add(index_set((8,), ((i, 4),))) for i in range(4)] + [sets.add(index_set((8,), ((1, 2),)))]
+    computed = sets.overlaps
+
+    def swapped_after(a, b):  # another thread grows the table right after this one wrote into the old one
+        out = computed(a, b)
+        sets.memo = np.full_like(sets.memo, -1)
+        return out
+
+    sets.overlaps = swapped_after
+    a, b = np.array(numbers)[:, None], np.array(numbers[::-1])[None, :]
+    got = sets.pairwise(a, b)
+    want = [[overlap(sets.sets[i], sets.sets[j]) for j in numbers[::-1]] for i in numbers]
+    assert got.tolist() == want and (got >= 0).all()

@@ -13,6 +13,7 @@ arrays; :class:`IndexSets` remembers the size of each pair of sets' intersection
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping
 from functools import lru_cache
 from math import prod
@@ -116,6 +117,7 @@ class IndexSets:
     MEMO_SETS = 4096
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.clear()
 
     def clear(self) -> None:
@@ -135,7 +137,8 @@ class IndexSets:
             self.bounds.append(np.array(s, dtype=np.int64).reshape(len(s), 2))
             self.sizes.append(set_size(s))
             if self.sizes[-1] > np.iinfo(self.memo.dtype).max:
-                self.memo = self.memo.astype(np.int64)
+                with self.lock:
+                    self.memo = self.memo.astype(np.int64)
         return k
 
     def overlaps(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -143,19 +146,22 @@ class IndexSets:
         :attr:`MEMO_SETS` sets; past that, pairs among the later sets are intersected on every call)."""
         a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
         n = min(len(self.sets), self.MEMO_SETS)
-        if len(self.memo) < n:
-            grown = np.full((max(n, min(2 * len(self.memo), self.MEMO_SETS)),) * 2, -1, dtype=self.memo.dtype)
-            grown[: len(self.memo), : len(self.memo)] = self.memo
-            self.memo = grown
-        limit = min(len(self.memo), self.MEMO_SETS)
+        with self.lock:  # the pricing threads share the table (price_directions): one grows it at a time
+            if len(self.memo) < n:
+                old = self.memo
+                grown = np.full((max(n, min(2 * len(old), self.MEMO_SETS)),) * 2, -1, dtype=old.dtype)
+                grown[: len(old), : len(old)] = old
+                self.memo = grown
+            memo = self.memo
+        limit = min(len(memo), self.MEMO_SETS)
         if not len(a) or not len(b) or a.max() >= limit or b.max() >= limit:
             return self._intersect(a, b)
-        out = self.memo[np.ix_(a, b)]
+        out = memo[np.ix_(a, b)]
         missing = out < 0
         if missing.any():
             rows, cols = np.flatnonzero(missing.any(axis=1)), np.flatnonzero(missing.any(axis=0))
             fresh = self._intersect(a[rows], b[cols])
-            self.memo[np.ix_(a[rows], b[cols])] = fresh
+            memo[np.ix_(a[rows], b[cols])] = fresh  # into a table since swapped for a bigger one: recomputed later
             out[np.ix_(rows, cols)] = fresh
         return out
 
@@ -172,10 +178,10 @@ class IndexSets:
         self.overlaps(a[:0], b[:0])  # grow the table to the sets numbered so far
         out = _gather(self.memo, a, b)
         missing = out < 0
-        if missing.any():
-            a_missing, b_missing = np.broadcast_to(a, out.shape)[missing], np.broadcast_to(b, out.shape)[missing]
-            self.overlaps(np.unique(a_missing), np.unique(b_missing))
-            out = _gather(self.memo, a, b)
+        if missing.any():  # filled from what overlaps returns, not re-read: another thread may swap the table
+            wanted = (np.broadcast_to(x, out.shape)[missing] for x in (a, b))
+            (ua, ia), (ub, ib) = (np.unique(x, return_inverse=True) for x in wanted)
+            out[missing] = self.overlaps(ua, ub)[ia.reshape(-1), ib.reshape(-1)]
         return out
 
     def distinct(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
