@@ -154,7 +154,9 @@ def capture(
         for key, value in bound.items()
     }
     log.info("exporting %s (batch=%d, seq=%d, seq_max=%s)", model_name, batch, seq, seq_max)
-    with _record_shape_events() as events:
+    # FakeTensor's dispatch cache: nearly every op of a symbolic trace misses it, and building its entries costs
+    # about a quarter of the export (llama2-70b, two layers: 1.08 -> 0.81 s); the graph is the same without it
+    with _record_shape_events() as events, torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
         try:
             program = torch.export.export(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes if dynamic else None, strict=False
