@@ -8,6 +8,7 @@ single-device products exactly (integer-valued float64 data).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -222,7 +223,7 @@ def test_enumeration_counts_are_exact_on_two_and_four_devices() -> None:
     odd = linear_dims(4, 3, 4, 4)  # M = 3 cannot be halved, so neither Split(M) nor P2x2
     assert {str(s) for s in enumerate_sequences(odd, DeviceMesh((2,)))} == {"B", "N", "K", "R"}
     assert "P2x2" not in {str(s) for s in enumerate_sequences(odd, DeviceMesh((2, 2)))}
-    no_m = OpDims(**{**{f: getattr(op, f) for f in op.__slots__ if f != "no_split"}, "no_split": frozenset({"N"})})
+    no_m = dataclasses.replace(op, no_split=frozenset({"N"}))
     assert all("N" not in str(s) and "P" not in str(s) for s in enumerate_sequences(no_m, DeviceMesh((2, 2))))
 
 
@@ -305,6 +306,35 @@ def test_a_row_parallel_bias_gradient_needs_no_reduction_over_the_contraction() 
     part = OpPartition(biased, PartitionSeq.parse("B,N"), DeviceMesh((2, 2)))
     got = {(c.phase, c.tensor): c.digits for c in collectives(part)}
     assert got == {(F, "out0"): (1,), (G, "d_in1"): (0,), (G, "d_in2"): (0,)}  # bias: data-parallel digit only
+
+
+def test_a_mean_loss_and_a_sum_loss_differ_as_keys_and_in_their_collectives() -> None:
+    """OpDims that differ only in ``extra`` (here the loss reduction) are different keys of the memos keyed on them:
+    a mean all-reduces its row count alongside the sum, a sum does not, whichever was memoised first."""
+    n = sympy.Symbol("N", positive=True, integer=True)
+
+    def loss(reduction: str) -> OpDims:
+        return OpDims(
+            "loss",
+            ("N", "C"),
+            (n, sympy.Integer(8)),
+            inputs=((("N",), ("C",)), (("N",),)),
+            outputs=((),),
+            stats=frozenset({"C"}),
+            no_grad=frozenset({1}),
+            extra={"reduction": reduction},
+        )
+
+    total, mean = loss("sum"), loss("mean")
+    assert total != mean and hash(total) != hash(mean) and dataclasses.replace(mean) == mean
+    mesh = DeviceMesh((2,))
+    counts = {
+        op.extra["reduction"]: [c.count for c in collectives(OpPartition(op, PartitionSeq.parse("N"), mesh))]
+        for op in (total, mean)
+    }
+    assert counts == {"sum": [1], "mean": [2]}
+    with pytest.raises(ValueError, match=r"hashable.*\['bad'\]"):
+        dataclasses.replace(mean, extra={"bad": [1]})
 
 
 def test_canonical_enumeration_keeps_one_order_per_level_and_is_a_subset() -> None:

@@ -13,6 +13,7 @@ result tensor) and therefore which collectives a split needs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +65,19 @@ class OpDims:
     weights: frozenset[int] = frozenset()
     no_grad: frozenset[int] = frozenset()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    #: ``extra`` as sorted ``(key, value)`` pairs, set from it: what ``extra`` says takes part in equality and
+    #: hashing (a mean loss all-reduces its row count and a sum loss does not; the caches keyed on OpDims must tell
+    #: them apart), although the dict itself cannot be hashed
+    extra_key: tuple[tuple[str, Any], ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
+        extra_key = tuple(sorted(self.extra.items()))
+        try:
+            hash(extra_key)
+        except TypeError:
+            bad = [k for k, v in extra_key if not isinstance(v, Hashable)]
+            raise ValueError(f"OpDims.extra values must be hashable; {bad} are not") from None
+        object.__setattr__(self, "extra_key", extra_key)
         if self.kind not in KINDS:
             raise ValueError(f"unknown rule kind {self.kind!r}; expected one of {sorted(KINDS)}")
         if len(self.dims) != len(self.sizes):
