@@ -38,14 +38,17 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
+from typing import Any
 
 import sympy
 
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, Split
-from primepar_fx.partition.enumerate import fits
+from primepar_fx.partition.enumerate import ValuesKey, fits_at, values_key
 from primepar_fx.rules.registry import op_name
 from primepar_fx.rules.spec import OpDims
 from primepar_fx.shapes import B as BATCH
@@ -62,8 +65,6 @@ ACTIVATIONS = frozenset(
 )  # fmt: skip
 #: module names of row-parallel linears, used only when the structure is ambiguous
 ROW_NAME_HINT = re.compile(r"(^|[._])(o_proj|out_proj|c_proj|dense|down_proj|fc2|dense_4h_to_h|wo|w2|proj_out)$")
-
-Values = dict[sympy.Symbol, int]
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class _Analysis:
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
+@lru_cache(maxsize=1 << 14)
 def _multiple_of(size: sympy.Expr, sym: sympy.Symbol) -> bool:
     expr = sympy.sympify(size)
     return sym in expr.free_symbols and sympy.expand(expr.subs(sym, 0)) == 0
@@ -147,11 +149,12 @@ def _base(node: OpNode) -> str:
     return name.split(".")[1] if name.startswith("aten.") else name
 
 
-def _values(values: dict | None) -> Values | None:
+def _vkey(values: dict | None) -> ValuesKey | None:
+    """``values`` (symbols or their names ``"B"``, ``"S"``) as a :func:`~primepar_fx.partition.enumerate.values_key`."""
     if not values:
         return None
     named = {"B": BATCH, "S": SEQ}
-    return {named.get(k, k) if isinstance(k, str) else k: int(v) for k, v in values.items()}
+    return values_key({named.get(k, k) if isinstance(k, str) else k: int(v) for k, v in values.items()})
 
 
 def _parameterised(node: OpNode) -> bool:
@@ -387,13 +390,24 @@ def _seq_dim(op: OpDims) -> tuple[str | None, str | None]:
     return None, (f"sequence dims {cands} may not be split" if cands else None)
 
 
-def _greedy(name: str, op: OpDims, mesh: DeviceMesh, wants, values: Values | None):
+def _greedy(name: str, op: OpDims, mesh: DeviceMesh, wants, vkey: ValuesKey | None):
     """One element per digit: ``Split(dim)`` where legal, else ``Replicate`` plus a :class:`Fallback`.
 
-    ``wants[i] = (dim or None, rule, reason when dim is None and that is a fallback)``.
+    ``wants[i] = (dim or None, rule, reason when dim is None and that is a fallback)``; ``vkey``: the size symbols'
+    values as a :func:`~primepar_fx.partition.enumerate.values_key`.
     """
+    seq, misses = _greedy_seq(op, mesh, tuple(wants), vkey)
+    fallbacks = [Fallback(name, rule, dim, pos, reason) for rule, dim, pos, reason in misses]
+    for fb in fallbacks:
+        log.debug("baseline fallback %s", fb)
+    return seq, fallbacks
+
+
+@lru_cache(maxsize=1 << 14)
+def _greedy_seq(op: OpDims, mesh: DeviceMesh, wants: tuple, vkey: ValuesKey | None):
+    """:func:`_greedy` of one op, shared by its nodes: the sequence and ``(rule, dim, digit, reason)`` per miss."""
     parts = {d: 1 for d in op.dims}
-    elements, fallbacks = [], []
+    elements, misses = [], []
     for pos, (dim, rule, why) in enumerate(wants):
         radix = mesh.digits[pos]
         if dim is None:
@@ -402,7 +416,7 @@ def _greedy(name: str, op: OpDims, mesh: DeviceMesh, wants, values: Values | Non
             reason = f"the op has no dim {dim}"
         elif dim in op.no_split:
             reason = f"{dim} may not be split"
-        elif not fits(op.size(dim), parts[dim] * radix, values):
+        elif not fits_at(op.size(dim), parts[dim] * radix, vkey or ()):
             reason = f"{dim} of size {op.size(dim)} does not split into {parts[dim] * radix}"
         else:
             parts[dim] *= radix
@@ -410,10 +424,8 @@ def _greedy(name: str, op: OpDims, mesh: DeviceMesh, wants, values: Values | Non
             continue
         elements.append(Replicate())
         if reason:
-            fb = Fallback(name, rule, dim, pos, reason)
-            log.debug("baseline fallback %s", fb)
-            fallbacks.append(fb)
-    return PartitionSeq(tuple(elements)), fallbacks
+            misses.append((rule, dim, pos, reason))
+    return PartitionSeq(tuple(elements)), tuple(misses)
 
 
 def _mp_rule(name: str, node: OpNode, info: _Analysis, sp: bool) -> tuple[str | None, str, str | None]:
@@ -447,10 +459,32 @@ def megatron_assignment(
     The rules are in the module docstring. ``mp``, when given, must equal ``world/dp``; ``values`` (``{B: 8, S: 16}``,
     symbols or their names) decides divisibility of the symbolic sizes, which are assumed divisible otherwise.
     """
+    config = {"dp": dp, "mp": mp, "sequence_parallel": sequence_parallel}
+    return megatron_assignments(graph, mesh, [config], values=values)[0]
+
+
+def megatron_assignments(
+    graph: OpGraph, mesh: DeviceMesh, configs: Sequence[Mapping[str, Any]], *, values: dict | None = None
+) -> list[Assignment]:
+    """:func:`megatron_assignment` for each of ``configs`` (its keyword arguments ``dp``, ``mp`` and
+    ``sequence_parallel``), with the graph's linears and tensor-parallel dims found once for them all."""
+    info, vals = _analyse(graph), _vkey(values)
+    return [_megatron(graph, mesh, info, vals, **config) for config in configs]
+
+
+def _megatron(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    info: _Analysis,
+    vals: ValuesKey | None,
+    *,
+    dp: int,
+    mp: int | None = None,
+    sequence_parallel: bool = False,
+) -> Assignment:
     k = dp_digits(mesh, dp)
     if mp is not None and mp * dp != mesh.size:
         raise ValueError(f"dp={dp} x mp={mp} != world size {mesh.size}")
-    info, vals = _analyse(graph), _values(values)
     seqs, fallbacks, roles = {}, [], {}
     for name, node in graph.nodes.items():
         bdim, bwhy = _batch_dim(node.dims)
@@ -465,7 +499,7 @@ def megatron_assignment(
 
 def data_parallel_assignment(graph: OpGraph, mesh: DeviceMesh, values: dict | None = None) -> Assignment:
     """Pure data parallelism: every digit splits the batch dim (nested ``Split``) where legal, else ``Replicate``."""
-    vals, seqs, fallbacks = _values(values), {}, []
+    vals, seqs, fallbacks = _vkey(values), {}, []
     for name, node in graph.nodes.items():
         bdim, why = _batch_dim(node.dims)
         seqs[name], fbs = _greedy(name, node.dims, mesh, [(bdim, "data-parallel", why)] * len(mesh), vals)

@@ -27,20 +27,21 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import sympy
 
-from primepar_fx.baselines import config_name, data_parallel_assignment, megatron_assignment, megatron_configs
+from primepar_fx.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.cost.costgraph import PricedGraph, price_graph
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.cost.redistribute import clear_caches
 from primepar_fx.gcpause import gc_paused
 from primepar_fx.graph import OpGraph
-from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
+from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_sequences
 from primepar_fx.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, solve
 from primepar_fx.shapes import B, S
@@ -54,8 +55,12 @@ class Summary:
     nodes: tuple[NodePlan, ...]
 
 
-def summarize(graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts: CostOptions) -> Summary:
-    """Per-node cost breakdowns and the whole-plan prediction of one choice of strategies."""
+def summarize(
+    graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts: CostOptions, *, nodes: bool = True
+) -> Summary:
+    """Per-node cost breakdowns and the whole-plan prediction of one choice of strategies; with ``nodes=False``
+    the prediction only (the same numbers; ``Summary.nodes`` is empty), which is all a baseline that is not
+    kept needs."""
     world = priced.mesh.size
     redis_s = {n: 0.0 for n in graph.nodes}
     redis_bytes = {n: 0 for n in graph.nodes}
@@ -77,10 +82,17 @@ def summarize(graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts:
     for (u, v), mat in priced.cost_graph.edge_cost.items():
         redis_s[v] += float(mat[choice[u], choice[v]])
         redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
-    nodes, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
+    plans, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
     for name, node in graph.nodes.items():
-        seq = priced.strategies[name][choice[name]]
         c = priced.node_costs[name][choice[name]]
+        step_s = c.time_s - saved_s[name] + redis_s[name]
+        total_s += step_s
+        static += c.param_bytes * (2 + opts.optimizer_states) + c.stash_bytes
+        buffers = max(buffers, c.buffer_bytes)
+        comm += sum(c.comm_bytes.values()) - saved[name] + redis_bytes[name] / world
+        if not nodes and 0.0 <= step_s < math.inf:
+            continue  # (a node whose time is not a finite number of seconds gets CostBreakdown's error below)
+        seq = priced.strategies[name][choice[name]]
         kinds = dict(c.comm_bytes)
         if scattered[name]:  # all-reduces that became reduce-scatters (plus a bias gradient's all-reduce)
             kinds["all-reduce"] = kinds.get("all-reduce", 0) - saved[name] - scattered[name]
@@ -95,22 +107,40 @@ def summarize(graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts:
             redistribution_s=redis_s[name],
             memory_bytes=c.memory_bytes(opts.optimizer_states),
             comm_bytes=kinds,
-            step_s=c.time_s - saved_s[name] + redis_s[name],
+            step_s=step_s,
             phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
         )
-        nodes.append(NodePlan(name, node.op, str(seq), cost))
-        total_s += cost.step_s
-        static += c.param_bytes * (2 + opts.optimizer_states) + c.stash_bytes
-        buffers = max(buffers, c.buffer_bytes)
-        comm += sum(c.comm_bytes.values()) - saved[name] + redis_bytes[name] / world
-    return Summary(Predicted(total_s, int(static + buffers), int(round(comm))), tuple(nodes))
+        plans.append(NodePlan(name, node.op, str(seq), cost))
+    return Summary(Predicted(total_s, int(static + buffers), int(round(comm))), tuple(plans if nodes else ()))
 
 
 def _price_fixed(
     graph: OpGraph, assignment: dict[str, PartitionSeq], mesh: DeviceMesh, cluster: ClusterSpec, values, opts
 ) -> Summary:
-    priced = price_graph(graph, mesh, cluster, values, opts, fixed=assignment)
-    return summarize(graph, priced, {n: 0 for n in graph.nodes}, opts)
+    priced, (choice,) = _price_assignments(graph, [assignment], mesh, cluster, values, opts)
+    return summarize(graph, priced, choice, opts)
+
+
+def _price_assignments(
+    graph: OpGraph,
+    assignments: Sequence[Mapping[str, PartitionSeq]],
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values,
+    opts,
+) -> tuple[PricedGraph, list[dict[str, int]]]:
+    """One pricing of every node's distinct sequences over ``assignments`` (a sequence for every node), and each
+    assignment as a choice of strategies in it. Costs are per sequence and per pair of sequences, so
+    :func:`summarize` of a choice gives what pricing its assignment alone gives, and the graph is walked once
+    instead of once per assignment."""
+    union: dict[str, list[PartitionSeq]] = {}
+    for assignment in assignments:
+        for name in graph.nodes:
+            seqs = union.setdefault(name, [])
+            if assignment[name] not in seqs:
+                seqs.append(assignment[name])
+    priced = price_graph(graph, mesh, cluster, values, opts, fixed=union)
+    return priced, [{n: union[n].index(a[n]) for n in graph.nodes} for a in assignments]
 
 
 def _best_megatron(
@@ -121,8 +151,10 @@ def _best_megatron(
     opts: CostOptions,
     memory_budget: float | None,
     sequence_parallel: bool | None = None,
-) -> tuple[dict[str, Any], Summary, dict[str, PartitionSeq]]:
-    """The fastest Megatron configuration (that fits ``memory_budget``, if any does): config, summary, assignment.
+    also: Sequence[Mapping[str, PartitionSeq]] = (),
+) -> tuple[tuple[dict[str, Any], Summary, dict[str, PartitionSeq]], list[Predicted]]:
+    """The fastest Megatron configuration (that fits ``memory_budget``, if any does) as ``(config, summary,
+    assignment)``, and the predictions of the assignments ``also``, priced with them.
 
     ``sequence_parallel`` keeps only the configurations with (``True``) or without (``False``) it.
     """
@@ -130,18 +162,19 @@ def _best_megatron(
     configs = [c for c in megatron_configs(mesh) if sequence_parallel in (None, c["sequence_parallel"])]
     if not configs:
         raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
-    for cfg in configs:
-        assignment = megatron_assignment(graph, mesh, values=values, **cfg)
-        summary = _price_fixed(graph, assignment, mesh, cluster, values, opts)
-        pred = summary.predicted
+    assignments = megatron_assignments(graph, mesh, configs, values=values)
+    priced_graph, choices = _price_assignments(graph, [*assignments, *also], mesh, cluster, values, opts)
+    preds = [summarize(graph, priced_graph, choice, opts, nodes=False).predicted for choice in choices]
+    for cfg, pred in zip(configs, preds):
         log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
         fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
-        priced.append((not fits, pred.step_time_s, len(priced), cfg, summary, assignment))
-    unfit, _, _, cfg, summary, assignment = min(priced, key=lambda row: row[:3])
-    config = {**cfg, "name": config_name(cfg)}
+        priced.append((not fits, pred.step_time_s, len(priced)))
+    unfit, _, best = min(priced)
+    config = {**configs[best], "name": config_name(configs[best])}
     if memory_budget is not None:
         config["fits_budget"] = not unfit
-    return config, summary, assignment
+    summary = summarize(graph, priced_graph, choices[best], opts)
+    return (config, summary, assignments[best]), preds[len(assignments) :]
 
 
 def solve_for_peak(
@@ -225,12 +258,13 @@ def price_baselines(
     marked ``"fits_budget": false``, when none does).
     """
     out: dict[str, Baseline] = {}
-    config, summary, assignment = _best_megatron(graph, mesh, cluster, values, opts, memory_budget)
-    out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
     dp = data_parallel_assignment(graph, mesh, values=values)
-    summary = _price_fixed(graph, dp, mesh, cluster, values, opts)
+    (config, summary, assignment), (dp_predicted,) = _best_megatron(
+        graph, mesh, cluster, values, opts, memory_budget, also=[dp]
+    )
+    out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
     out["data_parallel"] = Baseline(
-        "data_parallel", {"dp": mesh.size}, summary.predicted, {n: str(s) for n, s in dp.items()}
+        "data_parallel", {"dp": mesh.size}, dp_predicted, {n: str(s) for n, s in dp.items()}
     )
     return out
 
@@ -328,10 +362,8 @@ def plan_graph(
     base: dict[str, Baseline] = {}
     if baselines:
         base = price_baselines(graph, full, spec, values, opts, memory_budget)
-        if allow_prime:
-            split_priced = price_graph(
-                graph, mesh, spec, values, opts, allow_prime=False, canonical=canonical, progress=progress
-            )
+        if allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
+            split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
             split_sol = solve_for_peak(split_priced, memory_budget=memory_budget, alpha=alpha, method=method)
             split = summarize(graph, split_priced, split_sol.choice, opts)
             base["split_only"] = Baseline(
@@ -419,7 +451,7 @@ def forced_plan(
     t0 = time.perf_counter()
     if name in ("megatron", "megatron-sp"):
         sp = True if name == "megatron-sp" else None
-        search["config"], summary, _ = _best_megatron(graph, mesh, spec, values, opts, memory_budget, sp)
+        (search["config"], summary, _), _ = _best_megatron(graph, mesh, spec, values, opts, memory_budget, sp)
     elif name == "data_parallel":
         summary = _price_fixed(graph, data_parallel_assignment(graph, mesh, values=values), mesh, spec, values, opts)
     elif name == "prime":

@@ -422,27 +422,70 @@ def test_edges_with_the_same_distinct_layouts_share_one_priced_direction():
 def test_pricing_on_two_threads_gives_the_costs_of_one(world):
     """``price_graph(workers=2)`` prices the re-layouts on two threads; every cost and byte count is bit-identical
     to one thread, each priced from empty caches."""
-    import dataclasses
-
-    from primepar_fx import analyze
     from primepar_fx.cost.costgraph import price_graph
     from primepar_fx.cost.redistribute import clear_caches
-    from primepar_fx.models import build, example_inputs, get_config
     from primepar_fx.planner import search_mesh
     from primepar_fx.shapes import B, S
 
-    config = dataclasses.replace(get_config("llama-tiny"), layers=2)
-    graph = analyze(build(config, device="meta"), *example_inputs(config, 2, 16, device="meta"))
+    graph = _tiny_llama_graph()
     cluster = load_cluster("v100-paper")
     mesh = search_mesh(cluster.mesh(world), None)
     priced = []
     for workers in (1, 2):
         clear_caches()
         priced.append(price_graph(graph, mesh, cluster, {B: 16, S: 64}, CostOptions(), workers=workers))
-    one, two = priced
+    assert_same_pricing(*priced)
+
+
+def _tiny_llama_graph():
+    import dataclasses
+
+    from primepar_fx import analyze
+    from primepar_fx.models import build, example_inputs, get_config
+
+    config = dataclasses.replace(get_config("llama-tiny"), layers=2)
+    return analyze(build(config, device="meta"), *example_inputs(config, 2, 16, device="meta"))
+
+
+def assert_same_pricing(one, two) -> None:
+    """Every strategy, node cost, memory, edge cost, byte count and reduce-scatter saving of two pricings is equal,
+    bit for bit."""
+    import dataclasses
+
+    assert one.strategies == two.strategies and one.node_costs == two.node_costs
     for n in one.cost_graph.nodes:
-        np.testing.assert_array_equal(one.cost_graph.node_cost[n], two.cost_graph.node_cost[n])
-    assert one.cost_graph.edge_cost.keys() == two.cost_graph.edge_cost.keys()
+        np.testing.assert_array_equal(one.cost_graph.node_cost[n], two.cost_graph.node_cost[n], err_msg=n)
+        np.testing.assert_array_equal(one.cost_graph.node_memory[n], two.cost_graph.node_memory[n], err_msg=n)
+    assert one.cost_graph.edge_cost.keys() == two.cost_graph.edge_cost.keys() == one.edge_bytes.keys()
     for e, cost in one.cost_graph.edge_cost.items():
         np.testing.assert_array_equal(cost, two.cost_graph.edge_cost[e], err_msg=str(e))
         np.testing.assert_array_equal(one.edge_bytes[e], two.edge_bytes[e], err_msg=str(e))
+    assert one.scatter.keys() == two.scatter.keys()
+    for e, saving in one.scatter.items():
+        for f in dataclasses.fields(saving):
+            np.testing.assert_array_equal(getattr(saving, f.name), getattr(two.scatter[e], f.name), err_msg=str(e))
+
+
+def test_the_split_only_subset_of_a_pricing_is_the_pricing_without_prime():
+    """The planner reads its split-only baseline off its own pricing (:meth:`PricedGraph.subset`): that equals
+    pricing the space without P(S x S), strategy order included, and keeps shared arrays shared."""
+    from primepar_fx.cost.costgraph import price_graph
+    from primepar_fx.cost.redistribute import clear_caches
+    from primepar_fx.partition import Prime
+    from primepar_fx.shapes import B, S
+
+    graph = _tiny_llama_graph()
+    cluster, values = load_cluster("v100-paper"), {B: 16, S: 64}
+    mesh = cluster.mesh(8)
+    clear_caches()
+    full = price_graph(graph, mesh, cluster, values, CostOptions())
+    subset = full.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
+    clear_caches()
+    split = price_graph(graph, mesh, cluster, values, CostOptions(), allow_prime=False)
+    assert_same_pricing(subset, split)
+    dropped = sum(len(full.strategies[n]) - len(split.strategies[n]) for n in graph.nodes)
+    assert dropped > 0 and subset.scatter  # the test sees P(S x S) dropped and reduce-scatter savings sliced
+    arrays = {id(subset.cost_graph.node_cost[n]) for n in graph.nodes}
+    assert len(arrays) == len({id(full.cost_graph.node_cost[n]) for n in graph.nodes}) < len(graph.nodes)
+    with pytest.raises(ValueError, match="no strategy is kept"):
+        full.subset(lambda seq: False)

@@ -34,7 +34,7 @@ from opdims import linear_dims
 
 import primepar_fx
 from primepar_fx.cost.costgraph import out_index, shared_parameters
-from primepar_fx.cost.layouts import Layout, values_key
+from primepar_fx.cost.layouts import Layout
 from primepar_fx.cost.redistribute import (
     backward_held,
     backward_needed,
@@ -45,6 +45,7 @@ from primepar_fx.cost.redistribute import (
 )
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, enumerate_sequences
+from primepar_fx.partition.enumerate import values_key
 from primepar_fx.planner import forced_plan
 from primepar_fx.rules.spec import OpDims
 from primepar_fx.runtime import CommStats, Exchange, Redistribute

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opdims import linear_dims as linear
 
-from primepar_fx.cost.layouts import SETS, index_set, intern_rows, overlap, values_key
+from primepar_fx.cost.layouts import SETS, index_set, intern_rows, overlap
 from primepar_fx.cost.redistribute import (
     LayoutPairs,
     Redistribution,
@@ -29,6 +29,7 @@ from primepar_fx.cost.redistribute import (
     redistribution_matrix,
 )
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences
+from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.mesh import class_senders, nearest_holder
 from primepar_fx.rules.spec import OpDims, TensorMap
 from primepar_fx.runtime.exchange import Exchange

@@ -10,11 +10,13 @@ shape, not L times.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import sympy
@@ -23,7 +25,7 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
-from primepar_fx.cost.layouts import bound_partition, values_key
+from primepar_fx.cost.layouts import bound_partition
 from primepar_fx.cost.model import (
     CostOptions,
     NodeCost,
@@ -37,6 +39,7 @@ from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_fo
 from primepar_fx.gcpause import gc_paused
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
+from primepar_fx.partition.enumerate import values_key
 from primepar_fx.search import CostGraph
 from primepar_fx.shapes import META_DTYPES
 
@@ -56,6 +59,59 @@ class PricedGraph:
     #: edges where an all-reduce and the re-layout after it fuse into a reduce-scatter, for some strategy pairs;
     #: ``edge_cost`` already has the seconds saved subtracted (:mod:`primepar_fx.cost.scatter`)
     scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
+
+    def subset(self, keep: Callable[[PartitionSeq], bool]) -> PricedGraph:
+        """This pricing with every node's strategies narrowed to those ``keep`` accepts, in their order.
+
+        Each cost is per strategy or per pair of strategies, so this is what pricing the narrower space gives,
+        bit for bit: the planner reads its split-only baseline (``keep`` = no P(S x S)) off its own pricing. Arrays
+        shared between nodes (identical layers) stay shared. Raises ``ValueError`` naming a node left with none.
+        """
+        kept: dict[int, np.ndarray] = {}  # id of a strategy list (shared by a node's copies) -> the rows kept
+        rows: dict[str, np.ndarray] = {}
+        for name, seqs in self.strategies.items():
+            if id(seqs) not in kept:
+                kept[id(seqs)] = np.flatnonzero(np.array([bool(keep(s)) for s in seqs], dtype=bool))
+            rows[name] = kept[id(seqs)]
+            if not len(rows[name]):
+                raise ValueError(f"node {name}: no strategy is kept (of {', '.join(map(str, seqs[:4]))}, ...)")
+        memo: dict[tuple[int, ...], Any] = {}  # the ids stay valid: every array is held by self meanwhile
+
+        def take(arr: np.ndarray, *index: np.ndarray) -> np.ndarray:
+            key = (id(arr), *map(id, index))
+            if key not in memo:
+                out = arr[np.ix_(*index)] if len(index) > 1 else arr[index[0]]
+                out.flags.writeable = arr.flags.writeable
+                memo[key] = out
+            return memo[key]
+
+        def pick(items: list, name: str) -> list:
+            key = (id(items), id(rows[name]))
+            if key not in memo:
+                memo[key] = [items[i] for i in rows[name]]
+            return memo[key]
+
+        cg = self.cost_graph
+        sub = CostGraph(
+            nodes=cg.nodes,
+            node_cost={n: take(c, rows[n]) for n, c in cg.node_cost.items()},
+            edge_cost={(u, v): take(m, rows[u], rows[v]) for (u, v), m in cg.edge_cost.items()},
+            node_memory=None if cg.node_memory is None else {n: take(m, rows[n]) for n, m in cg.node_memory.items()},
+            node_key=cg.node_key,
+        )
+        scatter = {
+            (u, v): ScatterSaving(*(take(getattr(sav, f.name), rows[u], rows[v]) for f in dataclasses.fields(sav)))
+            for (u, v), sav in self.scatter.items()
+        }
+        return PricedGraph(
+            sub,
+            self.mesh,
+            {n: pick(s, n) for n, s in self.strategies.items()},
+            {n: pick(c, n) for n, c in self.node_costs.items()},
+            {(u, v): take(b, rows[u], rows[v]) for (u, v), b in self.edge_bytes.items()},
+            self.seconds,
+            scatter,
+        )
 
 
 def default_workers() -> int:
@@ -114,14 +170,16 @@ def price_graph(
     opts: CostOptions,
     *,
     allow_prime: bool = True,
-    fixed: dict[str, PartitionSeq] | None = None,
+    fixed: Mapping[str, PartitionSeq | Sequence[PartitionSeq]] | None = None,
     canonical: bool = False,
     replicate_constants: bool = True,
     restrict: Callable[[str, list[PartitionSeq]], list[PartitionSeq]] | None = None,
     progress: bool = False,
     workers: int | None = None,
 ) -> PricedGraph:
-    """Build the :class:`CostGraph`; ``fixed`` pins some nodes to one sequence (used to price baselines).
+    """Build the :class:`CostGraph`; ``fixed`` pins some nodes to one sequence, or to a list of sequences priced
+    side by side (the baselines: every cost is per sequence or per pair of sequences, so the assignments of several
+    plans are priced at once and each reads its own entries).
 
     ``canonical`` searches the canonical subspace of :func:`~primepar_fx.partition.enumerate_sequences` (one order
     of splits per network level), a few times smaller at 16 or more devices but not exact.
@@ -150,7 +208,8 @@ def price_graph(
     legal: dict[tuple, list[PartitionSeq]] = {}
     for name, node in tqdm(graph.nodes.items(), desc="pricing nodes", disable=not progress, leave=False):
         if fixed is not None and name in fixed:
-            seqs = [fixed[name]]
+            pinned = fixed[name]
+            seqs = [pinned] if isinstance(pinned, PartitionSeq) else list(pinned)
         elif replicate_constants and not node.requires_grad:
             seqs = [PartitionSeq(tuple(Replicate() for _ in mesh.digits))]
         else:

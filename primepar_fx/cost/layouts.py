@@ -23,6 +23,7 @@ import numpy as np
 import sympy
 
 from primepar_fx.partition.dsi import OpPartition, PartitionError, Phase
+from primepar_fx.partition.enumerate import ValuesKey
 from primepar_fx.partition.mesh import DeviceMesh
 from primepar_fx.partition.seq import PartitionSeq, Prime
 from primepar_fx.rules.spec import OpDims, TensorMap
@@ -31,8 +32,6 @@ from primepar_fx.rules.spec import OpDims, TensorMap
 IndexSet = tuple[tuple[int, int], ...]
 #: Per device (rank order), per tensor dim, the :data:`IndexSet` the device holds or needs.
 Layout = tuple[tuple[IndexSet, ...], ...]
-#: Concrete values of the size symbols, as a hashable key.
-ValuesKey = tuple[tuple[sympy.Symbol, int], ...]
 PartKey = tuple[OpDims, PartitionSeq, DeviceMesh]
 
 
@@ -76,10 +75,6 @@ def overlap(a: IndexSet, b: IndexSet) -> int:
         else:
             j += 1
     return total
-
-
-def values_key(values: Mapping[sympy.Symbol, int]) -> ValuesKey:
-    return tuple(sorted(((k, int(v)) for k, v in values.items()), key=lambda kv: str(kv[0])))
 
 
 @lru_cache(maxsize=4096)

@@ -54,10 +54,11 @@ import sympy
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
-from primepar_fx.cost.layouts import ValuesKey, concrete_sizes, values_key
+from primepar_fx.cost.layouts import concrete_sizes
 from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, edge_pairs
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
+from primepar_fx.partition.enumerate import ValuesKey, values_key
 from primepar_fx.rules.spec import OpDims, TensorMap
 
 aten = torch.ops.aten

@@ -75,10 +75,10 @@ from primepar_fx.cost.layouts import (
     overlap,
     part_key,
     set_size,
-    values_key,
 )
 from primepar_fx.partition.comm import gradient_phase_inputs
 from primepar_fx.partition.dsi import OpPartition, Phase
+from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.mesh import DeviceMesh, class_senders
 from primepar_fx.rules.spec import TensorMap
 

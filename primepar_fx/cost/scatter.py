@@ -36,12 +36,12 @@ from primepar_fx.cost.layouts import (
     array_digest,
     block_overlaps,
     intern_rows,
-    values_key,
 )
 from primepar_fx.cost.model import CostOptions, _block_bytes, _tmap
 from primepar_fx.cost.redistribute import EdgeUse, backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import Collective
+from primepar_fx.partition.enumerate import values_key
 from primepar_fx.rules.spec import OpDims
 
 aten = torch.ops.aten

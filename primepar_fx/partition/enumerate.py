@@ -7,6 +7,7 @@ equal parts. Symbolic sizes (``B``, ``S``) are checked against ``values`` when g
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
 from math import prod
 
@@ -27,9 +28,27 @@ def _size_at(size: sympy.Expr | int, values: tuple[tuple[sympy.Symbol, int], ...
     return int(expr) if expr.is_Integer else None
 
 
-def fits(size: sympy.Expr | int, parts: int, values: dict[sympy.Symbol, int] | None) -> bool:
+#: ``values`` as a hashable memo key: ``(symbol, int)`` pairs in the order of the symbols' names
+ValuesKey = tuple[tuple[sympy.Symbol, int], ...]
+
+
+def _symbol_name(sym: object) -> str:
+    return sym.name if isinstance(sym, sympy.Symbol) else str(sym)  # str() of a sympy object runs its printer
+
+
+def values_key(values: Mapping[sympy.Symbol, int]) -> ValuesKey:
+    """``values`` as a :data:`ValuesKey`."""
+    return tuple(sorted(((k, int(v)) for k, v in values.items()), key=lambda kv: _symbol_name(kv[0])))
+
+
+def fits(size: sympy.Expr | int, parts: int, values: Mapping[sympy.Symbol, int] | None) -> bool:
     """Whether ``size`` splits into ``parts`` equal parts at ``values`` (assumed so while a symbol is left)."""
-    n = _size_at(size, tuple(sorted(values.items(), key=lambda kv: str(kv[0]))) if values else ())
+    return fits_at(size, parts, values_key(values) if values else ())
+
+
+def fits_at(size: sympy.Expr | int, parts: int, vkey: ValuesKey) -> bool:
+    """:func:`fits` at values given as a :func:`values_key` (``()``: none)."""
+    n = _size_at(size, vkey)
     return n is None or n % parts == 0
 
 

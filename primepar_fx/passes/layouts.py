@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from primepar_fx.cost.layouts import Layout, ValuesKey, values_key
+from primepar_fx.cost.layouts import Layout
 from primepar_fx.cost.redistribute import backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate
+from primepar_fx.partition.enumerate import ValuesKey, values_key
 
 
 @dataclass(frozen=True)
