@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from primepar_fx.capture import capture
+from primepar_fx.capture import capture, config_seq_max
 from primepar_fx.gcpause import gc_paused
 from primepar_fx.graph import OpGraph, build_graph
 from primepar_fx.plan import Plan
@@ -70,6 +70,9 @@ def plan(
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     """
+    limit = config_seq_max(model)
+    if seq is not None and limit is not None and seq > limit:
+        raise ValueError(f"seq={seq} exceeds the model's maximum sequence length of {limit} (its config)")
     args, kwargs = _split_inputs(example_inputs)
     graph = analyze(model, args, kwargs, fallback=fallback, replicate_layers=replicate_layers)
     return plan_graph(

@@ -137,7 +137,7 @@ def capture(
     args, kwargs = _unalias(args, kwargs)
     batch, seq = _example_sizes(args, kwargs, batch_dim, seq_dim)
     if seq_max is None:
-        seq_max = _config_seq_max(model)
+        seq_max = config_seq_max(model)
     if seq_max is not None and seq > seq_max:
         raise ValueError(f"the example sequence length {seq} exceeds seq_max={seq_max}")
 
@@ -243,7 +243,9 @@ def _on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def _config_seq_max(model: nn.Module) -> int | None:
+def config_seq_max(model: nn.Module) -> int | None:
+    """The longest sequence ``model`` takes, from its config's ``max_position_embeddings`` (Hugging Face) or
+    ``max_seq`` (the zoo); ``None`` when it has neither."""
     config = getattr(model, "config", None)
     for attr in ("max_position_embeddings", "max_seq"):
         value = getattr(config, attr, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -21,7 +22,56 @@ from typing import Any
 
 import torch
 
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.plan import Plan
+
 log = logging.getLogger("primepar_fx")
+
+
+class CliError(Exception):
+    """A bad argument or input the command line found itself: ``error: ...`` on stderr, exit status 2."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def digit_list(text: str) -> tuple[int, ...]:
+    """An argparse type: device-ID digit radices such as ``3,2,2`` (each >= 2)."""
+    try:
+        digits = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected radices separated by commas, such as 3,2,2; got {text!r}") from None
+    if any(d < 2 for d in digits):
+        raise argparse.ArgumentTypeError(f"every radix must be >= 2, got {text!r}")
+    return digits
+
+
+def table_format(text: str) -> str:
+    """An argparse type: one of tabulate's table formats."""
+    from tabulate import tabulate_formats
+
+    if text not in tabulate_formats:
+        raise argparse.ArgumentTypeError(f"unknown table format {text!r}; choose one of {', '.join(tabulate_formats)}")
+    return text
 
 
 def _example_inputs(
@@ -34,7 +84,7 @@ def _example_inputs(
     if hasattr(getattr(model, "config", None), "vocab_size"):
         args, kwargs = hf_example_inputs(model, batch, seq)
         return args, {k: v.to(device) for k, v in kwargs.items()}
-    raise SystemExit(
+    raise CliError(
         f"cannot make example inputs for {type(model).__name__}: have your callable return (model, args, kwargs)"
     )
 
@@ -49,12 +99,15 @@ def load_model(
     if spec in ZOO:
         model = build(spec, device="meta" if meta else None)
     elif spec.startswith("hf:"):
-        model = build_hf_tiny(spec[3:])
+        try:
+            model = build_hf_tiny(spec[3:])
+        except ValueError as e:
+            raise CliError(str(e)) from None
     else:
         try:
             got = load_model_spec(spec)
         except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+            raise CliError(str(e)) from None
         if isinstance(got, tuple):
             model, args, kwargs = got
             return model, tuple(args), dict(kwargs), spec
@@ -64,15 +117,27 @@ def load_model(
     return model, args, kwargs, spec
 
 
+def _check_digits(args: argparse.Namespace) -> None:
+    if args.digits and math.prod(args.digits) != args.world_size:
+        digits = ",".join(map(str, args.digits))
+        raise CliError(f"--digits {digits} multiply to {math.prod(args.digits)}, not --world-size {args.world_size}")
+
+
 def _mesh(args: argparse.Namespace):
     from primepar_fx.partition import DeviceMesh
 
+    _check_digits(args)
     if args.digits:
-        mesh = DeviceMesh(tuple(int(d) for d in args.digits.split(",")))
-        if mesh.size != args.world_size:
-            raise SystemExit(f"error: digits {args.digits} multiply to {mesh.size}, not --world-size {args.world_size}")
-        return mesh
+        return DeviceMesh(args.digits)
     return DeviceMesh.for_world_size(args.world_size, args.devices_per_node)
+
+
+def _check_seq(model: torch.nn.Module, seq: int | None, name: str) -> None:
+    from primepar_fx.capture import config_seq_max
+
+    limit = config_seq_max(model)
+    if seq is not None and limit is not None and seq > limit:
+        raise CliError(f"--seq {seq} exceeds the maximum sequence length of {name} ({limit})")
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -85,12 +150,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"{name:12s} {cfg.description}")
         return 0
     if not args.model:
-        raise SystemExit("error: explain needs a MODEL (or --list)")
+        raise CliError("explain needs a MODEL (or --list)")
     if (args.batch is None) != (args.seq is None):
-        raise SystemExit("error: give both --batch and --seq, or neither")
+        raise CliError("give both --batch and --seq, or neither")
     mesh = _mesh(args)
     t0 = time.perf_counter()
     model, ex_args, ex_kwargs, name = load_model(args.model)
+    _check_seq(model, args.seq, name)
     replicate = not args.full_capture
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
     print(
@@ -118,10 +184,17 @@ def parse_bytes(text: str) -> int:
     """``"30GiB"``, ``"512MB"``, ``"1e9"`` -> bytes."""
     import re
 
+    bad = argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 30GiB, 512MB, 1e9)")
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 30GiB, 512MB, 1e9)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise bad
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:
+        raise bad from None
+    if not math.isfinite(value):
+        raise bad
+    return int(value)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -129,14 +202,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from primepar_fx.planner import plan_graph
 
     t0 = time.perf_counter()
+    _check_digits(args)
+    if args.output and os.path.isdir(args.output):
+        raise CliError(f"-o {args.output} is a folder; give the plan's file name, e.g. {args.output}/plan.json")
+    spec = load_cluster(args.cluster)
     model, ex_args, ex_kwargs, name = load_model(args.model)
+    _check_seq(model, args.seq, name)
     replicate = not args.full_capture
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
-    digits = tuple(int(d) for d in args.digits.split(",")) if args.digits else None
     plan = plan_graph(
         graph,
         world_size=args.world_size,
-        cluster=args.cluster,
+        cluster=spec,
         batch=args.batch,
         seq=args.seq,
         dtype=args.dtype,
@@ -145,7 +222,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         method=args.method,
         allow_prime=not args.no_prime,
         baselines=not args.no_baselines,
-        digits=digits,
+        digits=args.digits,
         canonical=args.canonical,
         grouped=args.grouped,
         progress=sys.stderr.isatty(),
@@ -156,6 +233,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         speed = mega.predicted.step_time_s / plan.predicted.step_time_s
         mem = plan.predicted.peak_memory_bytes / max(1, mega.predicted.peak_memory_bytes)
         print(f"\nvs best Megatron ({mega.config.get('name')}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
+    for warning in plan_warnings(plan, spec, args.memory_budget):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}")
@@ -163,26 +242,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None) -> list[str]:
+    """What a plan's reader should know although it is a valid plan: it does not fit in the devices' memory, or
+    nothing in it is split."""
+    out = []
+    peak, capacity = plan.predicted.peak_memory_bytes, spec.device.memory_capacity
+    if memory_budget is None and peak > capacity:
+        out.append(
+            f"the plan needs {peak / 2**30:.1f} GiB per device, more than the {capacity / 2**30:.1f} GiB of a "
+            f"{spec.device.name} in {spec.name!r}: pass --memory-budget to search within it, or use more devices "
+            f"or a smaller --batch{' or --dtype bf16' if plan.dtype == 'fp32' else ''}"
+        )
+    if plan.world_size > 1 and all(set(n.partition.split(",")) <= {"R"} for n in plan.nodes):
+        out.append(
+            f"every node runs replicated: no dim splits over the device digits {list(plan.digits)} at B={plan.batch}, "
+            f"S={plan.seq}; choose sizes divisible by the world size, or other --digits"
+        )
+    return out
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     from primepar_fx.api import analyze
     from primepar_fx.compile import resolve_plan
     from primepar_fx.dump import dump
-    from primepar_fx.plan import Plan
 
     t0 = time.perf_counter()
-    given = Plan.load(args.plan) if args.plan.endswith(".json") or os.path.isfile(args.plan) else None
+    if args.plan.endswith(".json") and not os.path.isfile(args.plan):
+        raise CliError(f"--plan: no plan file {args.plan!r}")
+    given = Plan.load(args.plan) if os.path.isfile(args.plan) else None
     batch = args.batch or (given.batch if given else 2)
     seq = args.seq or (given.seq if given else 16)
     if given is not None and (given.batch, given.seq, given.world_size) != (batch, seq, args.world_size):
-        raise SystemExit(
-            f"error: {args.plan} is for B={given.batch}, S={given.seq} on {given.world_size} devices, not "
+        raise CliError(
+            f"{args.plan} is for B={given.batch}, S={given.seq} on {given.world_size} devices, not "
             f"B={batch}, S={seq} on {args.world_size}"
         )
     model, ex_args, ex_kwargs, name = load_model(args.model, batch=batch, seq=seq)
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback)
     if (graph.captured.example_batch, graph.captured.example_seq) != (batch, seq):
-        raise SystemExit(
-            f"error: {name} returned example inputs of B={graph.captured.example_batch}, "
+        raise CliError(
+            f"{name} returned example inputs of B={graph.captured.example_batch}, "
             f"S={graph.captured.example_seq}; pass those as --batch/--seq"
         )
     plan = given or resolve_plan(
@@ -198,8 +297,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", "-n", type=int, default=1, help="number of devices (default 1)")
-    p.add_argument("--digits", help="device-ID digit radices, most significant first, e.g. 3,2,2")
+    p.add_argument("--world-size", "-n", type=positive_int, default=1, help="number of devices (default 1)")
+    p.add_argument("--digits", type=digit_list, help="device-ID digit radices, most significant first, e.g. 3,2,2")
     p.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
     p.add_argument(
         "--full-capture",
@@ -207,31 +306,49 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="export every layer instead of two replicated (for models whose later layers differ)",
     )
     p.add_argument("--no-prime", action="store_true", help="leave P(S x S) out of the space (split-only)")
-    p.add_argument("--format", default="simple", help="tabulate table format (simple, github, ...)")
+    p.add_argument("--format", default="simple", type=table_format, help="tabulate table format (simple, github, ...)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="primepar-fx", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="primepar-fx",
+        description="Explain, plan and dump spatial-temporal partitions of a model (PrimePar), or calibrate a "
+        "cluster spec.",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (PRIMEPAR_LOG=DEBUG for more)")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("explain", help="per-node table: op, symbolic shape, FLOPs, legal partition sequences")
     e.add_argument("model", nargs="?", help="zoo name, hf:FAMILY, or package.module:callable")
     e.add_argument("--list", action="store_true", help="list the zoo models and exit")
     _add_model_args(e)
-    e.add_argument("--devices-per-node", type=int, help="devices per node (node digits come first)")
-    e.add_argument("--batch", type=int, help="evaluate at this batch size")
-    e.add_argument("--seq", type=int, help="evaluate at this sequence length")
+    e.add_argument("--devices-per-node", type=positive_int, help="devices per node (node digits come first)")
+    e.add_argument("--batch", type=positive_int, help="evaluate at this batch size (with --seq)")
+    e.add_argument("--seq", type=positive_int, help="evaluate at this sequence length (with --batch)")
     e.set_defaults(func=cmd_explain)
     pl = sub.add_parser("plan", help="search the cheapest plan and compare it with Megatron and data parallelism")
     pl.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
     _add_model_args(pl)
-    pl.add_argument("--cluster", default="v100-paper", help="preset name or spec file (.json/.toml)")
-    pl.add_argument("--batch", type=int, required=True, help="global batch size the plan is priced at")
-    pl.add_argument("--seq", type=int, required=True, help="sequence length the plan is priced at")
-    pl.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    pl.add_argument(
+        "--cluster", default="v100-paper", help="preset name or spec file (.json/.toml) (default v100-paper)"
+    )
+    pl.add_argument("--batch", type=positive_int, required=True, help="global batch size the plan is priced at")
+    pl.add_argument("--seq", type=positive_int, required=True, help="sequence length the plan is priced at")
+    pl.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of parameters and activations (default fp32)",
+    )
     pl.add_argument("--memory-budget", type=parse_bytes, help="hard per-device budget, e.g. 30GiB")
-    pl.add_argument("--alpha", type=float, default=0.0, help="weight of memory (per byte) in the objective")
-    pl.add_argument("--method", default="auto", choices=["auto", "dp", "ilp"])
+    pl.add_argument(
+        "--alpha", type=non_negative_float, default=0.0, help="weight of memory (per byte) in the objective"
+    )
+    pl.add_argument(
+        "--method",
+        default="auto",
+        choices=["auto", "dp", "ilp"],
+        help="auto (default: the DP, the ILP where the DP's tables would be too large), dp or ilp",
+    )
     pl.add_argument("--canonical", action="store_true", help="search one split order per network level (faster)")
     pl.add_argument(
         "--grouped",
@@ -244,16 +361,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     d = sub.add_parser("dump", help="write the captured graph, plan, per-node table, per-rank code and a picture")
     d.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
-    d.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
+    d.add_argument("--world-size", "-n", type=positive_int, required=True, help="number of ranks")
     d.add_argument(
         "--plan",
         default="searched",
         help="a plan JSON, 'searched' (default), 'megatron', 'megatron-sp', 'data_parallel', 'prime' or 'random:SEED'",
     )
-    d.add_argument("--batch", type=int, help="global batch size (default: the plan's, else 2)")
-    d.add_argument("--seq", type=int, help="sequence length (default: the plan's, else 16)")
-    d.add_argument("--cluster", default="cpu-gloo", help="preset name or spec file the plan is priced on")
-    d.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    d.add_argument("--batch", type=positive_int, help="global batch size (default: the plan's, else 2)")
+    d.add_argument("--seq", type=positive_int, help="sequence length (default: the plan's, else 16)")
+    d.add_argument(
+        "--cluster", default="cpu-gloo", help="preset name or spec file the plan is priced on (default cpu-gloo)"
+    )
+    d.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of parameters and activations (default fp32)",
+    )
     d.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
     d.add_argument("-o", "--output", required=True, help="the folder to write into (created if missing)")
     d.set_defaults(func=cmd_dump)
@@ -266,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = os.environ.get("PRIMEPAR_LOG", "INFO" if args.verbose else "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        print(f"error: PRIMEPAR_LOG={level} is not a log level (DEBUG, INFO, WARNING, ERROR)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from primepar_fx.capture import ShapeSpecializationError
     from primepar_fx.rules.registry import MissingRuleError, RuleError
@@ -273,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (MissingRuleError, RuleError, ShapeSpecializationError, SearchError, ValueError) as e:
+    except (CliError, MissingRuleError, RuleError, ShapeSpecializationError, SearchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -550,11 +550,19 @@ class Plan:
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan as JSON (atomically: a temporary file, then a rename); return the path."""
+        """Write the plan as JSON (atomically: a temporary file, then a rename), creating missing parent folders;
+        return the path. A ``path`` that is a folder is a ``ValueError``; a failed write leaves nothing behind."""
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"cannot write the plan to {os.fspath(path)!r}: it is a folder; give a file name")
+        p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        os.replace(tmp, p)
+        try:
+            tmp.write_text(self.to_json(), encoding="utf-8")
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return p
 
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -63,12 +64,72 @@ def test_explain_loads_a_user_callable(capsys, tmp_path, monkeypatch) -> None:
 
 
 def test_explain_rejects_unknown_models_and_bad_digits(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit, match="unknown model 'nope'.*gpt2-tiny"):
-        main(["explain", "nope"])
-    with pytest.raises(SystemExit, match="multiply to 6, not --world-size 4"):
-        main(["explain", "gpt2-tiny", "--world-size", "4", "--digits", "3,2"])
-    with pytest.raises(SystemExit, match="both --batch and --seq"):
-        main(["explain", "gpt2-tiny", "--batch", "4"])
+    for argv, message in (
+        (["explain", "nope"], "unknown model 'nope'.*gpt2-tiny"),
+        (["explain", "hf:nope"], "unknown Hugging Face family 'nope'"),
+        (
+            ["explain", "gpt2-tiny", "--world-size", "4", "--digits", "3,2"],
+            "--digits 3,2 multiply to 6, not --world-size 4",
+        ),
+        (["explain", "gpt2-tiny", "--batch", "4"], "both --batch and --seq"),
+        (["explain", "gpt2-tiny", "--batch", "4", "--seq", "1000"], "--seq 1000 exceeds .* gpt2-tiny \\(128\\)"),
+    ):
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2 and re.fullmatch(f"error: .*{message}.*\n", err), (argv, err)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "gpt2-tiny", "--batch", "0", "--seq", "8"], "argument --batch: must be >= 1, got 0"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "-n", "-4"], "argument --world-size/-n: must be >= 1"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--digits", "a,b"], "argument --digits: expected radices"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--alpha", "-1"], "argument --alpha: must be a finite"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--memory-budget", "1e400"], "not a byte size: '1e400'"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--memory-budget", "1.5.5MB"], "not a byte size"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--format", "nope"], "unknown table format 'nope'"),
+        (["explain", "gpt2-tiny", "--devices-per-node", "0"], "argument --devices-per-node: must be >= 1"),
+    ],
+)
+def test_bad_arguments_get_one_usage_error_naming_the_flag(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_plan_checks_its_inputs_before_the_search(capsys, tmp_path, monkeypatch) -> None:
+    """A folder as -o, --digits against --world-size, a too-long --seq and a bad PRIMEPAR_LOG stop before any capture
+    or search with one line on stderr and exit status 2; so does dump's missing plan file."""
+    import primepar_fx.api
+
+    monkeypatch.setattr(primepar_fx.api, "analyze", lambda *a, **k: pytest.fail("captured before checking"))
+    base = ["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "-n", "4"]
+    for argv, message in (
+        ([*base, "-o", str(tmp_path)], f"-o {tmp_path} is a folder"),
+        ([*base, "--digits", "2,3"], "--digits 2,3 multiply to 6, not --world-size 4"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "4096", "-n", "4"], "--seq 4096 exceeds"),
+        (["dump", "gpt2-tiny", "-n", "4", "--plan", "missing.json", "-o", str(tmp_path / "d")], "no plan file"),
+    ):
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    monkeypatch.setenv("PRIMEPAR_LOG", "LOUD")
+    rc, _, err = run(capsys, "explain", "--list")
+    assert rc == 2 and "PRIMEPAR_LOG=LOUD is not a log level" in err
+
+
+def test_plan_warns_when_it_does_not_fit_or_splits_nothing(capsys, tmp_path) -> None:
+    """A valid plan that needs more than a device's memory, or that leaves every node replicated, says so on stderr;
+    the plan file is still written (into a folder that did not exist)."""
+    out = tmp_path / "new" / "plan.json"
+    argv = ["plan", "gpt2-tiny", "--batch", "8", "--seq", "64", "--no-baselines", "--cluster", "cpu-gloo"]
+    rc, _, err = run(capsys, *argv, "-n", "3", "-o", str(out))
+    assert rc == 0 and out.is_file() and "warning: every node runs replicated" in err
+    assert not list(out.parent.glob(".*.tmp"))
+    rc, _, err = run(capsys, *argv, "-n", "2")
+    assert rc == 0 and "warning" not in err
+    rc, _, err = run(capsys, "plan", "opt-6.7b", "--batch", "16", "--seq", "2048", "-n", "8", "--no-baselines")
+    assert rc == 0 and re.search(r"warning: the plan needs [0-9.]+ GiB per device, more than the 32.0 GiB", err)
 
 
 def test_explain_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,9 +153,10 @@ def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
 
 
 def test_plan_rejects_an_unreadable_memory_budget(capsys) -> None:
-    with pytest.raises(SystemExit):
-        main(["plan", "gpt2-tiny", "--world-size", "2", "--batch", "4", "--seq", "8", "--memory-budget", "lots"])
-    assert "not a byte size" in capsys.readouterr().err
+    for budget in ("lots", "e", "."):
+        with pytest.raises(SystemExit):
+            main(["plan", "gpt2-tiny", "--world-size", "2", "--batch", "4", "--seq", "8", "--memory-budget", budget])
+        assert f"not a byte size: {budget!r}" in capsys.readouterr().err
 
 
 def test_plan_reports_an_infeasible_memory_budget(capsys) -> None:

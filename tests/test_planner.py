@@ -29,6 +29,11 @@ def test_plan_works_on_a_meta_device_model_and_round_trips_through_json(tmp_path
     assert len(plan.nodes) == len(analyze(model, args, kwargs).nodes)
     path = plan.save(tmp_path / "plan.json")
     assert Plan.load(path) == plan
+    with pytest.raises(ValueError, match="seq=4096 exceeds the model's maximum sequence length of"):
+        primepar_fx.plan(model, (args, kwargs), world_size=4, batch=8, seq=4096)
+    with pytest.raises(ValueError, match="it is a folder"):
+        plan.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no temporary file left behind
 
 
 def test_every_node_gets_a_legal_partition_and_the_plan_matches_its_model(capsys) -> None:

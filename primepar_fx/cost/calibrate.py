@@ -504,7 +504,11 @@ def calibrate(
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {backend}, world size {world_size}, "
         f"{reps or (QUICK_REPS if quick else DEFAULT_REPS)} reps{', quick' if quick else ''}"
     )
-    note = f"Measured here (see source) on top of {spec.name!r}: {spec.description}"
+    base = spec.description.split(". ")[0].rstrip(".")
+    note = (
+        f"Compute and the collectives inside a node measured here (see source); every other field is the base spec "
+        f"{spec.name!r}: {base}."
+    )
     spec = dataclasses.replace(spec, description=note)
     return spec.with_calibration(source=source, collectives={0: collectives}, compute=compute)
 

@@ -8,9 +8,9 @@ default) and runs ``--steps`` AdamW steps on its own parameter shards. The data 
 (``--batch`` x ``--seq``, drawn from ``--seed``, identical on every rank), so the loss falls as the model memorises
 it: an end-to-end check that training works, not a measure of learning.
 
-Rank 0 prints one line per step (loss, step time, bytes this rank sent during the step) above a tqdm progress bar,
-then a summary: the plan's partitions by kind, the predicted and measured bytes per rank per step, and the mean
-step time without the first (warm-up) step. ``PRIMEPAR_LOG=INFO`` logs the planning.
+Rank 0 prints one line per step (loss, step time, bytes this rank sent during the step), with a tqdm progress bar
+on stderr when it is a terminal, then a summary: the plan's partitions by kind, the predicted and measured bytes per
+rank per step, and the mean step time without the first (warm-up) step. ``PRIMEPAR_LOG=INFO`` logs the planning.
 """
 
 from __future__ import annotations
@@ -170,7 +170,13 @@ def train(module: primepar_fx.PrimeParModule, args: tuple, kwargs: dict, opts: a
     """``opts.steps`` AdamW steps on the fixed batch; rank 0 prints a line per step."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr)
     history = History()
-    bar = tqdm(range(1, opts.steps + 1), desc="train", unit="step", disable=ranks.rank != 0, file=sys.stderr)
+    bar = tqdm(
+        range(1, opts.steps + 1),
+        desc="train",
+        unit="step",
+        disable=ranks.rank != 0 or not sys.stderr.isatty(),
+        file=sys.stderr,
+    )
     for step in bar:
         module.comm_stats.reset()
         t0 = time.perf_counter()

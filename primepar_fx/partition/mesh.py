@@ -49,7 +49,11 @@ class DeviceMesh:
         if devices_per_node is None or devices_per_node >= world_size:
             return cls(tuple(sorted(prime_factors(world_size), reverse=True)))
         if world_size % devices_per_node:
-            raise ValueError(f"world size {world_size} is not a multiple of {devices_per_node} devices per node")
+            flat = ",".join(map(str, cls.for_world_size(world_size).digits))
+            raise ValueError(
+                f"world size {world_size} is not a multiple of {devices_per_node} devices per node; give the device "
+                f"digits yourself (--digits, or digits=, e.g. {flat}) or a cluster spec whose nodes hold a divisor"
+            )
         nodes = world_size // devices_per_node
         return cls(
             tuple(sorted(prime_factors(nodes), reverse=True))
