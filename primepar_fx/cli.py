@@ -233,7 +233,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         speed = mega.predicted.step_time_s / plan.predicted.step_time_s
         mem = plan.predicted.peak_memory_bytes / max(1, mega.predicted.peak_memory_bytes)
         print(f"\nvs best Megatron ({mega.config.get('name')}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
-    for warning in plan_warnings(plan, spec, args.memory_budget):
+        if mega.config.get("fallback_nodes"):
+            print(
+                f"  ({mega.config['fallback_nodes']} of {len(plan.nodes)} nodes could not take that configuration's "
+                "split on some digit, which does not divide their dim, and are replicated there)"
+            )
+    for warning in plan_warnings(plan, spec, args.memory_budget, graph):
         print(f"warning: {warning}", file=sys.stderr)
     if args.output:
         plan.save(args.output)
@@ -242,9 +247,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None) -> list[str]:
+def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None, graph: Any = None) -> list[str]:
     """What a plan's reader should know although it is a valid plan: it does not fit in the devices' memory, or
-    nothing in it is split."""
+    no node of ``graph`` (the planned :class:`~primepar_fx.graph.OpGraph`) can split at the plan's sizes."""
     out = []
     peak, capacity = plan.predicted.peak_memory_bytes, spec.device.memory_capacity
     if memory_budget is None and peak > capacity:
@@ -253,12 +258,28 @@ def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None) -> l
             f"{spec.device.name} in {spec.name!r}: pass --memory-budget to search within it, or use more devices "
             f"or a smaller --batch{' or --dtype bf16' if plan.dtype == 'fp32' else ''}"
         )
-    if plan.world_size > 1 and all(set(n.partition.split(",")) <= {"R"} for n in plan.nodes):
+    replicated = all(set(n.partition.split(",")) <= {"R"} for n in plan.nodes)
+    if graph is not None and plan.world_size > 1 and replicated and not _any_split(graph, plan):
         out.append(
-            f"every node runs replicated: no dim splits over the device digits {list(plan.digits)} at B={plan.batch}, "
-            f"S={plan.seq}; choose sizes divisible by the world size, or other --digits"
+            f"every node runs replicated: no dim divides over the device digits {list(plan.digits)} at "
+            f"B={plan.batch}, S={plan.seq}; choose sizes divisible by the world size, or other --digits"
         )
     return out
+
+
+def _any_split(graph: Any, plan: Plan) -> bool:
+    """Whether some node of ``graph`` has a legal partition other than full replication at the plan's sizes."""
+    from primepar_fx.partition import DeviceMesh, Replicate, enumerate_sequences
+    from primepar_fx.shapes import B, S
+
+    mesh, values, seen = DeviceMesh(plan.digits), {B: plan.batch, S: plan.seq}, set()
+    for node in graph.nodes.values():
+        if node.dims not in seen:
+            seen.add(node.dims)
+            seqs = enumerate_sequences(node.dims, mesh, values=values)
+            if any(not isinstance(e, Replicate) for seq in seqs for e in seq.elements):
+                return True
+    return False
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

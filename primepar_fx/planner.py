@@ -171,6 +171,8 @@ def _best_megatron(
         priced.append((not fits, pred.step_time_s, len(priced)))
     unfit, _, best = min(priced)
     config = {**configs[best], "name": config_name(configs[best])}
+    if assignments[best].fallbacks:  # nodes where a split of the configuration did not divide, replicated there
+        config["fallback_nodes"] = len(assignments[best].fallback_nodes())
     if memory_budget is not None:
         config["fits_budget"] = not unfit
     summary = summarize(graph, priced_graph, choices[best], opts)
