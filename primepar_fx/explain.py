@@ -12,6 +12,12 @@
   This is exactly the change in the search's objective when node ``n`` alone switches to ``s``, so no alternative
   of a plan the search proved optimal (without a memory budget) is cheaper.
 
+  An edge's cost in the priced graph is net of what fusing an all-reduce with the re-layout after it into a
+  reduce-scatter saves (:mod:`primepar_fx.cost.scatter`). The parts of an :class:`Option` attribute that saving as
+  :func:`~primepar_fx.planner.summarize` does for a plan: the re-layout counts whole in the redistribution, and
+  the saving comes off the collectives of the node that runs the all-reduce: this node's (``collective_s``,
+  ``node_s``, ``comm_bytes``) or a neighbour's (``neighbour_collective_s``). The objective is unchanged.
+
 This module is also callable: ``primepar_fx.explain(plan, node_name, graph=graph)`` is :func:`explain_choice`.
 """
 
@@ -163,16 +169,19 @@ class Option:
     per device and step)."""
 
     partition: str
-    objective_s: float  # node_s + redistribution_s (+ alpha * memory)
+    objective_s: float  # node_s + redistribution_s + neighbour_collective_s (+ alpha * memory)
     node_s: float  # Eq. 7: sum_t max(compute, ring) + collectives
     compute_s: float
     ring_s: float
-    collective_s: float
-    redistribution_s: float  # to and from the neighbours (Eq. 8-9)
-    comm_bytes: int  # ring shifts and collectives
+    collective_s: float  # less what this node's all-reduces that become reduce-scatters save
+    redistribution_s: float  # to and from the neighbours (Eq. 8-9), before any reduce-scatter saving; >= 0
+    comm_bytes: int  # ring shifts and collectives (reduce-scatters counted as such)
     redistribution_bytes: int  # mean per device, to and from the neighbours
     memory_bytes: int
     chosen: bool = False
+    #: the change in the neighbours' collective time (<= 0): their all-reduces that become reduce-scatters when
+    #: this node takes this partition (a row-parallel producer's output all-reduce, for a sequence-split consumer)
+    neighbour_collective_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +217,8 @@ class Explanation:
         best = self.alternatives[0]
         parts = {
             "compute and ring": (best.node_s - best.collective_s) - (c.node_s - c.collective_s),
-            "collectives": best.collective_s - c.collective_s,
+            "collectives": (best.collective_s + best.neighbour_collective_s)
+            - (c.collective_s + c.neighbour_collective_s),
             "redistribution": best.redistribution_s - c.redistribution_s,
         }
         what, gap = max(parts.items(), key=lambda kv: kv[1])
@@ -219,25 +229,31 @@ class Explanation:
 
     def table(self, top: int = 5, tablefmt: str = "simple") -> str:
         """The chosen partition first (marked ``*``), then the ``top`` cheapest alternatives."""
+        shown = (self.chosen, *self.alternatives[:top])
+        # a column for the neighbours' reduce-scatter savings only where a shown row has one
+        neighbours = any(o.neighbour_collective_s for o in shown)
         rows = []
-        for o in (self.chosen, *self.alternatives[:top]):
+        for o in shown:
             delta = o.objective_s - self.chosen.objective_s
-            rows.append(
-                [
-                    "*" if o.chosen else "",
-                    o.partition,
-                    _ms(o.objective_s),
-                    "" if o.chosen else f"{'+' if delta >= 0 else '-'}{_ms(abs(delta))}",
-                    _ms(o.node_s),
-                    _ms(o.collective_s),
-                    _ms(o.redistribution_s),
-                    f"{o.comm_bytes:,}",
-                    f"{o.redistribution_bytes:,}",
-                    f"{o.memory_bytes / MiB:.3f}",
-                ]
-            )
-        head = ["", "partition", "objective ms", "vs chosen", "node ms", "collective ms", "redistr. ms"]
-        head += ["comm B", "redistr. B", "memory MiB"]
+            row = [
+                "*" if o.chosen else "",
+                o.partition,
+                _ms(o.objective_s),
+                "" if o.chosen else f"{'+' if delta >= 0 else '-'}{_ms(abs(delta))}",
+                _ms(o.node_s),
+                _ms(o.collective_s),
+            ]
+            row += [_ms(o.neighbour_collective_s)] if neighbours else []
+            row += [
+                _ms(o.redistribution_s),
+                f"{o.comm_bytes:,}",
+                f"{o.redistribution_bytes:,}",
+                f"{o.memory_bytes / MiB:.3f}",
+            ]
+            rows.append(row)
+        head = ["", "partition", "objective ms", "vs chosen", "node ms", "collective ms"]
+        head += ["neighbours' coll. ms"] if neighbours else []
+        head += ["redistr. ms", "comm B", "redistr. B", "memory MiB"]
         return tabulate(rows, head, tablefmt=tablefmt, disable_numparse=True)
 
     def __str__(self) -> str:
@@ -265,16 +281,36 @@ def explain_choice(
     seqs, costs = priced.strategies[node_name], priced.node_costs[node_name]
     opts = CostOptions(dtype=plan.dtype, alpha=float(plan.search.get("alpha") or 0.0))
     world = plan.world_size
-    redis_s = [0.0] * len(seqs)
+    edge_s = [0.0] * len(seqs)  # the edges' costs as the search sees them: net of reduce-scatter savings
     redis_b = [0.0] * len(seqs)
+    # reduce-scatter savings (cost.scatter), attributed as planner.summarize does: off the collectives of the node
+    # that runs the all-reduce (the producer in Forward, the consumer in Backward), not off the redistribution
+    own_s, own_b = [0.0] * len(seqs), [0] * len(seqs)
+    others_s = [0.0] * len(seqs)
     for (u, v), mat in priced.cost_graph.edge_cost.items():
         if node_name not in (u, v):
             continue
         nbytes = priced.edge_bytes[(u, v)]
-        sec, byt = (mat[0, :], nbytes[0, :]) if v == node_name else (mat[:, 0], nbytes[:, 0])
+        incoming = v == node_name  # the neighbours are pinned: their only strategy is number 0
+        sec, byt = (mat[0, :], nbytes[0, :]) if incoming else (mat[:, 0], nbytes[:, 0])
+        sav = priced.scatter.get((u, v))
         for i in range(len(seqs)):
-            redis_s[i] += float(sec[i])
+            edge_s[i] += float(sec[i])
             redis_b[i] += float(byt[i]) / world
+            if sav is None:
+                continue
+            ij = (0, i) if incoming else (i, 0)
+            for owner, s_, b_, rs in (
+                (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
+                (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
+            ):
+                if not rs[ij]:
+                    continue
+                if owner == node_name:
+                    own_s[i] += float(s_[ij])
+                    own_b[i] += int(b_[ij])
+                else:
+                    others_s[i] += float(s_[ij])
     chosen_seq = plan.partitions()[node_name]
     options = []
     for i, (seq, c) in enumerate(zip(seqs, costs)):
@@ -282,16 +318,17 @@ def explain_choice(
         options.append(
             Option(
                 partition=str(seq),
-                objective_s=c.time_s + redis_s[i] + opts.alpha * memory,
-                node_s=c.time_s,
+                objective_s=c.time_s + edge_s[i] + opts.alpha * memory,
+                node_s=c.time_s - own_s[i],
                 compute_s=c.compute_s,
                 ring_s=c.ring_s,
-                collective_s=c.collective_s,
-                redistribution_s=redis_s[i],
-                comm_bytes=sum(c.comm_bytes.values()),
+                collective_s=c.collective_s - own_s[i],
+                redistribution_s=edge_s[i] + own_s[i] + others_s[i],
+                comm_bytes=sum(c.comm_bytes.values()) - own_b[i],
                 redistribution_bytes=int(round(redis_b[i])),
                 memory_bytes=memory,
                 chosen=seq == chosen_seq,
+                neighbour_collective_s=-others_s[i] or 0.0,
             )
         )
     chosen = next(o for o in options if o.chosen)
