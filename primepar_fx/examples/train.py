@@ -39,7 +39,7 @@ from primepar_fx.runtime.stats import COMM_KINDS
 
 log = logging.getLogger("primepar_fx.examples.train")
 
-PLAN_NAMES = ("searched", "megatron", "data_parallel", "prime")
+PLAN_NAMES = ("searched", "megatron", "megatron-sp", "data_parallel", "prime")
 #: errors that mean "this configuration cannot be planned or run", reported without a traceback
 USER_ERRORS = (ValueError, NotImplementedError, RuntimeError)
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan",
         type=_plan_arg,
         default="searched",
-        help="searched (default), megatron, data_parallel, prime, random:SEED, or a plan .json file",
+        help="searched (default), megatron, megatron-sp, data_parallel, prime, random:SEED, or a plan .json file",
     )
     p.add_argument("--cluster", type=_cluster_arg, default="cpu-gloo", help="cluster preset or spec file to plan for")
     p.add_argument("--memory-budget", type=parse_bytes, help="per-device memory budget of the search, e.g. 2GiB")
