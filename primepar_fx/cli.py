@@ -160,7 +160,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
     replicate = not args.full_capture
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
     print(
-        explain_table(graph, mesh, batch=args.batch, seq=args.seq, allow_prime=not args.no_prime, tablefmt=args.format)
+        explain_table(
+            graph,
+            mesh,
+            batch=args.batch,
+            seq=args.seq,
+            allow_prime=not args.no_prime,
+            tablefmt=args.format,
+            fold=not args.all_nodes,
+        )
     )
     print(f"\nanalysed in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
@@ -227,7 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         grouped=args.grouped,
         progress=sys.stderr.isatty(),
     )
-    print(plan.summary_table(tablefmt=args.format))
+    print(plan.summary_table(tablefmt=args.format, fold=not args.all_nodes))
     mega = plan.baselines.get("megatron")
     if mega is not None:
         speed = mega.predicted.step_time_s / plan.predicted.step_time_s
@@ -327,6 +335,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="export every layer instead of two replicated (for models whose later layers differ)",
     )
     p.add_argument("--no-prime", action="store_true", help="leave P(S x S) out of the space (split-only)")
+    p.add_argument(
+        "--all-nodes",
+        action="store_true",
+        help="print every node; by default the copies of a repeated block of rows (identical layers) are folded",
+    )
     p.add_argument("--format", default="simple", type=table_format, help="tabulate table format (simple, github, ...)")
 
 

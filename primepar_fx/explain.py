@@ -40,6 +40,7 @@ from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.plan import MiB, Plan
 from primepar_fx.rules.spec import OpDims, Shape
 from primepar_fx.shapes import B, S
+from primepar_fx.tables import fold_repeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +100,12 @@ def explain_table(
     seq: int | None = None,
     allow_prime: bool = True,
     tablefmt: str = "simple",
+    fold: bool = False,
 ) -> str:
-    """The table ``primepar-fx explain`` prints: node, op, symbolic shape, FLOPs, legal sequences, and totals."""
+    """The table ``primepar-fx explain`` prints: node, op, symbolic shape, FLOPs, legal sequences, and totals.
+
+    ``fold`` prints the copies of the longest repeated block of rows (identical layers) as one marker row, with a
+    note under the table (:func:`~primepar_fx.tables.fold_repeats`)."""
     rows = explain_rows(graph, mesh, batch=batch, seq=seq, allow_prime=allow_prime)
     subs = {k: v for k, v in ((B, batch), (S, seq)) if v is not None}
     concrete = len(subs) == 2
@@ -111,6 +116,9 @@ def explain_table(
         return fmt_count(float(expr.subs(subs))) if concrete else str(expr)
 
     body = [[r.name, r.op, r.shape, flops_cell(r.flops), r.sequences] for r in rows]
+    note = None
+    if fold:
+        body, note = fold_repeats(body)
     total_flops = graph.total_flops()
     body.append(
         [
@@ -123,6 +131,8 @@ def explain_table(
     )
     flops_head = f"FLOPs (fwd, B={batch}, S={seq})" if concrete else "FLOPs (fwd)"
     table = tabulate(body, headers=["node", "op", "shape", flops_head, "sequences"], tablefmt=tablefmt)
+    if note is not None:
+        table += f"\n\n{note}"
     head = (
         f"model {graph.name}: {len(rows)} compute nodes, world size {mesh.size} "
         f"(device digits {mesh.digits or '()'}), forward FLOPs {sympy.factor(total_flops)}"

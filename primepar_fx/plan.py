@@ -480,9 +480,14 @@ class Plan:
             what = f"model node {extra!r} has no partition in the plan" if extra else "the model's node order differs"
             _fail("plan.model_fingerprint", f"{self.model_fingerprint} but the model fingerprints to {actual}: {what}")
 
-    def summary_table(self, tablefmt: str = "simple") -> str:
-        """Per-node partitions and costs, then predicted totals with one comparison row per baseline."""
+    def summary_table(self, tablefmt: str = "simple", fold: bool = False) -> str:
+        """Per-node partitions and costs, then predicted totals with one comparison row per baseline.
+
+        ``fold`` prints the copies of the longest repeated block of rows (a model's identical layers) as one marker
+        row, with a note under the table (:func:`~primepar_fx.tables.fold_repeats`)."""
         from tabulate import tabulate
+
+        from primepar_fx.tables import fold_repeats
 
         costed = [n.cost for n in self.nodes if n.cost is not None]
         kinds = [k for k in COMM_KINDS if any(c.comm_bytes.get(k) for c in costed)]
@@ -499,7 +504,12 @@ class Plan:
                 row += [c.phase_s[p] * 1e3 if c.phase_s else "" for p in PHASES] + [c.step_s * 1e3]
                 row += [c.comm_bytes.get(k, 0) for k in kinds] + [c.memory_bytes / MiB]
             rows.append(row)
+        note = None
+        if fold:  # rows that print alike (floats to 3 decimals) but for the name
+            rows, note = fold_repeats(rows, lambda r: tuple(f"{v:.3f}" if isinstance(v, float) else v for v in r[1:]))
         nodes = tabulate(rows, header, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
+        if note is not None:
+            nodes += f"\n\n{note}"
         ours = self.predicted
         totals = []
         for name, p in [("primepar (this plan)", ours)] + [(k, b.predicted) for k, b in self.baselines.items()]:

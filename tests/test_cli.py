@@ -176,3 +176,16 @@ def test_plan_reports_an_infeasible_memory_budget(capsys) -> None:
         "--no-baselines",
     )
     assert rc == 2 and "infeasible" in err and "smallest achievable memory" in err
+
+
+def test_explain_and_plan_fold_identical_layers_unless_asked_for_every_node(capsys) -> None:
+    """gpt2 (12 layers) prints its first layer and one marker row for the 11 copies; --all-nodes prints them all."""
+    rc, folded, _ = run(capsys, "explain", "gpt2", "-n", "4")
+    rc_all, whole, _ = run(capsys, "explain", "gpt2", "-n", "4", "--all-nodes")
+    assert rc == rc_all == 0
+    marker = re.search(r"^\.\.\. +x(\d+) the (\d+) rows above", folded, re.M)
+    assert marker and "rows left out, the same but for the node names" in folded and "x11" not in whole
+    copies, period = map(int, marker.groups())
+    assert len(whole.splitlines()) - len(folded.splitlines()) == copies * period - 1 - 2  # less the note and gap
+    rc, text, _ = run(capsys, "plan", "gpt2", "-n", "4", "--batch", "8", "--seq", "128", "--no-baselines")
+    assert rc == 0 and re.search(r"^\.\.\. +x\d+ the \d+ rows above", text, re.M)
