@@ -218,6 +218,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_seq(model, args.seq, name)
     replicate = not args.full_capture
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
+    captured_s = time.perf_counter() - t0
     plan = plan_graph(
         graph,
         world_size=args.world_size,
@@ -251,7 +252,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}")
-    print(f"planned in {time.perf_counter() - t0:.1f} s (search {plan.search.get('search_s')} s)", file=sys.stderr)
+    took = plan.search
+    print(
+        f"planned in {time.perf_counter() - t0:.1f} s: capture {captured_s:.2f} s, pricing {took['pricing_s']:.2f} s, "
+        f"search {took['search_s']:.2f} s, baselines {took['baselines_s']:.2f} s",
+        file=sys.stderr,
+    )
     return 0
 
 
