@@ -327,6 +327,9 @@ def test_a_mean_loss_and_a_sum_loss_differ_as_keys_and_in_their_collectives() ->
 
     total, mean = loss("sum"), loss("mean")
     assert total != mean and hash(total) != hash(mean) and dataclasses.replace(mean) == mean
+    assert hash(dataclasses.replace(mean)) == hash(mean) == hash(loss("mean"))  # the cached hash follows equality
+    compared = [f.name for f in dataclasses.fields(OpDims) if f.compare]
+    assert hash(mean) == hash(tuple(getattr(mean, f) for f in compared))  # a new compared field must be hashed too
     mesh = DeviceMesh((2,))
     counts = {
         op.extra["reduction"]: [c.count for c in collectives(OpPartition(op, PartitionSeq.parse("N"), mesh))]

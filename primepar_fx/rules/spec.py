@@ -69,6 +69,15 @@ class OpDims:
     #: hashing (a mean loss all-reduces its row count and a sum loss does not; the caches keyed on OpDims must tell
     #: them apart), although the dict itself cannot be hashed
     extra_key: tuple[tuple[str, Any], ...] = field(init=False, repr=False, default=())
+    #: the hash, computed once: OpDims key the planner's memos (a few hundred thousand lookups in a large plan)
+    _hash: int | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            fields = (self.kind, self.dims, self.sizes, self.inputs, self.outputs, self.no_split, self.stats)
+            fields += (self.matmul, self.matmul_operands, self.flops, self.weights, self.no_grad, self.extra_key)
+            object.__setattr__(self, "_hash", hash(fields))
+        return self._hash  # type: ignore[return-value]
 
     def __post_init__(self) -> None:
         extra_key = tuple(sorted(self.extra.items()))
