@@ -340,6 +340,22 @@ def test_a_mean_loss_and_a_sum_loss_differ_as_keys_and_in_their_collectives() ->
         dataclasses.replace(mean, extra={"bad": [1]})
 
 
+def test_cached_hashes_are_rebuilt_not_copied() -> None:
+    """OpDims, PartitionSeq and DeviceMesh cache their hash; copying or pickling them (``__reduce__``) goes through
+    the constructor with every init field, so a hash of ``str`` fields, which differs between processes, never
+    travels to another one."""
+    import copy
+
+    for obj in (linear_dims(4, 4, 4, 4), PartitionSeq.parse("B,K"), DeviceMesh((2, 2))):
+        hash(obj)
+        assert obj._hash is not None
+        make, args = obj.__reduce__()
+        init = [f.name for f in dataclasses.fields(obj) if f.init]
+        assert make is type(obj) and list(args) == [getattr(obj, name) for name in init]
+        for again in (make(*args), copy.deepcopy(obj), copy.copy(obj)):
+            assert again == obj and again._hash is None and hash(again) == hash(obj)
+
+
 def test_canonical_enumeration_keeps_one_order_per_level_and_is_a_subset() -> None:
     b = sympy.Symbol("B", positive=True, integer=True)
     op = OpDims(

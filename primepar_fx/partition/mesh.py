@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from math import prod
 
@@ -34,6 +34,17 @@ class DeviceMesh:
     """The digits of the device ID. ``digits[0]`` is the most significant (it spans nodes first)."""
 
     digits: tuple[int, ...]
+
+    #: the hash, computed once (a plan hashes these a few hundred thousand times as memo keys)
+    _hash: int | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((self.digits,)))
+        return self._hash  # type: ignore[return-value]
+
+    def __reduce__(self) -> tuple:
+        return DeviceMesh, (self.digits,)  # rebuilt, so no cached hash travels to another process
 
     def __post_init__(self) -> None:
         if not isinstance(self.digits, tuple) or not all(isinstance(d, int) for d in self.digits):

@@ -16,7 +16,7 @@ Text form: elements joined by commas, e.g. ``B,P2x2,N`` or ``K,R``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 from primepar_fx.partition.mesh import DeviceMesh
@@ -61,6 +61,17 @@ class PartitionSeq:
     """An ordered partition sequence; at most one ``Prime`` (its steps are the op's temporal steps)."""
 
     elements: tuple[Element, ...]
+
+    #: the hash, computed once (a plan hashes these a few hundred thousand times as memo keys)
+    _hash: int | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((self.elements,)))
+        return self._hash  # type: ignore[return-value]
+
+    def __reduce__(self) -> tuple:
+        return PartitionSeq, (self.elements,)  # not the cached hash: a str's hash differs between processes
 
     def __post_init__(self) -> None:
         if not isinstance(self.elements, tuple):

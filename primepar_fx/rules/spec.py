@@ -79,6 +79,14 @@ class OpDims:
             object.__setattr__(self, "_hash", hash(fields))
         return self._hash  # type: ignore[return-value]
 
+    def __reduce__(self) -> tuple:
+        """Pickled (and copied) through the constructor: the cached hash is not carried over, since a ``str``'s hash
+        differs between processes (``PYTHONHASHSEED``)."""
+        return OpDims, (
+            self.kind, self.dims, self.sizes, self.inputs, self.outputs, self.no_split, self.stats, self.matmul,
+            self.matmul_operands, self.flops, self.weights, self.no_grad, self.extra,
+        )  # fmt: skip
+
     def __post_init__(self) -> None:
         extra_key = tuple(sorted(self.extra.items()))
         try:
