@@ -10,11 +10,13 @@ from typing import Any
 import torch
 
 from primepar_fx.capture import capture, config_seq_max
+from primepar_fx.cost.cluster import dtype_key
 from primepar_fx.gcpause import gc_paused
-from primepar_fx.graph import OpGraph, build_graph
+from primepar_fx.graph import OpGraph, build_graph, check_fallback
 from primepar_fx.plan import Plan
-from primepar_fx.planner import plan_graph
+from primepar_fx.planner import check_sizes, plan_graph
 from primepar_fx.replicate import analyze_replicated
+from primepar_fx.units import memory_budget_bytes
 
 
 @gc_paused
@@ -30,11 +32,18 @@ def analyze(
 ) -> OpGraph:
     """Capture ``model`` with symbolic batch ``B`` and sequence ``S`` and apply the op dimension rules.
 
+    ``example_args`` (a tuple, or one tensor) and ``example_kwargs`` are one call of ``model``, the batch in dim 0
+    and the sequence in dim 1 of the token inputs. ``name`` names the graph in reports; ``seq_max`` bounds the
+    sequence length the capture allows (default: the model config's ``max_position_embeddings`` or ``max_seq``).
+
     ``fallback="replicate"`` runs ops without a rule replicated instead of raising
     :class:`~primepar_fx.rules.registry.MissingRuleError`. ``replicate_layers=True`` captures two layers of the
     model's layer stack and replicates them (:mod:`primepar_fx.replicate`): the same nodes, names and edges, in a
     fraction of the time, but a graph that can be planned and not compiled.
     """
+    check_fallback(fallback)
+    if isinstance(example_args, torch.Tensor):  # one tensor, not a tuple of them
+        example_args = (example_args,)
     if replicate_layers:
         return analyze_replicated(model, example_args, example_kwargs, name=name, fallback=fallback, seq_max=seq_max)
     captured = capture(model, example_args, example_kwargs, name=name, seq_max=seq_max)
@@ -62,14 +71,24 @@ def plan(
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
-    ``example_inputs`` is the tuple of positional example arguments, or ``(args, kwargs)``. ``batch`` and ``seq``
-    (default: the example's sizes) are the sizes the plan is priced at; they may differ from the example's, since
-    the graph is symbolic in ``B`` and ``S``. Works on meta-device models. ``grouped`` merges the leading device
+    ``example_inputs`` is the tuple of positional example arguments, or ``(args, kwargs)``. ``world_size`` devices
+    of ``cluster`` (a preset name, a spec file or a :class:`~primepar_fx.cost.cluster.ClusterSpec`). ``batch`` and
+    ``seq`` (default: the example's sizes) are the sizes the plan is priced at; they may differ from the example's,
+    since the graph is symbolic in ``B`` and ``S``. Works on meta-device models.
+
+    ``memory_budget``: a hard limit on each device's predicted peak (bytes, or a size such as ``"30GiB"``).
+    ``dtype``: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or a torch dtype. ``alpha``: seconds per byte of
+    memory added to the objective. ``method``: ``"dp"``, ``"ilp"`` or ``"auto"``. ``allow_prime=False`` leaves
+    P(S x S) out (the split-only space). ``baselines``: also price Megatron, data parallelism and split-only.
+    ``fallback="replicate"`` runs ops without a rule replicated. ``grouped`` merges the leading device
     digits for the search (default: past three digits, e.g. 16 or more GPUs; see
     :func:`~primepar_fx.planner.search_mesh`). ``progress`` shows the pricing's progress bars on stderr.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     """
+    check_sizes(batch, seq)
+    memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)  # before the capture
+    check_fallback(fallback)
     limit = config_seq_max(model)
     if seq is not None and limit is not None and seq > limit:
         raise ValueError(f"seq={seq} exceeds the model's maximum sequence length of {limit} (its config)")
@@ -79,8 +98,8 @@ def plan(
         graph,
         world_size=world_size,
         cluster=cluster,
-        batch=batch or graph.captured.example_batch,
-        seq=seq or graph.captured.example_seq,
+        batch=graph.captured.example_batch if batch is None else batch,
+        seq=graph.captured.example_seq if seq is None else seq,
         dtype=dtype,
         memory_budget=memory_budget,
         alpha=alpha,

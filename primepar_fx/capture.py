@@ -69,6 +69,8 @@ class Captured:
         example_batch: the batch size of the example inputs.
         example_seq: the sequence length of the example inputs.
         model_name: a name for logs and reports.
+        call: how the example called ``model.forward``: the signature, and the names of the parameters given
+            positionally and by keyword; ``None`` when the signature takes ``*args`` or ``**kwargs``.
     """
 
     program: ExportedProgram
@@ -80,6 +82,7 @@ class Captured:
     example_batch: int
     example_seq: int
     model_name: str
+    call: tuple[inspect.Signature, tuple[str, ...], tuple[str, ...]] | None = None
 
 
 # ------------------------------------------------------------------------------------------------ capture
@@ -148,7 +151,10 @@ def capture(
         dims = {d: v for d, v in ((batch_dim, batch_d), (seq_dim, seq_d)) if t.dim() > d}
         return dims or None
 
-    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs).arguments
+    variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values())
+    call = None if variadic else (signature, tuple(list(signature.parameters)[: len(args)]), tuple(kwargs))
     dynamic_shapes = {
         key: pytree.tree_map(lambda v: spec(v) if isinstance(v, torch.Tensor) else None, value)
         for key, value in bound.items()
@@ -183,6 +189,7 @@ def capture(
         example_batch=batch,
         example_seq=seq,
         model_name=model_name,
+        call=call,
     )
     log.info("captured %s: %d nodes", model_name, len(captured.gm.graph.nodes))
     return captured

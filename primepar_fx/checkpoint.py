@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from primepar_fx.compile import PrimeParModule
+from primepar_fx.compile import PrimeParModule, require_compiled
 from primepar_fx.runtime.exchange import full_layout
 
 log = logging.getLogger(__name__)
@@ -292,6 +292,9 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
 # ---------------------------------------------------------------------------------------------------- sharded
 def save(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
     """Write ``module``'s parameters (and ``optimizer``'s state) as a sharded DCP checkpoint in directory ``path``."""
+    require_compiled(module, "checkpoint.save")
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"checkpoint.save writes a directory, and {os.fspath(path)!r} is a file")
     rank, world = _rank_world()
     entries = _param_entries(module)
     meta: dict[str, Any] = {
@@ -335,6 +338,7 @@ def load(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.
     Names and shapes are checked, and every rank reads into fresh tensors, before any parameter or optimizer
     state changes.
     """
+    require_compiled(module, "checkpoint.load")
     rank, world = _rank_world()
     meta = read_meta(path)
     _check_parameters(module, meta["parameters"], f"{os.fspath(path)}/{META_FILE}")
@@ -422,6 +426,7 @@ def save_consolidated(
     module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
 ) -> Path:
     """Gather whole tensors and write them from rank 0 as one ``torch.save`` file (module docstring)."""
+    require_compiled(module, "checkpoint.save_consolidated")
     rank, world = _rank_world()
     payload: dict[str, Any] = {
         "format": CONSOLIDATED_FORMAT,
@@ -463,6 +468,7 @@ def load_consolidated(
     module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Load a :func:`save_consolidated` file (``weights_only=True``) into ``module`` (and ``optimizer``)."""
+    require_compiled(module, "checkpoint.load_consolidated")
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(payload, dict) or payload.get("format") != CONSOLIDATED_FORMAT:
         raise ValueError(f"{os.fspath(path)} is not a {CONSOLIDATED_FORMAT} file")

@@ -174,35 +174,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
 def parse_bytes(text: str) -> int:
-    """``"30GiB"``, ``"512MB"``, ``"1e9"`` -> bytes."""
-    import re
+    """An argparse type: ``"30GiB"``, ``"512MB"``, ``"1e9"`` -> bytes (:func:`primepar_fx.units.parse_bytes`)."""
+    from primepar_fx.units import parse_bytes as parse
 
-    bad = argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 30GiB, 512MB, 1e9)")
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise bad
     try:
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    except ValueError:
-        raise bad from None
-    if not math.isfinite(value):
-        raise bad
-    return int(value)
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ naming the node and the dim). When rank 0 cannot make the plan, every other rank
 
 At run time a batch or sequence length other than the compiled one rebuilds this rank's graph for the new sizes
 (the capture is symbolic in ``B`` and ``S``; the plan is reused, and the parameters stay where they are: their
-storage layouts do not depend on ``B`` or ``S``). Every rank must see the same sizes, as it sees the same inputs.
+storage layouts do not depend on ``B`` or ``S``). Every rank must see the same sizes, as it sees the same inputs:
+each call checks it first with one all-reduce of four integers (``check_sizes``), so ranks given different sizes
+raise a ``ValueError`` together instead of computing on mismatched shards or waiting for each other.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from primepar_fx.capture import capture
-from primepar_fx.graph import OpGraph, build_graph
+from primepar_fx.cost.cluster import dtype_key
+from primepar_fx.graph import OpGraph, build_graph, check_fallback
 from primepar_fx.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
 from primepar_fx.passes.localize import RankGraph, localize
@@ -41,6 +44,7 @@ from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
 from primepar_fx.shapes import B, S
+from primepar_fx.units import memory_budget_bytes
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +109,8 @@ def _broadcast_text(text: str | None, rank: int, world: int, *, failure: str | N
 def resolve_plan(
     graph: OpGraph, plan: Any, *, world_size: int, cluster: str, memory_budget: float | None, dtype: str
 ) -> Plan:
-    """A :class:`Plan` from ``None`` (search), a Plan, a JSON path or a forced-plan name."""
+    """A :class:`Plan` from ``None`` (search), a Plan, a plan JSON (a path, or the text itself) or a forced-plan
+    name."""
     from primepar_fx.cost.cluster import load_cluster
     from primepar_fx.planner import forced_plan, plan_graph
 
@@ -124,10 +129,17 @@ def resolve_plan(
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, os.PathLike)) and (str(plan).endswith(".json") or os.path.exists(plan)):
+        if not os.path.isfile(plan):
+            raise ValueError(f"no plan file {os.fspath(plan)!r}")
         return Plan.load(plan)
+    if isinstance(plan, os.PathLike):
+        raise ValueError(f"no plan file {os.fspath(plan)!r}")
+    if isinstance(plan, str) and plan.lstrip().startswith("{"):
+        return Plan.from_json(plan)  # the text of a plan JSON
     if isinstance(plan, str):
         return forced_plan(graph, plan, **common)
-    raise ValueError(f"plan must be None, a Plan, a path to a plan JSON or one of {FORCED}; got {plan!r}")
+    shown = repr(plan) if len(repr(plan)) <= 80 else f"{repr(plan)[:77]}..."
+    raise ValueError(f"plan must be None, a Plan, a plan JSON (its path or its text) or one of {FORCED}; got {shown}")
 
 
 def check_plan_fits(graph: OpGraph, plan: Plan, values: Mapping[sympy.Symbol, int]) -> None:
@@ -151,6 +163,10 @@ class PrimeParModule(nn.Module):
             between steps.
         graph_module: the rewritten per-rank ``GraphModule`` of the sizes last run (print ``graph_module.code``).
         fallbacks: nodes that run whole because their partition has no local form.
+        check_sizes: whether each call first checks that every rank got inputs of the same ``B`` and ``S`` (one
+            all-reduce of four integers, not counted in ``comm_stats``; default ``True``). With ``False`` only a
+            rebuild for new sizes checks it, and ranks given different sizes that each have a graph for them run on
+            mismatched shards.
     """
 
     def __init__(
@@ -172,6 +188,7 @@ class PrimeParModule(nn.Module):
         self.fallbacks = tuple(rank_graph.fallbacks)
         self.pass_counts = list(rank_graph.pass_counts)
         self._graph, self._timeout = graph, timeout
+        self.check_sizes = True
         self._sizes = (captured.example_batch, captured.example_seq)
         self._rank_graphs: dict[tuple[int, int], RankGraph] = {self._sizes: rank_graph}
         self._in_spec = program.call_spec.in_spec
@@ -224,7 +241,30 @@ class PrimeParModule(nn.Module):
         self._ranges = size_ranges(captured)
 
     # ------------------------------------------------------------------------------------------------ running
+    def _as_captured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call as the example made it: the model's arguments bound to its signature, then given positionally
+        and by keyword as in the capture, so ``m(ids, labels)`` and ``m(input_ids=ids, labels=labels)`` both work."""
+        call = self._graph.captured.call
+        if call is None:
+            return args, kwargs
+        signature, positional, keyword = call
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise TypeError(f"the compiled module takes the model's arguments {signature}: {e}") from None
+        missing = [n for n in (*positional, *keyword) if n not in bound]
+        extra = [n for n in bound if n not in positional and n not in keyword]
+        if missing or extra:
+            what = [f"without {', '.join(map(repr, missing))}"] if missing else []
+            what += [f"with {', '.join(map(repr, extra))}"] if extra else []
+            raise TypeError(
+                f"called {' and '.join(what)}, but the module was compiled with the inputs {[*positional, *keyword]}: "
+                "call it with the inputs it was compiled with, or compile with these"
+            )
+        return tuple(bound[n] for n in positional), {n: bound[n] for n in keyword}
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._as_captured(args, kwargs)
         if self._in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
 
@@ -235,7 +275,10 @@ class PrimeParModule(nn.Module):
                 f"{len(flat)} inputs but the module was compiled with {len(self._user_specs)} "
                 f"({', '.join(spec.name for spec in self._user_specs)})"
             )
-        rank_graph = self._rank_graph_for_sizes(sizes_of(self._user_specs, flat, self._ranges, self._sizes))
+        sizes = sizes_of(self._user_specs, flat, self._ranges, self._sizes)
+        if self.check_sizes and self.mesh.size > 1:
+            self._peer_call(_check_same_sizes_everywhere, sizes, self.mesh.size)
+        rank_graph = self._rank_graph_for_sizes(sizes)
         users = iter(flat)
         call: list[Any] = []
         for kind, key in self._inputs:
@@ -247,8 +290,14 @@ class PrimeParModule(nn.Module):
                 call.append(getattr(self, key))  # type: ignore[arg-type]
             else:
                 call.append(next(users))
+        out = self._peer_call(rank_graph.gm, *call)
+        return pytree.tree_unflatten(list(out), self._out_spec)
+
+    def _peer_call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, which talks to the other ranks: a failure that says a peer died, raised or stopped
+        answering becomes a :class:`RankFailureError`."""
         try:
-            out = rank_graph.gm(*call)
+            return fn(*args)
         except RuntimeError as e:
             if self.mesh.size > 1 and any(k in str(e).lower() for k in _PEER_FAILURE):
                 raise RankFailureError(
@@ -256,14 +305,14 @@ class PrimeParModule(nn.Module):
                     f"probably died, raised or stopped answering ({_timeout_text(self._timeout)}): {e}"
                 ) from e
             raise
-        return pytree.tree_unflatten(list(out), self._out_spec)
 
     def _rank_graph_for_sizes(self, sizes: tuple[int, int]) -> RankGraph:
         """This rank's graph for ``(B, S)``: built once per sizes, the plan reused (module docstring)."""
         if sizes not in self._rank_graphs:
             values = {B: sizes[0], S: sizes[1]}
             check_plan_fits(self._graph, self.plan, values)
-            _check_same_sizes_everywhere(sizes, self.mesh.size)
+            if not self.check_sizes:  # else every call has checked them already
+                self._peer_call(_check_same_sizes_everywhere, sizes, self.mesh.size)
             log.info("rank %d: rebuilding the graph for B=%d, S=%d (the plan is reused)", self.rank, *sizes)
             at = at_sizes(self._graph, values)
             built = rank_graph_for(at, self.plan, self.rank, values=values, timeout=self._timeout)
@@ -326,7 +375,7 @@ class PrimeParModule(nn.Module):
         """Shard a full state dict (original names) into this rank's parameters.
 
         A tied parameter may appear under either of its names (checkpoints often keep only one). Every name and
-        shape is checked before any parameter changes.
+        shape is checked before any parameter changes; keys that name no parameter (buffers) are ignored.
         """
         other = {used: unused for unused, used in self._aliases.items()}
         found = {fqn: fqn if fqn in state else other.get(fqn) for fqn in self._layouts}
@@ -346,17 +395,18 @@ class PrimeParModule(nn.Module):
 
 
 def _check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:
-    """Every rank must rebuild for the same sizes (it must see the same inputs); raise if they differ."""
+    """Every rank must run the same sizes (it must see the same inputs); raise on every rank if they differ. One
+    all-reduce (MAX) of ``(B, S, -B, -S)``: the largest and the smallest of each at once."""
     if world == 1:
         return
-    mine = torch.tensor(sizes, dtype=torch.int64, device=_comm_device())
-    low, high = mine.clone(), mine.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    if not torch.equal(low, high):
+    b, s = sizes
+    seen = torch.tensor([b, s, -b, -s], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    (high_b, high_s), (low_b, low_s) = seen[:2].tolist(), (-seen[2:]).tolist()
+    if (low_b, low_s) != (high_b, high_s):
         raise ValueError(
-            f"the ranks got inputs of different sizes (B in [{int(low[0])}, {int(high[0])}], S in "
-            f"[{int(low[1])}, {int(high[1])}]); every rank must get the same global inputs"
+            f"the ranks got inputs of different sizes (B in [{low_b}, {high_b}], S in [{low_s}, {high_s}]; this "
+            f"rank: B={b}, S={s}); every rank must get the same global inputs"
         )
 
 
@@ -391,11 +441,17 @@ def compile(
 ) -> PrimeParModule:
     """Partition ``model`` over the ranks of the default process group (module docstring).
 
-    ``plan``: ``None`` searches the best plan for ``cluster``; a :class:`Plan` or a path to a plan JSON is used
-    as is; ``"megatron"``, ``"megatron-sp"``, ``"data_parallel"``, ``"prime"`` (P(S x S) wherever legal) or
-    ``"random:SEED"`` force one. Call it on every rank after ``torch.distributed.init_process_group``. Without a
-    process group it raises, unless ``world_size=1`` asks for one process; with one, ``world_size`` (if given)
-    must be its size.
+    ``example_inputs`` (a tuple of positional arguments, or one tensor) and ``example_kwargs`` are one call of
+    ``model``, with the batch in dim 0 and the sequence in dim 1 of the token inputs; the module takes the same
+    arguments, positionally or by keyword. The model's weights must be real (not on the meta device).
+
+    ``plan``: ``None`` (or ``"searched"``) searches the best plan for ``cluster`` (a preset name or a spec file); a
+    :class:`Plan`, a path to a plan JSON or its text is used as is; ``"megatron"``, ``"megatron-sp"``,
+    ``"data_parallel"``, ``"prime"`` (P(S x S) wherever legal) or ``"random:SEED"`` force one. ``memory_budget``
+    bounds each device's predicted peak (bytes, or a size such as ``"30GiB"``); ``dtype`` is the dtype the plan is
+    priced at (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or a torch dtype; default: the first parameter's).
+    Call it on every rank after ``torch.distributed.init_process_group``. Without a process group it raises, unless
+    ``world_size=1`` asks for one process; with one, ``world_size`` (if given) must be its size.
 
     ``fallback="replicate"`` runs ops that have no dimension rule replicated instead of raising
     :class:`~primepar_fx.rules.MissingRuleError`. ``timeout`` (seconds) bounds how long a step waits for the other
@@ -404,6 +460,13 @@ def compile(
     timeout, from ``init_process_group(timeout=...)``, for every group).
     """
     checked_world(world_size)  # before the capture: no work for a call that cannot run
+    on_meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(
+            f"{on_meta!r} of the model is on the meta device: compile needs its values (load or materialise the "
+            "weights first; primepar_fx.plan works on meta models)"
+        )
+    check_options(memory_budget, dtype, fallback, plan, cluster)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     graph = build_graph(capture(model, args, example_kwargs), fallback=fallback)
     module = compile_graph(
@@ -419,6 +482,25 @@ def compile(
     for fqn in graph.captured.params.values():  # the module holds its shards; let the whole weights go
         program.state_dict[fqn] = program.state_dict[fqn].detach().to("meta")
     return module
+
+
+def check_options(
+    memory_budget: object, dtype: object, fallback: object = None, plan: object = None, cluster: object = None
+) -> None:
+    """Every rank checks the options itself, before any work: a bad one fails on every rank with its own message
+    (a forced-plan name that does not exist, a cluster, memory budget, dtype or fallback that cannot be used)."""
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.planner import _forced_seed
+
+    if isinstance(cluster, (str, os.PathLike)):
+        load_cluster(cluster)
+    memory_budget_bytes(memory_budget)
+    if dtype is not None:
+        dtype_key(dtype)
+    check_fallback(fallback)
+    named = isinstance(plan, str) and plan != "searched" and not plan.lstrip().startswith("{")
+    if named and not plan.endswith(".json") and not os.path.exists(plan):  # type: ignore[union-attr]
+        _forced_seed(plan)
 
 
 def compile_graph(
@@ -437,14 +519,15 @@ def compile_graph(
     """
     graph.require_captured("compile_graph")
     world, rank = checked_world(world_size)
+    check_options(memory_budget, dtype, plan=plan, cluster=cluster)
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     wait = timedelta(seconds=timeout) if timeout is not None else None
     chosen = agree_plan(graph, plan, cluster=cluster, memory_budget=memory_budget, dtype=dtype)
-    if wait is not None and world > 1:
-        _set_default_timeout(wait)
     mesh = DeviceMesh(tuple(chosen.digits))
     module = PrimeParModule(graph, chosen, rank_graph_for(graph, chosen, rank, timeout=wait), mesh, rank, timeout=wait)
+    if wait is not None and world > 1:  # once the module is built: a compile that fails changes nothing
+        _set_default_timeout(wait)
     if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code
         from primepar_fx.dump import dump_module
 
@@ -549,16 +632,24 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def require_compiled(module: object, what: str) -> PrimeParModule:
+    """``module`` itself when it is a :class:`PrimeParModule`; a ``TypeError`` naming ``what`` otherwise."""
+    if not isinstance(module, PrimeParModule):
+        raise TypeError(f"{what} takes a module returned by primepar_fx.compile, got {type(module).__name__}")
+    return module
+
+
 def gather_state_dict(module: PrimeParModule) -> dict[str, torch.Tensor]:
     """Full parameters keyed by their original names (every rank must call it)."""
-    return module.gather_state_dict()
+    return require_compiled(module, "gather_state_dict").gather_state_dict()
 
 
 def gather_grads(module: PrimeParModule) -> dict[str, torch.Tensor]:
     """Full gradients keyed by the original parameter names (every rank must call it)."""
-    return module.gather_grads()
+    return require_compiled(module, "gather_grads").gather_grads()
 
 
 def load_state_dict(module: PrimeParModule, state: Mapping[str, torch.Tensor]) -> None:
-    """Shard a full state dict (original names) into ``module``'s parameters."""
-    module.load_full_state_dict(state)
+    """Shard a full state dict (original names) into ``module``'s parameters: every parameter's name and shape is
+    checked before any changes (``KeyError``, ``ValueError``); keys that name no parameter (buffers) are ignored."""
+    require_compiled(module, "load_state_dict").load_full_state_dict(state)

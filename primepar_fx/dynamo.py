@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
 from primepar_fx.capture import capture
-from primepar_fx.compile import _world, agree_plan, rank_graph_for
+from primepar_fx.compile import _world, agree_plan, check_options, rank_graph_for
 from primepar_fx.graph import build_graph
 from primepar_fx.plan import Plan
 
@@ -131,9 +131,11 @@ def backend(
 ) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
     """A configured ``torch.compile`` backend: ``torch.compile(model, backend=primepar_fx.backend(plan="prime"))``.
 
-    ``plan`` is as for :func:`primepar_fx.compile`: ``None`` (search on ``cluster``), a :class:`Plan`, a path to
-    a plan JSON, or a forced plan name. The first compilation's plan is reused for other sizes while it fits.
+    ``plan``, ``cluster``, ``memory_budget`` and ``dtype`` are as for :func:`primepar_fx.compile`: ``None``
+    (search on ``cluster``), a :class:`Plan`, a plan JSON (its path or text), or a forced plan name; they are
+    checked here, not at the first call. The first compilation's plan is reused for other sizes while it fits.
     """
+    check_options(memory_budget, dtype, plan=plan, cluster=cluster)  # here, not at the first call inside Dynamo
     state: dict[str, Plan] = {}
     compile_args = {"plan": plan, "cluster": cluster, "memory_budget": memory_budget, "dtype": dtype}
 

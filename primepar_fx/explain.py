@@ -27,7 +27,6 @@ import sys
 import types
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import sympy
 from tabulate import tabulate
@@ -285,6 +284,11 @@ def explain_choice(
     ``graph`` is the model's :class:`OpGraph` (the plan stores partitions, not the model); ``cluster`` overrides the
     plan's cluster (needed when the plan was made from a spec file that is not at hand).
     """
+    if not isinstance(plan, Plan) or not isinstance(node_name, str):
+        raise TypeError(
+            f"explain_choice(plan, node_name, graph=...) takes a Plan and a node name, got {type(plan).__name__} "
+            f"and {type(node_name).__name__}"
+        )
     if node_name not in graph.nodes:
         raise KeyError(f"no node {node_name!r} in {graph.name}; nodes are e.g. {list(graph.nodes)[:5]}")
     priced = price_plan(graph, plan, free=node_name, cluster=cluster)
@@ -374,8 +378,11 @@ class _CallableModule(types.ModuleType):
     """Lets ``primepar_fx.explain(plan, node_name, graph=graph)`` call :func:`explain_choice` while
     ``from primepar_fx.explain import explain_table`` keeps working."""
 
-    def __call__(self, plan: Plan, node_name: str, **kwargs: Any) -> Explanation:
-        return explain_choice(plan, node_name, **kwargs)
+    def __call__(
+        self, plan: Plan, node_name: str, *, graph: OpGraph, cluster: ClusterSpec | str | None = None
+    ) -> Explanation:
+        """:func:`explain_choice`: why ``plan`` gave ``node_name`` its partition."""
+        return explain_choice(plan, node_name, graph=graph, cluster=cluster)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -135,8 +135,15 @@ def _requires_grad(gm: fx.GraphModule, captured: Captured) -> set[str]:
     return live
 
 
+def check_fallback(fallback: object) -> None:
+    """``fallback`` must be ``None`` or ``"replicate"`` (what to do with an op that has no rule)."""
+    if fallback not in (None, "replicate"):
+        raise ValueError(f"unknown fallback {fallback!r}; the only one is 'replicate' (or None)")
+
+
 def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
     """Annotate shapes, apply the op rules and collect the compute nodes and edges."""
+    check_fallback(fallback)
     annotate(captured)
     gm = captured.gm
     grad_live = _requires_grad(gm, captured)

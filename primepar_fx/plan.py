@@ -42,7 +42,7 @@ from primepar_fx.partition.seq import PartitionSeq
 PLAN_FORMAT = "primepar-plan/1"
 COMM_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "redistribution")
 PHASES = ("forward", "backward", "gradient")
-PLAN_DTYPES = ("fp32", "bf16", "fp16")
+PLAN_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 KNOWN_BASELINES = ("megatron", "data_parallel", "split_only")  # others are allowed
 MiB = 1 << 20
 _FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
@@ -459,8 +459,8 @@ class Plan:
     def check_model(self, names_and_ops: Iterable[tuple[str, str]]) -> None:
         """Raise a ValueError naming the first mismatching node if this plan was made for another graph.
 
-        Every plan node must be a graph node with the same op; with a :attr:`model_fingerprint`, the graph must
-        also fingerprint to it (no extra nodes, same order).
+        Every plan node must be a graph node with the same op, and every graph node must have a partition; with a
+        :attr:`model_fingerprint`, the graph must also fingerprint to it (the same order).
         """
         graph = [(str(name), str(op)) for name, op in names_and_ops]
         ops = dict(graph)
@@ -473,6 +473,14 @@ class Plan:
             if ops[node.name] != node.op:
                 reason = f"node {node.name!r} is {node.op!r} in the plan but {ops[node.name]!r} in the model"
                 _fail(f"plan.nodes[{i}].op", f"{reason}: plan is for another model")
+        planned = {n.name for n in self.nodes}
+        missing = [name for name, _ in graph if name not in planned]
+        if missing:
+            _fail(
+                "plan.nodes",
+                f"model node {missing[0]!r} has no partition in the plan ({len(missing)} of {len(graph)} nodes have "
+                "none): plan is for another model, or was edited",
+            )
         actual = self.fingerprint(graph)
         if self.model_fingerprint and actual != self.model_fingerprint:
             planned = {n.name for n in self.nodes}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -35,7 +36,7 @@ import numpy as np
 import sympy
 
 from primepar_fx.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
-from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
 from primepar_fx.cost.costgraph import PricedGraph, price_graph
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.cost.redistribute import clear_caches
@@ -45,6 +46,7 @@ from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_seq
 from primepar_fx.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, solve
 from primepar_fx.shapes import B, S
+from primepar_fx.units import memory_budget_bytes
 
 log = logging.getLogger(__name__)
 
@@ -274,10 +276,22 @@ def price_baselines(
 GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
 
 
+def check_sizes(batch: object, seq: object) -> None:
+    """``batch`` and ``seq`` must be integers >= 1 (``None``: the example's, where the caller allows it)."""
+    for label, size in (("batch", batch), ("seq", seq)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{label} must be an integer >= 1, got {size!r}")
+
+
 def _setup(
     cluster: ClusterSpec | str, world_size: int, digits: tuple[int, ...] | None
 ) -> tuple[ClusterSpec, DeviceMesh]:
-    spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        spec = load_cluster(os.fspath(cluster))
+    elif isinstance(cluster, ClusterSpec):
+        spec = cluster
+    else:
+        raise ValueError(f"cluster must be a preset name, a spec file path or a ClusterSpec, got {cluster!r}")
     mesh = DeviceMesh(digits) if digits else spec.mesh(world_size)
     if mesh.size != world_size:
         raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not --world-size {world_size}")
@@ -349,6 +363,8 @@ def plan_graph(
     ungrouped mesh either way, so Megatron keeps all of its data x model splits. ``progress`` shows the pricing's
     progress bars on stderr.
     """
+    memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)  # before any work
+    check_sizes(batch, seq)
     spec, full = _setup(cluster, world_size, digits)
     mesh = search_mesh(full, grouped)
     values = {B: batch, S: seq}
@@ -448,6 +464,8 @@ def forced_plan(
     has no baselines; ``search["forced"]`` names the strategy.
     """
     seed = _forced_seed(name)
+    memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)
+    check_sizes(batch, seq)
     spec, mesh = _setup(cluster, world_size, digits)
     values = {B: batch, S: seq}
     opts = CostOptions(dtype=dtype)

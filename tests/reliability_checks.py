@@ -76,6 +76,16 @@ def errors_on_ranks(rank: int, world: int, tmp: str) -> None:
             report[f"{plan} odd batch"] = None
         except (PartitionError, ValueError) as e:
             report[f"{plan} odd batch"] = _error(e)
+        # ranks given different sizes: both already built (4x16 and 2x8), then one new (8x8) against a built one
+        for label, sizes in (("built", [(2, 8), (4, 16)]), ("new", [(8, 8), (2, 8)])):
+            a, k = inputs(name, *sizes[rank % 2])
+            try:
+                module(*a, **k)
+                report[f"{plan} mismatch {label}"] = None
+            except ValueError as e:
+                report[f"{plan} mismatch {label}"] = _error(e)
+        a, k = inputs(name, 2, 8)  # and the group still works
+        report[f"{plan} after mismatch"] = abs(float(module(*a, **k)) - float(ref(*a, **k))) <= ATOL
     if rank == 0:
         cap = graph.captured
         plan4 = forced_plan(graph, "megatron", world_size=2 * world, batch=cap.example_batch, seq=cap.example_seq)

@@ -10,6 +10,7 @@ import importlib
 import json
 import math
 import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -115,6 +116,56 @@ def test_compile_without_a_process_group_raises_unless_asked_for_one_process():
         primepar_fx.compile(Tiny(), (X,), world_size=0)
     module = primepar_fx.compile(Tiny(), (X,), world_size=1)
     assert torch.equal(module(X), Tiny()(X))
+
+
+def test_compile_options_that_cannot_be_used_fail_before_the_capture(monkeypatch):
+    compile_module = sys.modules["primepar_fx.compile"]  # the package's attribute is the function
+    monkeypatch.setattr(compile_module, "capture", lambda *a, **k: pytest.fail("captured before checking"))
+    for kwargs, message in (
+        ({"memory_budget": -1}, "memory_budget must be a number of bytes per device >= 0"),
+        ({"memory_budget": "2 lots"}, "not a byte size"),
+        ({"dtype": "fp8"}, "unknown dtype 'fp8'"),
+        ({"fallback": "bogus"}, "unknown fallback 'bogus'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            primepar_fx.compile(Tiny(), (X,), world_size=1, **kwargs)
+
+
+def test_the_api_names_what_it_cannot_use(tmp_path, monkeypatch):
+    """Forced-plan names, plan paths, meta weights and non-compiled modules fail before any work, naming them; a
+    plan may also be given as its JSON text."""
+    from primepar_fx import checkpoint, explain_choice
+    from primepar_fx.compile import gather_state_dict, load_state_dict
+
+    compile_module = sys.modules["primepar_fx.compile"]
+    real_capture = compile_module.capture
+    monkeypatch.setattr(compile_module, "capture", lambda *a, **k: pytest.fail("captured before checking"))
+    for kwargs, error, message in (
+        ({"plan": "megatron-xp"}, ValueError, "unknown forced plan 'megatron-xp'"),
+        ({"plan": "random:x"}, ValueError, "seed 'x' is not an integer"),
+        ({"cluster": "nowhere"}, ValueError, "no cluster preset or spec file 'nowhere'"),
+    ):
+        with pytest.raises(error, match=message):
+            primepar_fx.compile(Tiny(), (X,), world_size=1, **kwargs)
+    with pytest.raises(ValueError, match="'up.weight' of the model is on the meta device"):
+        primepar_fx.compile(Tiny().to("meta"), (X,), world_size=1)
+    with pytest.raises(ValueError, match="unknown forced plan 'megatron-xp'"):
+        primepar_fx.backend(plan="megatron-xp")
+    monkeypatch.setattr(compile_module, "capture", real_capture)
+    with pytest.raises(ValueError, match="no plan file"):
+        primepar_fx.compile(Tiny(), (X,), world_size=1, plan=tmp_path / "missing")
+    module = primepar_fx.compile(Tiny(), (X,), world_size=1, plan="megatron")
+    again = primepar_fx.compile(Tiny(), (X,), world_size=1, plan=module.plan.to_json())  # the JSON text itself
+    assert again.plan == module.plan
+    for call in (gather_state_dict, lambda m: load_state_dict(m, {})):
+        with pytest.raises(TypeError, match="takes a module returned by primepar_fx.compile, got Tiny"):
+            call(Tiny())
+    (tmp_path / "ckpt").write_text("")
+    with pytest.raises(ValueError, match="writes a directory, and .*ckpt' is a file"):
+        checkpoint.save(module, tmp_path / "ckpt")
+    graph = build_graph(capture(Tiny(), (X,)))
+    with pytest.raises(TypeError, match="takes a Plan and a node name, got str and Plan"):
+        explain_choice("linear", module.plan, graph=graph)
 
 
 def test_a_world_size_other_than_the_process_group_s_is_an_error():
@@ -255,6 +306,18 @@ def test_a_new_batch_and_sequence_length_rebuild_the_graph_and_keep_the_paramete
     assert {k: (id(p), p.data_ptr()) for k, p in module.shards.items()} == shards and module._layouts == layouts
 
 
+def test_the_module_takes_the_model_s_arguments_positionally_or_by_keyword(one_process):
+    module, ref = one_process
+    (ids,), kwargs = inputs("gpt2-tiny", 4, 16)  # compiled as module(input_ids, labels=...)
+    expected = ref(ids, **kwargs)
+    for args, kw in (((ids, kwargs["labels"]), {}), ((), {"input_ids": ids, **kwargs}), ((ids,), kwargs)):
+        assert torch.allclose(module(*args, **kw), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match=r"called without 'labels', but the module was compiled with the inputs"):
+        module(ids)
+    with pytest.raises(TypeError, match=r"takes the model's arguments \(input_ids.*unexpected keyword .*mask"):
+        module(ids, **kwargs, mask=ids)
+
+
 def test_an_input_of_another_dtype_names_the_input_and_both_dtypes(one_process):
     module, _ = one_process
     args, kwargs = inputs("gpt2-tiny", 4, 16)
@@ -287,6 +350,10 @@ def test_on_two_gloo_ranks_new_sizes_reuse_the_plan_and_bad_plans_fail_on_every_
             for size in ("4x16", "2x8", "6x12"):
                 assert r[f"{plan} {size}"] == {"close": True, "bad_grads": []}, (rank, plan, size)
             assert sorted(map(tuple, r[f"{plan} graphs"])) == [(2, 8), (4, 16), (6, 12)]
+            for label in ("built", "new"):  # ranks given different sizes both raise, whatever they had built
+                kind, message = r[f"{plan} mismatch {label}"]
+                assert kind == "ValueError" and "the ranks got inputs of different sizes" in message, (plan, label)
+            assert r[f"{plan} after mismatch"] is True
         assert r["megatron odd batch"] is None  # megatron does not split the batch
         kind, message = r["data_parallel odd batch"]
         assert kind == "PartitionError" and "'embedding'" in message and "dim 'B' of size 3" in message

@@ -170,12 +170,16 @@ def test_check_model_names_a_changed_op():
         _plan().check_model(graph)
 
 
-def test_check_model_names_an_extra_model_node_via_the_fingerprint():
-    with pytest.raises(ValueError, match=r"plan\.model_fingerprint: .*'fc3' has no partition"):
+def test_check_model_names_a_model_node_the_plan_lacks():
+    with pytest.raises(ValueError, match=r"plan\.nodes: model node 'fc3' has no partition in the plan \(1 of 4"):
         _plan().check_model([*GRAPH, ("fc3", "aten.mm.default")])
     with pytest.raises(ValueError, match="order differs"):
         _plan().check_model(GRAPH[::-1])
-    _plan(model_fingerprint="").check_model(GRAPH[::-1])  # no fingerprint: only the plan's nodes are checked
+    _plan(model_fingerprint="").check_model(GRAPH[::-1])  # no fingerprint: the order is not checked
+    # a node deleted from the plan file: the fingerprint, which is the model's, still matches
+    edited = Plan.from_dict({**_plan().to_dict(), "nodes": [n.to_dict() for n in _plan().nodes[:-1]]})
+    with pytest.raises(ValueError, match=r"plan\.nodes: model node 'fc2' has no partition"):
+        edited.check_model(GRAPH)
 
 
 def test_fingerprint_is_16_hex_and_depends_on_names_and_ops():

@@ -150,3 +150,35 @@ def test_a_grouped_plan_costs_the_same_written_out_on_every_digit():
     assert _price_fixed(g, assignments[0], grouped, spec, values, opts).predicted == plan.predicted
     ungrouped = plan_graph(g, world_size=8, cluster="v100-paper", batch=16, seq=64, baselines=False, method="dp")
     assert ungrouped.digits == (2, 2, 2) and ungrouped.search["grouped"] is False
+
+
+def test_bad_options_fail_before_the_capture_and_good_spellings_are_accepted(monkeypatch) -> None:
+    """A memory budget, dtype, cluster, fallback or size that cannot be used names itself before any capture;
+    a budget as text ('2GiB') and torch dtypes work, and tf32 plans are valid plans."""
+    import torch
+
+    import primepar_fx.api
+
+    model = build("llama-tiny", device="meta")
+    inputs = example_inputs(model.config, 2, 16, device="meta")
+    capture = primepar_fx.api.analyze
+    monkeypatch.setattr(primepar_fx.api, "analyze", lambda *a, **k: pytest.fail("captured before checking"))
+    for kwargs, message in (
+        ({"memory_budget": -1}, "memory_budget must be a number of bytes per device >= 0"),
+        ({"memory_budget": "lots"}, "not a byte size: 'lots'"),
+        ({"dtype": "fp64"}, "unknown dtype 'fp64'"),
+        ({"fallback": "bogus"}, "unknown fallback 'bogus'"),
+        ({"batch": 0}, "batch must be an integer >= 1, got 0"),
+        ({"seq": 2.5}, "seq must be an integer >= 1, got 2.5"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            primepar_fx.plan(model, inputs, world_size=2, **kwargs)
+    monkeypatch.setattr(primepar_fx.api, "analyze", capture)
+    with pytest.raises(ValueError, match="cluster must be a preset name, a spec file path or a ClusterSpec, got 3"):
+        primepar_fx.plan(model, inputs, world_size=2, cluster=3)
+    plan = primepar_fx.plan(model, inputs, world_size=2, memory_budget="2GiB", dtype=torch.bfloat16, baselines=False)
+    assert plan.dtype == "bf16" and plan.search["memory_budget"] == 2**31
+    assert (
+        Plan.from_json(primepar_fx.plan(model, inputs, world_size=2, dtype="tf32", baselines=False).to_json()).dtype
+        == "tf32"
+    )
