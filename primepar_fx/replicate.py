@@ -103,7 +103,8 @@ def analyze_replicated(
                 break
             _set_submodule(model, fqn, nn.ModuleList(list(stack)[: first + 2]))
             try:
-                short = build_graph(capture(model, example_args, example_kwargs, **whole), fallback=fallback)
+                two = capture(model, example_args, example_kwargs, **whole, fake_cache=False)  # few layers: no cache
+                short = build_graph(two, fallback=fallback)
             finally:
                 _set_submodule(model, fqn, stack)
             try:
