@@ -52,40 +52,41 @@ ILP_TIME_LIMIT = 120.0
 
 READING = """## Reading the results
 
-* **The DP takes 0.05-0.25 s at every size and for every model.** On the planner's default space, llama2-70b takes
-  0.25 s at 32 GPUs (paper 6.07 s) and 0.15-0.25 s at 4-128 GPUs. OPT-175B and BLOOM-176B take 0.05-0.15 s. At
-  4 GPUs OPT and BLOOM are faster than the paper (68 and 46 ms against 85 ms). llama2-70b at 4 and 8 GPUs
-  (0.17-0.21 s) and OPT and BLOOM at 8 (103-113 ms) are slower than its 80-89 ms, because our graph is the whole
+* **The DP takes 0.05-0.2 s at every size and for every model.** On the planner's default space, llama2-70b takes
+  0.18 s at 32 GPUs (paper 6.07 s) and 0.14-0.20 s at 4-128 GPUs. OPT-175B and BLOOM-176B take 0.05-0.12 s. At
+  4 GPUs OPT and BLOOM are faster than the paper (60 and 46 ms against 85 ms). llama2-70b at 4 and 8 GPUs
+  (0.18-0.20 s) and OPT and BLOOM at 8 (97-109 ms) are slower than its 80-89 ms, because our graph is the whole
   ATen graph (1,400-4,300 nodes) where the paper's has 13 operators per layer.
   * OPT and BLOOM tie the word embedding to the LM head. That edge goes through a proxy node that the DP
     conditions on (`search/proxy.py`): 27 states, one per layout the embedding stores its weight in. So the layers
     stay separable and are merged by squaring.
-* **Capture takes 0.7-0.9 s instead of 7-14 s.** The planner exports two layers and replicates them
+* **Capture takes 0.5-0.7 s instead of 6-14 s.** The planner exports two layers and replicates them
   (`primepar_fx/replicate.py`, [planning.md](../planning.md#0-capture-two-layers-replicate-the-rest)). The bench
   checks that the replicated graph has the full capture's nodes and names. `tests/test_replicate.py` also checks
   its edges, parameters and prices.
-* **Pricing is 1.2-1.5x faster than in the last run, with bit-identical costs** (checked on 4,032 cost and byte
-  arrays of four models at 8, 32 and 128 GPUs against the tree before).
-  * llama2-70b: 2.2 s at 32 GPUs (was 2.6), 2.4 s at 64 (was 3.2), 3.2 s at 128 (was 4.9).
-  * What changed:
-    * the distinct re-layout directions are found first and priced on two threads (numpy runs them without the
-      GIL); the reduce-scatter savings are computed on the main thread meanwhile;
-    * a new pair of index sets is intersected looping over the shorter of the two lists of sets;
-    * overlap tables and message words are gathered with one `take` on flat indices, and message words are
-      packed with `np.packbits`;
-    * capture and pricing run with the cyclic garbage collector paused;
-    * one cost vector per distinct node, shared by its copies in every layer; one bound partition per
-      (op, sequence, mesh); a sequence's DSI table shared by the ops that use it;
-    * the reduce-scatter test checks part sizes first and tells disjoint parts by their being distinct.
+  * The two-layer export runs without FakeTensor's dispatch cache, which nearly every op of a short symbolic
+    trace misses (0.7-0.9 s in the last run). A full capture keeps it: its 80 identical layers hit it, and
+    without it llama2-70b's full capture takes 21 s instead of 14.
+* **Pricing is 5-20% faster than in the last run, with bit-identical costs** (4,032 cost and byte arrays of four
+  models at 8, 32 and 128 GPUs, compared with the tree before).
+  * llama2-70b: 1.7 s at 32 GPUs (was 2.2), 2.2 s at 64 (was 2.4), 3.4 s at 128 (was 3.2: within this machine's
+    run-to-run spread).
+  * OpDims, PartitionSeq and DeviceMesh key the planner's memos a few hundred thousand times per plan; they now
+    compute their hash once (an OpDims hash took 1.2 us).
   * Each world size is priced from empty caches, as a plan in a new process would be, and every timing starts
     after a garbage collection.
 * **The 64- and 128-GPU targets are met; the 32-GPU target is not.**
   * The issue asked for the whole llama2-70b plan under 0.5 s at 32 GPUs and under 5 s at 64 and 128.
-  * llama2-70b now takes 3.4 s, 3.6 s and 4.2 s (last run 3.8, 4.4 and 6.0 s; before replication 23-30 s).
-  * OPT-175B takes 2.0/2.1/2.6 s at 32/64/128, and BLOOM-176B 2.3/2.7/3.4 s.
-  * 0.5 s at 32 GPUs is out of reach while capture alone (`torch.export` of two layers with symbolic B and S)
-    takes 0.7-0.9 s. The search itself, which is what the paper's 6.07 s measures, takes 0.25 s.
+  * llama2-70b now takes 2.6 s, 3.0 s and 4.3 s (last run 3.4, 3.6 and 4.2 s; before replication 23-30 s).
+  * OPT-175B takes 1.8/2.1/2.5 s at 32/64/128, and BLOOM-176B 1.8/2.5/3.6 s.
+  * 0.5 s at 32 GPUs is out of reach with `torch.export` as the capture: exporting one decoder layer alone, on the
+    meta device with symbolic B and S, takes 0.41 s when torch has exported before in the process and 0.74 s in a
+    fresh one. Pricing the 193 strategies per node and their re-layouts takes 1.7 s more. The search itself,
+    which is what the paper's 6.07 s measures, takes 0.18 s.
   * Timings on this machine vary by 10-20% from run to run (a shared 2-core VM).
+* **What `primepar-fx plan` adds.** The command also prices the baselines: every Megatron configuration and data
+  parallelism in one pass, and split-only read off the searched pricing. For llama2-70b at 32 GPUs that is 1.2 s
+  (9.5 s before this run); the command prints where its time went.
 * **Grouped space from 16 GPUs.** Past three device digits, the full space has 700-7,700 sequences per node,
   and its DP tables pass 10^8 entries. The planner therefore merges the leading (node) digits into one:
   `8x2x2` for 32 GPUs.
