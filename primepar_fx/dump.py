@@ -278,9 +278,15 @@ def dump(
     :class:`~primepar_fx.compile.PrimeParModule`; by default every rank is built under the fake process group.
     ``cluster`` overrides the plan's cluster for pricing the edges.
     """
+    plan.check_model((n.name, n.op) for n in graph.nodes.values())
+    for rank, given in (rank_graphs or {}).items():  # a compiled module must run this plan, on one of its ranks
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank_graphs has rank {rank}, but the plan is for {plan.world_size} ranks")
+        runs = getattr(given, "plan", None)
+        if runs is not None and (runs.digits != plan.digits or runs.partitions() != plan.partitions()):
+            raise ValueError(f"rank_graphs[{rank}] is a module compiled for another plan than the one to dump")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plan.check_model((n.name, n.op) for n in graph.nodes.values())
     if rank_graphs is None:
         rank_graphs = fake_rank_graphs(graph, plan)
     written = [out / "captured.txt", plan.save(out / "plan.json"), out / "nodes.md", out / "passes.md"]

@@ -132,6 +132,17 @@ def test_rank_graphs_need_the_plans_sizes_to_be_the_captured_ones() -> None:
         fake_rank_graphs(graph(), other)
 
 
+def test_given_rank_graphs_must_run_the_plan_being_dumped(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    out = tmp_path / "d"
+    with pytest.raises(ValueError, match=r"rank_graphs\[0\] is a module compiled for another plan"):
+        dump(graph(), forced("megatron"), out, rank_graphs={0: SimpleNamespace(plan=forced("prime"))})
+    with pytest.raises(ValueError, match="rank_graphs has rank 4, but the plan is for 4 ranks"):
+        dump(graph(), forced("megatron"), out, rank_graphs={4: SimpleNamespace(plan=forced("megatron"))})
+    assert not out.exists()  # nothing written
+
+
 def test_golden_rank0_code_of_gpt2_tiny_under_megatron(megatron_dir: Path) -> None:
     got = normalize_code((megatron_dir / "rank0.py").read_text())
     if os.environ.get("PRIMEPAR_UPDATE_GOLDEN") == "1":
