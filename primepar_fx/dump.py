@@ -127,8 +127,8 @@ def nodes_table(graph: OpGraph, plan: Plan) -> str:
     by_name = {n.name: n for n in plan.nodes}
     costs = [n.cost for n in plan.nodes if n.cost is not None]
     kinds = [k for k in COMM_KINDS if any(c.comm_bytes.get(k) for c in costs)]
-    head = ["node", "op", "shape", "partition"] + [f"{p} ms" for p in PHASES] + ["step ms"]
-    head += [f"{k} B" for k in kinds] + ["memory MiB"]
+    head = ["node", "op", "shape", "partition"] + [f"{p} ms" for p in PHASES]
+    head += ["collective ms", "redistr. ms", "step ms"] + [f"{k} B" for k in kinds] + ["memory MiB"]
     rows = []
     for name, node in graph.nodes.items():
         np_ = by_name.get(name)
@@ -138,14 +138,21 @@ def nodes_table(graph: OpGraph, plan: Plan) -> str:
         if c is None:
             row += [""] * (len(head) - len(row))
         else:
-            row += [c.phase_s[p] * 1e3 if c.phase_s else "" for p in PHASES] + [c.step_s * 1e3]
+            row += [c.phase_s[p] * 1e3 if c.phase_s else "" for p in PHASES]
+            row += [c.collective_s * 1e3, c.redistribution_s * 1e3, c.step_s * 1e3]
             row += [c.comm_bytes.get(k, 0) for k in kinds] + [c.memory_bytes / MiB]
         rows.append(row)
     p = plan.predicted
     title = (
         f"# Nodes of {plan.model}\n\n{plan.world_size} devices {list(plan.digits)} of {plan.cluster}, "
-        f"B={plan.batch}, S={plan.seq}, {plan.dtype}. Times are per training step; bytes are what one device sends "
-        "per step (redistribution: the mean per device of the node's incoming edges). Shapes are symbolic.\n\n"
+        f"B={plan.batch}, S={plan.seq}, {plan.dtype}. Times are per training step: a phase's time is its compute "
+        "and ring shifts (Eq. 7: each step the slower of the two), and step = forward + backward + gradient + "
+        "collectives + redistribution (the node's incoming re-layouts; a reduce-scatter saving comes off the "
+        "collectives of the node that runs it). Bytes are what one device sends per step (redistribution: the mean "
+        "per device of the node's incoming edges). Memory is the node's parameters with their gradients and "
+        "optimizer state, the activations it stashes and its ring receive buffers; the peak counts only the "
+        "largest receive buffer of all nodes, so the column may add up to more than the peak. Shapes are "
+        "symbolic.\n\n"
         f"Predicted: step {p.step_time_s * 1e3:.4g} ms, peak memory {p.peak_memory_bytes / MiB:.4g} MiB, "
         f"{p.comm_bytes:,} B sent per device.\n\n"
     )

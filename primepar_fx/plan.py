@@ -501,7 +501,8 @@ class Plan:
         kinds = [k for k in COMM_KINDS if any(c.comm_bytes.get(k) for c in costed)]
         header = ["node", "op", "partition"]
         if costed:
-            header += [f"{p} ms" for p in PHASES] + ["step ms"] + [f"{k} B" for k in kinds] + ["memory MiB"]
+            header += [f"{p} ms" for p in PHASES] + ["collective ms", "redistr. ms", "step ms"]
+            header += [f"{k} B" for k in kinds] + ["memory MiB"]
         rows = []
         for n in self.nodes:
             row: list[Any] = [n.name, n.op, n.partition]
@@ -509,7 +510,8 @@ class Plan:
                 row += [""] * (len(header) - 3)
             elif n.cost is not None:
                 c = n.cost
-                row += [c.phase_s[p] * 1e3 if c.phase_s else "" for p in PHASES] + [c.step_s * 1e3]
+                row += [c.phase_s[p] * 1e3 if c.phase_s else "" for p in PHASES]
+                row += [c.collective_s * 1e3, c.redistribution_s * 1e3, c.step_s * 1e3]
                 row += [c.comm_bytes.get(k, 0) for k in kinds] + [c.memory_bytes / MiB]
             rows.append(row)
         note = None
@@ -528,7 +530,11 @@ class Plan:
             )
         head = ["predicted", "step ms", "time vs ours", "peak memory MiB", "memory vs ours", "comm B"]
         table = tabulate(totals, head, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
-        title = f"{self.model} on {self.world_size} devices {list(self.digits)} of {self.cluster} ({self.dtype})"
+        title = (
+            f"{self.model} on {self.world_size} devices {list(self.digits)} of {self.cluster} "
+            f"(B={self.batch}, S={self.seq}, {self.dtype}); per node: step = forward + backward + gradient + "
+            "collectives + redistribution"
+        )
         return f"{title}\n{nodes}\n\n{table}"
 
     # ------------------------------------------------------------------------------------------------ serialisation
