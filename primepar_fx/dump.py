@@ -99,12 +99,11 @@ def rank_code(rank_graph: Any, rank: int, plan: Plan) -> str:
         "are the captured graph's (whole tensors at the example sizes)\n"
     )
     gm = _gm(rank_graph)
-    by_class: dict[str, list[str]] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            by_class.setdefault(type(gm.get_submodule(n.target)).__name__, []).append(str(n.target))
-    for cls, names in sorted(by_class.items()):
-        text = f"{cls} modules: {', '.join(names)}"
+    modules = [(str(n.target), gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"]
+    if modules:
+        head += "# what each module of the code below does (which tensor, which ranks, which direction):\n"
+    for name, module in modules:
+        text = f"{name} = {type(module).__name__}({' '.join(module.extra_repr().split())})"
         head += "".join(f"# {line}\n" for line in textwrap.wrap(text, 116, subsequent_indent="    "))
     return head + gm.print_readable(print_output=False)
 

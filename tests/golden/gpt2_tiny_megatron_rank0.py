@@ -1,14 +1,50 @@
 # rank 0 of 4, device digits [2, 2], coordinates [0, 0]
 # gpt2-tiny, B=8, S=64: size arguments are this rank's blocks; the type annotations are the captured graph's (whole tensors at the example sizes)
-# AllReduce modules: all_reduce_1, all_reduce_2, all_reduce_3, all_reduce_4, all_reduce_5, all_reduce_6, all_reduce_7,
-#     all_reduce_8, all_reduce_9, all_reduce_10, all_reduce_11, all_reduce_12, all_reduce_13, all_reduce_14,
-#     all_reduce_15, all_reduce_16, all_reduce_17, all_reduce_18, all_reduce_19, all_reduce_20, all_reduce_21,
-#     all_reduce_22, all_reduce_23, all_reduce_24, all_reduce_25, all_reduce_26, all_reduce_27, all_reduce_28,
-#     all_reduce_29, all_reduce_30, all_reduce_31, all_reduce_32, all_reduce_33, all_reduce_34, all_reduce_35,
-#     all_reduce_36, all_reduce_37, all_reduce_38, all_reduce_39
-# Redistribute modules: redistribute_1, redistribute_2
-# ShardedCrossEntropy modules: cross_entropy_1
-# VocabEmbedding modules: vocab_embedding_1
+# what each module of the code below does (which tensor, which ranks, which direction):
+# redistribute_1 = Redistribute(input_ids -> embedding: forward (8, 64)->(4, 64), sends to [], recvs from []; backward
+#     none)
+# all_reduce_1 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 0 of embedding)
+# vocab_embedding_1 = VocabEmbedding(rows [0, 128))
+# all_reduce_2 = AllReduce(mode=forward, digits=(1,), ranks=(0, 1), for=partial sums of embedding)
+# all_reduce_3 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of add)
+# all_reduce_4 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of layer_norm)
+# all_reduce_5 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of layer_norm)
+# all_reduce_6 = AllReduce(mode=backward, digits=(1,), ranks=(0, 1), for=gradient of input 0 of linear)
+# all_reduce_7 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear)
+# all_reduce_8 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear)
+# all_reduce_9 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_1)
+# all_reduce_10 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear_1)
+# all_reduce_11 = AllReduce(mode=forward, digits=(1,), ranks=(0, 1), for=partial sums of linear_1)
+# all_reduce_12 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of layer_norm_1)
+# all_reduce_13 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of layer_norm_1)
+# all_reduce_14 = AllReduce(mode=backward, digits=(1,), ranks=(0, 1), for=gradient of input 0 of linear_2)
+# all_reduce_15 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_2)
+# all_reduce_16 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear_2)
+# all_reduce_17 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_3)
+# all_reduce_18 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear_3)
+# all_reduce_19 = AllReduce(mode=forward, digits=(1,), ranks=(0, 1), for=partial sums of linear_3)
+# all_reduce_20 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of layer_norm_2)
+# all_reduce_21 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of layer_norm_2)
+# all_reduce_22 = AllReduce(mode=backward, digits=(1,), ranks=(0, 1), for=gradient of input 0 of linear_4)
+# all_reduce_23 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_4)
+# all_reduce_24 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear_4)
+# all_reduce_25 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_5)
+# all_reduce_26 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear_5)
+# all_reduce_27 = AllReduce(mode=forward, digits=(1,), ranks=(0, 1), for=partial sums of linear_5)
+# all_reduce_28 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of layer_norm_3)
+# all_reduce_29 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of layer_norm_3)
+# all_reduce_30 = AllReduce(mode=backward, digits=(1,), ranks=(0, 1), for=gradient of input 0 of linear_6)
+# all_reduce_31 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_6)
+# all_reduce_32 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear_6)
+# all_reduce_33 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_7)
+# all_reduce_34 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of linear_7)
+# all_reduce_35 = AllReduce(mode=forward, digits=(1,), ranks=(0, 1), for=partial sums of linear_7)
+# all_reduce_36 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of layer_norm_4)
+# all_reduce_37 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 2 of layer_norm_4)
+# all_reduce_38 = AllReduce(mode=backward, digits=(1,), ranks=(0, 1), for=gradient of input 0 of linear_8)
+# all_reduce_39 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_8)
+# redistribute_2 = Redistribute(labels -> roll: forward (8, 64)->(4, 64), sends to [], recvs from []; backward none)
+# cross_entropy_1 = ShardedCrossEntropy(reduction=mean, classes from 0 over ranks (0, 1), rows over ranks (0, 2))
 class PrimeParRank0(torch.nn.Module):
     def forward(self, p_embed_tokens_weight: "f32[256, 64]", p_embed_positions_weight: "f32[128, 64]", p_blocks_0_attn_norm_weight: "f32[64]", p_blocks_0_attn_norm_bias: "f32[64]", p_blocks_0_attn_qkv_proj_weight: "f32[192, 64]", p_blocks_0_attn_qkv_proj_bias: "f32[192]", p_blocks_0_attn_o_proj_weight: "f32[64, 64]", p_blocks_0_attn_o_proj_bias: "f32[64]", p_blocks_0_mlp_norm_weight: "f32[64]", p_blocks_0_mlp_norm_bias: "f32[64]", p_blocks_0_mlp_up_proj_weight: "f32[256, 64]", p_blocks_0_mlp_up_proj_bias: "f32[256]", p_blocks_0_mlp_down_proj_weight: "f32[64, 256]", p_blocks_0_mlp_down_proj_bias: "f32[64]", p_blocks_1_attn_norm_weight: "f32[64]", p_blocks_1_attn_norm_bias: "f32[64]", p_blocks_1_attn_qkv_proj_weight: "f32[192, 64]", p_blocks_1_attn_qkv_proj_bias: "f32[192]", p_blocks_1_attn_o_proj_weight: "f32[64, 64]", p_blocks_1_attn_o_proj_bias: "f32[64]", p_blocks_1_mlp_norm_weight: "f32[64]", p_blocks_1_mlp_norm_bias: "f32[64]", p_blocks_1_mlp_up_proj_weight: "f32[256, 64]", p_blocks_1_mlp_up_proj_bias: "f32[256]", p_blocks_1_mlp_down_proj_weight: "f32[64, 256]", p_blocks_1_mlp_down_proj_bias: "f32[64]", p_final_norm_weight: "f32[64]", p_final_norm_bias: "f32[64]", p_lm_head_weight: "f32[256, 64]", input_ids: "i64[8, 64]", labels: "i64[8, 64]"):
         redistribute_1 = self.redistribute_1(input_ids);  input_ids = None
