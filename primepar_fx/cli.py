@@ -276,8 +276,8 @@ def _any_split(graph: Any, plan: Plan) -> bool:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    from primepar_fx.agree import resolve_plan
     from primepar_fx.api import analyze
-    from primepar_fx.compile import resolve_plan
     from primepar_fx.dump import dump
 
     t0 = time.perf_counter()

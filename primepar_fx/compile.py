@@ -8,7 +8,8 @@ each rank then keeps only its own parameter slices (:func:`primepar_fx.passes.lo
 Bad input fails before anything is built (no process group, no module), with one error naming the culprit: no
 process group (pass ``world_size=1`` to run as one process), a plan for another world size or model, a plan whose
 partition does not divide a dim at the example's ``B`` and ``S`` (:class:`~primepar_fx.partition.PartitionError`
-naming the node and the dim). When rank 0 cannot make the plan, every other rank raises with rank 0's message.
+naming the node and the dim). When rank 0 cannot make the plan, every other rank raises with rank 0's message
+(:mod:`primepar_fx.agree`: the options, the plan and its broadcast).
 
 At run time a batch or sequence length other than the compiled one rebuilds this rank's graph for the new sizes
 (the capture is symbolic in ``B`` and ``S``; the plan is reused, and the parameters stay where they are: their
@@ -33,125 +34,26 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+from primepar_fx.agree import agree_plan, check_options, check_plan_fits, checked_world, comm_device
 from primepar_fx.capture import capture
-from primepar_fx.cost.cluster import dtype_key
-from primepar_fx.graph import OpGraph, build_graph, check_fallback
+from primepar_fx.graph import OpGraph, build_graph
 from primepar_fx.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
-from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
+from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
 from primepar_fx.plan import Plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
 from primepar_fx.shapes import B, S
-from primepar_fx.units import memory_budget_bytes
 
 log = logging.getLogger(__name__)
 
-FORCED = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: what gloo and nccl say when a peer died or stopped answering
 _PEER_FAILURE = ("connection closed", "connection reset", "timed out", "broken pipe", "nccl error", "watchdog")
 
 
 class RankFailureError(RuntimeError):
     """A collective or point-to-point transfer of a compiled step failed: another rank died, raised or timed out."""
-
-
-def _world() -> tuple[int, int]:
-    """``(world size, rank)`` of the default process group, ``(1, 0)`` without one (the ``torch.compile`` path)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
-def checked_world(world_size: int | None) -> tuple[int, int]:
-    """``(world size, rank)`` for :func:`compile`: a process group is required unless ``world_size=1``."""
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if dist.is_available() and dist.is_initialized():
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world_size is not None and world_size != world:
-            raise ValueError(f"world_size={world_size} but the default process group has {world} ranks")
-        return world, rank
-    if world_size == 1:
-        return 1, 0
-    wanted = "" if world_size is None else f" of {world_size} ranks"
-    raise RuntimeError(
-        f"primepar_fx.compile needs an initialised torch.distributed process group{wanted}: call "
-        "torch.distributed.init_process_group on every rank first (torchrun sets up its environment), or pass "
-        "world_size=1 to run the model as one process"
-    )
-
-
-def _broadcast_text(text: str | None, rank: int, world: int, *, failure: str | None = None) -> str:
-    """Rank 0's ``text`` on every rank, sent as UTF-8 bytes in a tensor (no pickling).
-
-    Rank 0 sends ``failure`` instead when it could not make the text; every other rank then raises with it.
-    """
-    if world == 1:
-        assert text is not None
-        return text
-    device = _comm_device()
-    payload = (failure if failure is not None else text or "").encode() if rank == 0 else b""
-    head = torch.tensor([len(payload), int(failure is not None)], dtype=torch.int64, device=device)
-    dist.broadcast(head, 0)
-    buf = torch.zeros(int(head[0]), dtype=torch.uint8, device=device)
-    if rank == 0 and payload:
-        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buf, 0)
-    received = bytes(buf.cpu().tolist()).decode()
-    if int(head[1]) and rank != 0:  # rank 0 raises its own error
-        raise RuntimeError(f"rank 0 could not make the plan: {received}")
-    return received
-
-
-def resolve_plan(
-    graph: OpGraph, plan: Any, *, world_size: int, cluster: str, memory_budget: float | None, dtype: str
-) -> Plan:
-    """A :class:`Plan` from ``None`` (search), a Plan, a plan JSON (a path, or the text itself) or a forced-plan
-    name."""
-    from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planner import forced_plan, plan_graph
-
-    if isinstance(cluster, (str, os.PathLike)):
-        load_cluster(cluster)  # a bad name or spec file fails here, naming its field, whatever the plan
-    common = {
-        "world_size": world_size,
-        "cluster": cluster,
-        "batch": graph.captured.example_batch,
-        "seq": graph.captured.example_seq,
-        "dtype": dtype,
-        "memory_budget": memory_budget,
-    }
-    if plan is None or plan == "searched":
-        return plan_graph(graph, **common, baselines=False, method="dp")
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, (str, os.PathLike)) and (str(plan).endswith(".json") or os.path.exists(plan)):
-        if not os.path.isfile(plan):
-            raise ValueError(f"no plan file {os.fspath(plan)!r}")
-        return Plan.load(plan)
-    if isinstance(plan, os.PathLike):
-        raise ValueError(f"no plan file {os.fspath(plan)!r}")
-    if isinstance(plan, str) and plan.lstrip().startswith("{"):
-        return Plan.from_json(plan)  # the text of a plan JSON
-    if isinstance(plan, str):
-        return forced_plan(graph, plan, **common)
-    shown = repr(plan) if len(repr(plan)) <= 80 else f"{repr(plan)[:77]}..."
-    raise ValueError(f"plan must be None, a Plan, a plan JSON (its path or its text) or one of {FORCED}; got {shown}")
-
-
-def check_plan_fits(graph: OpGraph, plan: Plan, values: Mapping[sympy.Symbol, int]) -> None:
-    """Raise :class:`PartitionError` naming the node and the dim when ``plan`` cannot run at sizes ``values``."""
-    mesh = DeviceMesh(tuple(plan.digits))
-    at = ", ".join(f"{k}={v}" for k, v in values.items())
-    for node in plan.nodes:
-        opnode = graph.nodes[node.name]
-        try:
-            OpPartition(opnode.dims, node.seq, mesh).check_divisible(dict(values))
-        except PartitionError as e:
-            raise PartitionError(f"plan node {node.name!r} ({node.op}) cannot run at {at}: {e}") from None
 
 
 class PrimeParModule(nn.Module):
@@ -400,7 +302,7 @@ def _check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:
     if world == 1:
         return
     b, s = sizes
-    seen = torch.tensor([b, s, -b, -s], dtype=torch.int64, device=_comm_device())
+    seen = torch.tensor([b, s, -b, -s], dtype=torch.int64, device=comm_device())
     dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     (high_b, high_s), (low_b, low_s) = seen[:2].tolist(), (-seen[2:]).tolist()
     if (low_b, low_s) != (high_b, high_s):
@@ -484,25 +386,6 @@ def compile(
     return module
 
 
-def check_options(
-    memory_budget: object, dtype: object, fallback: object = None, plan: object = None, cluster: object = None
-) -> None:
-    """Every rank checks the options itself, before any work: a bad one fails on every rank with its own message
-    (a forced-plan name that does not exist, a cluster, memory budget, dtype or fallback that cannot be used)."""
-    from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planner import _forced_seed
-
-    if isinstance(cluster, (str, os.PathLike)):
-        load_cluster(cluster)
-    memory_budget_bytes(memory_budget)
-    if dtype is not None:
-        dtype_key(dtype)
-    check_fallback(fallback)
-    named = isinstance(plan, str) and plan != "searched" and not plan.lstrip().startswith("{")
-    if named and not plan.endswith(".json") and not os.path.exists(plan):  # type: ignore[union-attr]
-        _forced_seed(plan)
-
-
 def compile_graph(
     graph: OpGraph,
     *,
@@ -533,38 +416,6 @@ def compile_graph(
 
         dump_module(graph, module, os.environ["PRIMEPAR_DUMP_DIR"])
     return module
-
-
-def agree_plan(graph: OpGraph, plan: Any, *, cluster: str, memory_budget: float | None, dtype: str | None) -> Plan:
-    """Rank 0 resolves the plan (:func:`resolve_plan`) and broadcasts it; every rank checks it fits.
-
-    Every check runs on every rank, before any process group or module exists, so a bad plan fails everywhere
-    with the same message and leaves nothing half-built.
-    """
-    world, rank = _world()
-    if dtype is None:
-        first = next(iter(graph.param_dtypes.values()), torch.float32)
-        dtype = _DTYPES.get(first, "fp32")
-    text = None
-    if rank == 0:
-        try:
-            chosen = resolve_plan(
-                graph, plan, world_size=world, cluster=cluster, memory_budget=memory_budget, dtype=dtype
-            )
-            text = chosen.to_json(indent=None)
-        except Exception as e:
-            if world > 1:
-                _broadcast_text(None, rank, world, failure=f"{type(e).__name__}: {e}")
-            raise
-    chosen = Plan.from_json(_broadcast_text(text, rank, world))
-    if chosen.world_size != world:
-        raise ValueError(
-            f"the plan is for {chosen.world_size} devices (digits {list(chosen.digits)}) but the process group has "
-            f"{world} ranks; make a plan for {world} devices or run on {chosen.world_size} ranks"
-        )
-    chosen.check_model((n.name, n.op) for n in graph.nodes.values())
-    check_plan_fits(graph, chosen, {B: graph.captured.example_batch, S: graph.captured.example_seq})
-    return chosen
 
 
 def rank_graph_for(
@@ -612,7 +463,7 @@ def _default_timeout() -> timedelta | None:
         return None
     try:
         pg = dist.distributed_c10d._get_default_group()
-        return pg._get_backend(_comm_device()).options._timeout
+        return pg._get_backend(comm_device()).options._timeout
     except (AttributeError, RuntimeError, ValueError):
         return None
 
@@ -624,12 +475,6 @@ def _set_default_timeout(timeout: timedelta) -> None:
         log.warning("this torch cannot change the default process group's timeout; set it in init_process_group")
         return
     setter(timeout)
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def require_compiled(module: object, what: str) -> PrimeParModule:

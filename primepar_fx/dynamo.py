@@ -27,8 +27,9 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
+from primepar_fx.agree import agree_plan, check_options, world_rank
 from primepar_fx.capture import capture
-from primepar_fx.compile import _world, agree_plan, check_options, rank_graph_for
+from primepar_fx.compile import rank_graph_for
 from primepar_fx.graph import build_graph
 from primepar_fx.plan import Plan
 
@@ -106,7 +107,7 @@ class _ShapeCache:
         return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
 
     def build(self, args: list[Any]) -> _Runner:
-        _, rank = _world()
+        _, rank = world_rank()
         concrete = list(args)
         wrapped = _Wrapped(self.gm, concrete)
         users = tuple(v for v, (kind, _) in zip(concrete, wrapped.slots) if kind == "user")
