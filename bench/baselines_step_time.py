@@ -63,11 +63,11 @@ from measure import (
 from plans import megatron_config, megatron_plan
 from tabulate import tabulate
 
-from primepar_fx.capture import capture
-from primepar_fx.compile import compile_graph
+from primepar_fx.compiler.module import compile_graph
+from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.testing import spawn
+from primepar_fx.runtime.testing import spawn
 
 #: Llama style (RMSNorm, SwiGLU, rotary, no biases, untied embeddings), separate q/k/v, plain multi-head attention
 CONFIG = replace(

@@ -17,7 +17,7 @@ predicted and measured step times and the median of ``|predicted - measured| / m
 fit of the measured time on the predicted compute, the messages and the bytes per step, to show which term the
 model gets wrong.
 
-The step-fitted spec (:mod:`primepar_fx.cost.stepfit`): the same kind of fit on the ``--train`` plans only, written
+The step-fitted spec (:mod:`primepar_fx.calibrate.stepfit`): the same kind of fit on the ``--train`` plans only, written
 into the calibrated spec's fields; every plan is priced with it and the page reports its figures on the *other*
 (held-out) plans, and on all. The search then runs once more with the step-fitted spec and its plan is measured
 (in a second launch of the ranks, next to the best plan of the first, unless it is one of the plans measured).
@@ -54,18 +54,18 @@ from measure import (
 from plans import megatron_config, megatron_plan, reprice
 from tabulate import tabulate
 
-from primepar_fx.baselines import config_name, megatron_configs
-from primepar_fx.capture import capture
-from primepar_fx.compile import compile_graph
-from primepar_fx.cost.calibrate import nnls, write_spec
+from primepar_fx.calibrate.measure import nnls, write_spec
+from primepar_fx.calibrate.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
+from primepar_fx.compiler.module import compile_graph
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
-from primepar_fx.cost.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
+from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs
-from primepar_fx.plan import Plan
-from primepar_fx.planner import forced_plan, plan_graph
+from primepar_fx.planning.baselines import config_name, megatron_configs
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.runtime.testing import spawn
 from primepar_fx.search import InfeasibleBudget
-from primepar_fx.testing import spawn
 
 PRESET = "cpu-gloo"
 PAGE = "docs/benchmarks/cost_fidelity.md"
@@ -439,7 +439,7 @@ def markdown(saved: dict, png: str | None) -> str:
         f"Model: {config.description}; batch {batch}, seq {seq}, fp32, AdamW. {len(analysis['rows'])} distinct "
         f"plans; {args.warmup} warm-up step(s), then the median of {args.steps}, the plans' steps interleaved.",
         f"Calibrated spec: `{args.spec_note}`.",
-        f"Step-fitted spec (`primepar_fx.cost.stepfit`): fitted to the measured steps of the training plans "
+        f"Step-fitted spec (`primepar_fx.calibrate.stepfit`): fitted to the measured steps of the training plans "
         f"{', '.join(f'`{t}`' for t in train)} only, on top of the calibrated spec; the held-out plans are the other "
         f"{len(analysis['rows']) - len(train)}.",
         "",

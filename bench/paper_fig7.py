@@ -8,7 +8,7 @@ The paper does not state B, S, dtype or alpha; we use B = 16 (global), S = 2048,
     python bench/paper_fig7.py [--worlds 4 8 16 32] [--models ...] [--out docs/benchmarks/paper_fig7.md]
 
 From 16 GPUs the planner searches its grouped mesh (the node digits merged into one, e.g. ``8x2x2`` for 32 GPUs;
-:func:`primepar_fx.planner.search_mesh`); the Megatron baseline is priced on the full mesh.
+:func:`primepar_fx.planning.planner.search_mesh`); the Megatron baseline is priced on the full mesh.
 
 Writes a markdown table and, when matplotlib is installed, a PNG chart next to it.
 """
@@ -23,7 +23,7 @@ import time
 
 from primepar_fx import analyze
 from primepar_fx.models import build, example_inputs
-from primepar_fx.planner import plan_graph
+from primepar_fx.planning.planner import plan_graph
 
 MODELS = ["opt-6.7b", "opt-175b", "llama2-7b", "llama2-70b", "bloom-7b1", "bloom-176b"]
 PAPER_SPEEDUP = {  # Fig. 7, throughput over the best Megatron

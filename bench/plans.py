@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from primepar_fx.baselines import config_name, megatron_assignment, megatron_configs
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
-from primepar_fx.cost.costgraph import price_graph
 from primepar_fx.cost.model import CostOptions
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
-from primepar_fx.plan import Plan
-from primepar_fx.planner import Summary, _make_plan, summarize
-from primepar_fx.shapes import B, S
+from primepar_fx.planning.baselines import config_name, megatron_assignment, megatron_configs
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import Summary, _make_plan, summarize
+from primepar_fx.planning.pricing import price_graph
 
 
 def price_fixed(
@@ -63,7 +63,7 @@ def megatron_plan(
 
 
 def megatron_config(world_size: int, cluster: str, dp: int, sequence_parallel: bool) -> dict[str, Any]:
-    """The configuration of :func:`~primepar_fx.baselines.megatron_configs` of this ``dp`` and ``sequence_parallel``."""
+    """The :func:`~primepar_fx.planning.baselines.megatron_configs` entry of this ``dp`` and ``sequence_parallel``."""
     mesh = load_cluster(cluster).mesh(world_size)
     for config in megatron_configs(mesh):
         if config["dp"] == dp and config["sequence_parallel"] == sequence_parallel:

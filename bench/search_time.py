@@ -5,7 +5,7 @@ GPUs, the same nodes, more of them): the time
 to price the partition space (Eq. 7-9, cached per distinct layer shape) and the time of the segmented DP
 (Eq. 11-14), with the largest per-node strategy count P. Up to three device digits (8 GPUs) the full space is
 searched; past that the planner's default, the *grouped* space, merges the leading (inter-node) digits into one
-(:func:`primepar_fx.planner.search_mesh`), and the full space's P is shown for comparison.
+(:func:`primepar_fx.planning.planner.search_mesh`), and the full space's P is shown for comparison.
 
 The ILP cross-check runs on a two-layer model of the same shapes (the whole 80-layer graph is millions of ILP
 variables): DP and ILP time and the relative objective gap. The paper's Table 2 reports its optimisation time
@@ -27,15 +27,14 @@ import time
 
 from primepar_fx import analyze
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.costgraph import price_graph
-from primepar_fx.cost.model import CostOptions
-from primepar_fx.cost.redistribute import clear_caches
+from primepar_fx.cost.model import CostOptions, clear_caches
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import enumerate_sequences
-from primepar_fx.planner import search_mesh
+from primepar_fx.planning.planner import search_mesh
+from primepar_fx.planning.pricing import price_graph
 from primepar_fx.search import SearchError, solve
 from primepar_fx.search.ilp import ilp_size
-from primepar_fx.shapes import B, S
 
 MODELS = {"OPT": "opt-175b", "Llama2": "llama2-70b", "BLOOM": "bloom-176b"}
 PAPER_MS = {
@@ -61,7 +60,7 @@ READING = """## Reading the results
     conditions on (`search/proxy.py`): 27 states, one per layout the embedding stores its weight in. So the layers
     stay separable and are merged by squaring.
 * **Capture takes 0.5-0.7 s instead of 6-14 s.** The planner exports two layers and replicates them
-  (`primepar_fx/replicate.py`, [planning.md](../planning.md#0-capture-two-layers-replicate-the-rest)). The bench
+  (`primepar_fx/graph/replicate.py`, [planning.md](../planning.md#0-capture-two-layers-replicate-the-rest)). The bench
   checks that the replicated graph has the full capture's nodes and names. `tests/test_replicate.py` also checks
   its edges, parameters and prices.
   * The two-layer export runs without FakeTensor's dispatch cache, which nearly every op of a short symbolic
@@ -183,7 +182,7 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (one process; the re-layouts priced on two threads). "
         f"Cluster `{CLUSTER}` (4 GPUs per "
         "node), B = 16, S = 2048, fp16. *Capture* is `torch.export` on the meta device of two layers, replicated to "
-        "the whole model (`primepar_fx.replicate`, the planner's default; the same nodes, names and edges as a "
+        "the whole model (`primepar_fx.graph.replicate`, the planner's default; the same nodes, names and edges as a "
         "capture of every layer, which is *full capture*); *pricing* evaluates Eq. 7-9 for every distinct layer "
         "shape, its layouts computed afresh for each "
         "world size; *DP* is the search (Eq. 11-14), which is what the paper's Table 2 times; *whole plan* is the "

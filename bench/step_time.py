@@ -28,11 +28,11 @@ import torch.distributed as dist
 from measure import describe, interleave, machine, reduce, tensor_bytes, timed_step
 from tabulate import tabulate
 
-from primepar_fx.capture import capture
-from primepar_fx.compile import compile_graph
+from primepar_fx.compiler.module import compile_graph
+from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import DecoderConfig, build, example_inputs, get_config
-from primepar_fx.testing import spawn
+from primepar_fx.runtime.testing import spawn
 
 # name -> (config, batch, seq); gpt2-h256 is a custom GPT-2 style config, larger than gpt2-tiny
 MODELS: dict[str, tuple[DecoderConfig, int, int]] = {

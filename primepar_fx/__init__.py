@@ -4,10 +4,10 @@ Pipeline: capture (torch.export) -> symbolic shapes (B, S) -> op dimension rules
 -> cost model -> search -> plan -> graph passes -> per-rank runtime.
 """
 
-from primepar_fx import explain  # a module you can call: primepar_fx.explain(plan, node, graph=graph)
-from primepar_fx.api import analyze, plan
-from primepar_fx.capture import Captured, ShapeSpecializationError, capture
-from primepar_fx.compile import (
+from primepar_fx.api import analyze, explain, plan
+from primepar_fx.compiler import checkpoint  # primepar_fx.checkpoint.save / load
+from primepar_fx.compiler.dynamo import backend  # also registers torch.compile(backend="primepar")
+from primepar_fx.compiler.module import (
     PrimeParModule,
     RankFailureError,
     compile,
@@ -15,11 +15,11 @@ from primepar_fx.compile import (
     gather_state_dict,
     load_state_dict,
 )
-from primepar_fx.dynamo import backend  # also registers torch.compile(backend="primepar")
-from primepar_fx.explain import Explanation, explain_choice
+from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, capture
 from primepar_fx.graph import OpGraph, OpNode, build_graph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
-from primepar_fx.plan import Plan
+from primepar_fx.planning.plan import Plan
+from primepar_fx.report.explain import Explanation, explain_choice
 from primepar_fx.rules.registry import MissingRuleError, register_rule
 
 __version__ = "0.1.0"
@@ -51,5 +51,6 @@ __all__ = [
     "plan",
     "build_graph",
     "capture",
+    "checkpoint",
     "register_rule",
 ]

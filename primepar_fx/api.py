@@ -9,14 +9,15 @@ from typing import Any
 
 import torch
 
-from primepar_fx.capture import capture, config_seq_max
 from primepar_fx.cost.cluster import dtype_key
-from primepar_fx.gcpause import gc_paused
+from primepar_fx.frontend.capture import capture, config_seq_max
 from primepar_fx.graph import OpGraph, build_graph, check_fallback
-from primepar_fx.plan import Plan
-from primepar_fx.planner import check_sizes, plan_graph
-from primepar_fx.replicate import analyze_replicated
-from primepar_fx.units import memory_budget_bytes
+from primepar_fx.graph.replicate import analyze_replicated
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import check_sizes, plan_graph
+from primepar_fx.report.explain import Explanation, explain_choice
+from primepar_fx.utils.gcpause import gc_paused
+from primepar_fx.utils.units import memory_budget_bytes
 
 
 @gc_paused
@@ -38,7 +39,7 @@ def analyze(
 
     ``fallback="replicate"`` runs ops without a rule replicated instead of raising
     :class:`~primepar_fx.rules.registry.MissingRuleError`. ``replicate_layers=True`` captures two layers of the
-    model's layer stack and replicates them (:mod:`primepar_fx.replicate`): the same nodes, names and edges, in a
+    model's layer stack and replicates them (:mod:`primepar_fx.graph.replicate`): the same nodes, names and edges, in a
     fraction of the time, but a graph that can be planned and not compiled.
     """
     check_fallback(fallback)
@@ -82,9 +83,9 @@ def plan(
     P(S x S) out (the split-only space). ``baselines``: also price Megatron, data parallelism and split-only.
     ``fallback="replicate"`` runs ops without a rule replicated. ``grouped`` merges the leading device
     digits for the search (default: past three digits, e.g. 16 or more GPUs; see
-    :func:`~primepar_fx.planner.search_mesh`). ``progress`` shows the pricing's progress bars on stderr.
+    :func:`~primepar_fx.planning.planner.search_mesh`). ``progress`` shows the pricing's progress bars on stderr.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
-    (:mod:`primepar_fx.replicate`); pass ``False`` for a model whose forward treats later layers differently.
+    (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     """
     check_sizes(batch, seq)
     memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)  # before the capture
@@ -109,6 +110,11 @@ def plan(
         grouped=grouped,
         progress=progress,
     )
+
+
+def explain(plan: Plan, node_name: str, *, graph: OpGraph, cluster: Any = None) -> Explanation:
+    """Why ``plan`` gave node ``node_name`` its partition: :func:`~primepar_fx.report.explain.explain_choice`."""
+    return explain_choice(plan, node_name, graph=graph, cluster=cluster)
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
-from primepar_fx.plan import Plan
+from primepar_fx.planning.plan import Plan
 
 log = logging.getLogger("primepar_fx")
 
@@ -133,7 +133,7 @@ def _mesh(args: argparse.Namespace):
 
 
 def _check_seq(model: torch.nn.Module, seq: int | None, name: str) -> None:
-    from primepar_fx.capture import config_seq_max
+    from primepar_fx.frontend.capture import config_seq_max
 
     limit = config_seq_max(model)
     if seq is not None and limit is not None and seq > limit:
@@ -142,8 +142,8 @@ def _check_seq(model: torch.nn.Module, seq: int | None, name: str) -> None:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from primepar_fx.api import analyze
-    from primepar_fx.explain import explain_table
     from primepar_fx.models import ZOO
+    from primepar_fx.report.explain import explain_table
 
     if args.list:
         for name, cfg in ZOO.items():
@@ -175,8 +175,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """An argparse type: ``"30GiB"``, ``"512MB"``, ``"1e9"`` -> bytes (:func:`primepar_fx.units.parse_bytes`)."""
-    from primepar_fx.units import parse_bytes as parse
+    """An argparse type: ``"30GiB"``, ``"512MB"``, ``"1e9"`` -> bytes (:func:`primepar_fx.utils.units.parse_bytes`)."""
+    from primepar_fx.utils.units import parse_bytes as parse
 
     try:
         return parse(text)
@@ -186,7 +186,7 @@ def parse_bytes(text: str) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from primepar_fx.api import analyze
-    from primepar_fx.planner import plan_graph
+    from primepar_fx.planning.planner import plan_graph
 
     t0 = time.perf_counter()
     _check_digits(args)
@@ -262,8 +262,8 @@ def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None, grap
 
 def _any_split(graph: Any, plan: Plan) -> bool:
     """Whether some node of ``graph`` has a legal partition other than full replication at the plan's sizes."""
+    from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import DeviceMesh, Replicate, enumerate_sequences
-    from primepar_fx.shapes import B, S
 
     mesh, values, seen = DeviceMesh(plan.digits), {B: plan.batch, S: plan.seq}, set()
     for node in graph.nodes.values():
@@ -276,9 +276,9 @@ def _any_split(graph: Any, plan: Plan) -> bool:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from primepar_fx.agree import resolve_plan
     from primepar_fx.api import analyze
-    from primepar_fx.dump import dump
+    from primepar_fx.compiler.agree import resolve_plan
+    from primepar_fx.report.dump import dump
 
     t0 = time.perf_counter()
     if args.plan.endswith(".json") and not os.path.isfile(args.plan):
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
     d.add_argument("-o", "--output", required=True, help="the folder to write into (created if missing)")
     d.set_defaults(func=cmd_dump)
-    from primepar_fx.cost.calibrate import add_calibrate_parser
+    from primepar_fx.calibrate.measure import add_calibrate_parser
 
     add_calibrate_parser(sub)
     return p
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: PRIMEPAR_LOG={level} is not a log level (DEBUG, INFO, WARNING, ERROR)", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    from primepar_fx.capture import ShapeSpecializationError
+    from primepar_fx.frontend.capture import ShapeSpecializationError
     from primepar_fx.rules.registry import MissingRuleError, RuleError
     from primepar_fx.search import SearchError
 

@@ -1,4 +1,4 @@
-"""Checks that run on every rank of a gloo process group (started by ``primepar_fx.testing.spawn``).
+"""Checks that run on every rank of a gloo process group (started by ``primepar_fx.runtime.testing.spawn``).
 
 Each function returns a JSON-serialisable report from rank 0; the tests assert on it. Every rank builds the same
 single-device reference (deterministic seeds), so no reference data has to travel between processes.
@@ -11,12 +11,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from primepar_fx.capture import capture
-from primepar_fx.compile import compile_graph
+from primepar_fx.compiler.module import compile_graph
+from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import PartitionSeq
-from primepar_fx.planner import plan_graph
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.runtime.collectives import ReduceScatter
 
 BATCH, SEQ = 4, 16

@@ -186,7 +186,7 @@ def _plan_for(case: Case, graph, world: int, rank: int):
         return case.plan
     if rank != 0:
         return None  # rank 0's plan is broadcast
-    from primepar_fx.planner import forced_plan
+    from primepar_fx.planning.planner import forced_plan
 
     cap = graph.captured
     return forced_plan(
@@ -202,8 +202,8 @@ def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) ->
     """
     import torch.distributed as dist
 
-    from primepar_fx.capture import capture
-    from primepar_fx.compile import compile_graph
+    from primepar_fx.compiler.module import compile_graph
+    from primepar_fx.frontend.capture import capture
     from primepar_fx.graph import build_graph
 
     ref, args, kwargs = _model_and_inputs(case)
@@ -316,7 +316,7 @@ def describe(case: Case, report: dict[str, Any], case_file: Path) -> str:
 
 def run_cases(cases: Sequence[Case], out_dir: str, *, log: Callable[[str], None] = lambda s: None) -> list[str]:
     """Run ``cases`` (one process-group start per world size); a description of each failure (empty: all pass)."""
-    from primepar_fx.testing import spawn
+    from primepar_fx.runtime.testing import spawn
 
     os.makedirs(out_dir, exist_ok=True)
     failures = []

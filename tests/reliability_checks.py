@@ -1,6 +1,6 @@
 """Checks for bad input, rank failures and checkpoints that run on the ranks of a gloo process group.
 
-Started by ``primepar_fx.testing.spawn`` / ``spawn_each`` from ``test_errors.py``, ``test_faults.py`` and
+Started by ``primepar_fx.runtime.testing.spawn`` / ``spawn_each`` from ``test_errors.py``, ``test_faults.py`` and
 ``test_checkpoint.py``. Each returns a JSON-serialisable report; bit-exact comparisons happen here, on the ranks,
 against files in ``tmp``.
 """
@@ -19,12 +19,12 @@ from distributed_checks import ATOL, RTOL, make
 
 import primepar_fx
 from primepar_fx import checkpoint
-from primepar_fx.capture import capture
-from primepar_fx.compile import compile_graph
+from primepar_fx.compiler.module import compile_graph
+from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import example_inputs, get_config
 from primepar_fx.partition import PartitionError
-from primepar_fx.planner import forced_plan
+from primepar_fx.planning.planner import forced_plan
 
 
 def inputs(name: str, batch: int, seq: int) -> tuple[tuple, dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from distributed_checks import ATOL, RTOL, check_backend, make
 
-from primepar_fx.testing import spawn
+from primepar_fx.runtime.testing import spawn
 
 
 def test_registered_by_name_on_one_rank():

@@ -1,4 +1,4 @@
-"""Megatron-LM and data-parallel baselines expressed in our IR (primepar_fx.baselines).
+"""Megatron-LM and data-parallel baselines expressed in our IR (primepar_fx.planning.baselines).
 
 Every plan must be legal on the mesh for every node of the reference and Hugging Face tiny models; the
 column/row classification must match Megatron's on GPT-2 (by structure, not names); and the collectives our DSIs
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import primepar_fx
-from primepar_fx import baselines as bl
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, build_hf_tiny, example_inputs, hf_example_inputs
 from primepar_fx.partition import (
     DeviceMesh,
@@ -27,7 +27,7 @@ from primepar_fx.partition import (
     enumerate_sequences,
 )
 from primepar_fx.partition.comm import phase_tensors
-from primepar_fx.shapes import B, S
+from primepar_fx.planning import baselines as bl
 
 VALUES = {B: 8, S: 16}
 REFERENCE = ["gpt2-tiny", "llama-tiny", "opt-tiny", "bloom-tiny"]

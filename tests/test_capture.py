@@ -1,4 +1,4 @@
-"""Tests for primepar_fx.capture: torch.export with a symbolic batch and sequence length."""
+"""Tests for primepar_fx.frontend.capture: torch.export with a symbolic batch and sequence length."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primepar_fx.capture import Captured, ShapeSpecializationError, capture
-from primepar_fx.shapes import ALLOWED_SYMBOLS, META_SHAPES, B, S, annotate
+from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.frontend.shapes import annotate
+from primepar_fx.frontend.symbols import ALLOWED_SYMBOLS, META_SHAPES, B, S
 
 VOCAB, HIDDEN, HEADS = 64, 32, 4
 

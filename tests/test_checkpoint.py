@@ -14,8 +14,8 @@ from reliability_checks import adamw, checkpoint_load, checkpoint_save, step
 
 import primepar_fx
 from primepar_fx import checkpoint
-from primepar_fx.checkpoint import held_blocks, owned_blocks
-from primepar_fx.testing import spawn
+from primepar_fx.compiler.checkpoint import held_blocks, owned_blocks
+from primepar_fx.runtime.testing import spawn
 
 MODEL = "llama-tiny"  # untied: every P(2 x 2) weight is held once across 4 ranks
 BEFORE, AFTER = 2, 2

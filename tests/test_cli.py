@@ -140,7 +140,7 @@ def test_explain_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
-    from primepar_fx.plan import Plan
+    from primepar_fx.planning.plan import Plan
 
     out = tmp_path / "plan.json"
     rc, text, _ = run(capsys, "plan", "gpt2-tiny", "--world-size", "4", "--batch", "8", "--seq", "64", "-o", str(out))

@@ -14,7 +14,6 @@ import sympy
 from opdims import linear_dims as linear
 
 from primepar_fx.cost.cluster import ClusterSpec, LinearLatency, load_cluster, ring_factors
-from primepar_fx.cost.layouts import Layout
 from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
 from primepar_fx.cost.redistribute import (
     backward_held,
@@ -25,6 +24,7 @@ from primepar_fx.cost.redistribute import (
     redistribution_matrix,
 )
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences, transfers
+from primepar_fx.partition.layouts import Layout
 from primepar_fx.rules.spec import OpDims
 from primepar_fx.runtime.exchange import Exchange
 
@@ -381,10 +381,11 @@ def test_edges_with_the_same_distinct_layouts_share_one_priced_direction():
     import dataclasses
 
     from primepar_fx import analyze
-    from primepar_fx.cost.costgraph import price_graph
-    from primepar_fx.cost.redistribute import DIRECTIONS, clear_caches
+    from primepar_fx.cost.model import clear_caches
+    from primepar_fx.cost.redistribute import DIRECTIONS
+    from primepar_fx.frontend.symbols import B, S
     from primepar_fx.models import build, example_inputs, get_config
-    from primepar_fx.shapes import B, S
+    from primepar_fx.planning.pricing import price_graph
 
     config = dataclasses.replace(get_config("llama-tiny"), layers=2)
     graph = analyze(build(config, device="meta"), *example_inputs(config, 2, 16, device="meta"))
@@ -422,10 +423,10 @@ def test_edges_with_the_same_distinct_layouts_share_one_priced_direction():
 def test_pricing_on_two_threads_gives_the_costs_of_one(world):
     """``price_graph(workers=2)`` prices the re-layouts on two threads; every cost and byte count is bit-identical
     to one thread, each priced from empty caches."""
-    from primepar_fx.cost.costgraph import price_graph
-    from primepar_fx.cost.redistribute import clear_caches
-    from primepar_fx.planner import search_mesh
-    from primepar_fx.shapes import B, S
+    from primepar_fx.cost.model import clear_caches
+    from primepar_fx.frontend.symbols import B, S
+    from primepar_fx.planning.planner import search_mesh
+    from primepar_fx.planning.pricing import price_graph
 
     graph = _tiny_llama_graph()
     cluster = load_cluster("v100-paper")
@@ -469,10 +470,10 @@ def assert_same_pricing(one, two) -> None:
 def test_the_split_only_subset_of_a_pricing_is_the_pricing_without_prime():
     """The planner reads its split-only baseline off its own pricing (:meth:`PricedGraph.subset`): that equals
     pricing the space without P(S x S), strategy order included, and keeps shared arrays shared."""
-    from primepar_fx.cost.costgraph import price_graph
-    from primepar_fx.cost.redistribute import clear_caches
+    from primepar_fx.cost.model import clear_caches
+    from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import Prime
-    from primepar_fx.shapes import B, S
+    from primepar_fx.planning.pricing import price_graph
 
     graph = _tiny_llama_graph()
     cluster, values = load_cluster("v100-paper"), {B: 16, S: 64}

@@ -1,9 +1,10 @@
 """Real multi-process training on gloo: every compiled plan trains to the numbers of one device.
 
 One process group start per (world size, model family) group of checks, each with a deadline
-(``primepar_fx.testing.spawn``), so a deadlock fails the test instead of hanging CI. The acceptance points of the
-runtime: loss and every gathered gradient equal a single-device run, three AdamW steps later the gathered parameters
-still do; a P(S x S) weight is held once across the ranks; the bytes the ranks send equal the plan's prediction.
+(``primepar_fx.runtime.testing.spawn``), so a deadlock fails the test instead of hanging CI. The acceptance
+points of the runtime: loss and every gathered gradient equal a single-device run, three AdamW steps later the
+gathered parameters still do; a P(S x S) weight is held once across the ranks;
+the bytes the ranks send equal the plan's prediction.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 from distributed_checks import ATOL, RTOL, check_plans
 
-from primepar_fx.testing import spawn
+from primepar_fx.runtime.testing import spawn
 
 TIMEOUT = 600
 

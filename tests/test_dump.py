@@ -1,4 +1,4 @@
-"""``primepar_fx.dump`` (the graph dump, ``primepar-fx dump``, ``PRIMEPAR_DUMP_DIR``) and ``primepar_fx.explain``."""
+"""``primepar_fx.report.dump`` (``primepar-fx dump``, ``PRIMEPAR_DUMP_DIR``) and ``primepar_fx.explain``."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 import primepar_fx
-from primepar_fx import dump as dump_mod
 from primepar_fx.api import analyze
 from primepar_fx.cli import main
-from primepar_fx.dump import dump, dump_module, edge_redistribution_bytes, fake_rank_graphs, normalize_code
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.plan import Plan
-from primepar_fx.planner import forced_plan, plan_graph
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.report import dump as dump_mod
+from primepar_fx.report.dump import dump, dump_module, edge_redistribution_bytes, fake_rank_graphs, normalize_code
 
 WORLD, BATCH, SEQ = 4, 8, 64
 GOLDEN = Path(__file__).parent / "golden" / "gpt2_tiny_megatron_rank0.py"
@@ -120,7 +120,7 @@ def test_edge_labels_add_up_to_each_nodes_redistribution() -> None:
 
 def test_missing_graphviz_leaves_the_dot_file_and_warns(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setattr(dump_mod.shutil, "which", lambda _: None)
-    with caplog.at_level(logging.WARNING, logger="primepar_fx.dump"):
+    with caplog.at_level(logging.WARNING, logger="primepar_fx.report.dump"):
         files = dump(graph(), forced("megatron"), tmp_path, rank_graphs=fake_rank_graphs(graph(), forced("megatron")))
     assert (tmp_path / "graph.dot").exists() and not (tmp_path / "graph.svg").exists()
     assert tmp_path / "graph.svg" not in files and "dot is not installed" in caplog.text
@@ -187,7 +187,7 @@ def test_explain_of_a_forced_megatron_plan_names_the_cheaper_alternatives() -> N
 
 
 def test_explain_stays_a_module_with_explain_table() -> None:
-    from primepar_fx.explain import explain_table
+    from primepar_fx.report.explain import explain_table
 
     assert callable(primepar_fx.explain) and callable(explain_table)
     with pytest.raises(KeyError, match="no node 'nope'"):

@@ -22,19 +22,19 @@ from reliability_checks import errors_on_ranks, inputs
 from torch import nn
 
 import primepar_fx
-from primepar_fx.capture import capture
-from primepar_fx.compile import compile_graph
+from primepar_fx.compiler.module import compile_graph
 from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.partition import PartitionError
-from primepar_fx.plan import PlanError
-from primepar_fx.planner import forced_plan
+from primepar_fx.planning.plan import PlanError
+from primepar_fx.planning.planner import forced_plan
 from primepar_fx.rules import MissingRuleError
+from primepar_fx.runtime.testing import spawn
 from primepar_fx.search import InfeasibleBudget
-from primepar_fx.testing import spawn
 
 PACKAGE = Path(primepar_fx.__file__).parent
-compile_mod = importlib.import_module("primepar_fx.compile")  # the module, not the function of that name
+compile_mod = importlib.import_module("primepar_fx.compiler.module")  # the module, not the function of that name
 
 
 @torch.library.custom_op("primepar_test::mystery", mutates_args=())
@@ -119,7 +119,7 @@ def test_compile_without_a_process_group_raises_unless_asked_for_one_process():
 
 
 def test_compile_options_that_cannot_be_used_fail_before_the_capture(monkeypatch):
-    compile_module = sys.modules["primepar_fx.compile"]  # the package's attribute is the function
+    compile_module = sys.modules["primepar_fx.compiler.module"]  # the package's attribute is the function
     monkeypatch.setattr(compile_module, "capture", lambda *a, **k: pytest.fail("captured before checking"))
     for kwargs, message in (
         ({"memory_budget": -1}, "memory_budget must be a number of bytes per device >= 0"),
@@ -135,9 +135,9 @@ def test_the_api_names_what_it_cannot_use(tmp_path, monkeypatch):
     """Forced-plan names, plan paths, meta weights and non-compiled modules fail before any work, naming them; a
     plan may also be given as its JSON text."""
     from primepar_fx import checkpoint, explain_choice
-    from primepar_fx.compile import gather_state_dict, load_state_dict
+    from primepar_fx.compiler.module import gather_state_dict, load_state_dict
 
-    compile_module = sys.modules["primepar_fx.compile"]
+    compile_module = sys.modules["primepar_fx.compiler.module"]
     real_capture = compile_module.capture
     monkeypatch.setattr(compile_module, "capture", lambda *a, **k: pytest.fail("captured before checking"))
     for kwargs, error, message in (
@@ -336,7 +336,7 @@ def test_inputs_that_disagree_on_a_size_name_the_input_and_the_dim(one_process):
 
 def test_a_sequence_longer_than_the_captured_range_is_an_error(one_process):
     module, _ = one_process
-    long = module._ranges[primepar_fx.shapes.S][1] + 1
+    long = module._ranges[primepar_fx.frontend.shapes.S][1] + 1
     ids = torch.zeros(2, long, dtype=torch.int64)
     with pytest.raises(ValueError, match=rf"S={long} is outside the range"):
         module(ids, labels=ids)

@@ -33,8 +33,6 @@ from hypothesis import strategies as st
 from opdims import linear_dims
 
 import primepar_fx
-from primepar_fx.cost.costgraph import out_index, shared_parameters
-from primepar_fx.cost.layouts import Layout
 from primepar_fx.cost.redistribute import (
     backward_held,
     backward_needed,
@@ -43,14 +41,16 @@ from primepar_fx.cost.redistribute import (
     per_device_traffic,
     redistribution,
 )
+from primepar_fx.frontend.symbols import META_DTYPES, B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
-from primepar_fx.planner import forced_plan
+from primepar_fx.partition.layouts import Layout
+from primepar_fx.planning.planner import forced_plan
+from primepar_fx.planning.pricing import out_index, shared_parameters
 from primepar_fx.rules.spec import OpDims
 from primepar_fx.runtime import CommStats, Exchange, Redistribute
 from primepar_fx.runtime.exchange import full_layout
-from primepar_fx.shapes import META_DTYPES, B, S
 
 VALUES = {B: 4, S: 16}
 VKEY = values_key(VALUES)

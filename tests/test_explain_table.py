@@ -16,12 +16,12 @@ import primepar_fx
 from primepar_fx.api import analyze
 from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.cost.model import CostOptions
-from primepar_fx.explain import Explanation, price_plan
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.plan import Plan
-from primepar_fx.planner import _price_fixed, plan_graph
-from primepar_fx.shapes import B, S
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import _price_fixed, plan_graph
+from primepar_fx.report.explain import Explanation, price_plan
 
 WORLD, BATCH, SEQ = 4, 8, 64  # the sizes of docs/dump.md's example
 

@@ -2,8 +2,8 @@
 
 ``compile(..., timeout=T)`` bounds every wait of a compiled step on the other ranks. A killed rank closes its
 sockets, so the others fail at their next transfer; a rank that raises and stays alive is only noticed when the
-timeout runs out. Each check runs with ``primepar_fx.testing.spawn_each``, which lets a rank die without stopping
-the others and returns every rank's report.
+timeout runs out. Each check runs with ``primepar_fx.runtime.testing.spawn_each``, which lets a rank die without
+stopping the others and returns every rank's report.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 
 from reliability_checks import rank_fails_mid_step
 
-from primepar_fx.testing import spawn_each
+from primepar_fx.runtime.testing import spawn_each
 
 TIMEOUT = 10.0  # seconds a compiled step waits for the others (the acceptance asks for <= 60)
 

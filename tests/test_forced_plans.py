@@ -1,4 +1,4 @@
-"""``primepar_fx.planner.forced_plan``: named strategies (Megatron, data parallel, P(S x S), random) as full plans."""
+"""``primepar_fx.planning.planner.forced_plan``: named strategies (Megatron, data parallel, P(S x S), random)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import functools
 import pytest
 
 from primepar_fx.api import analyze
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
-from primepar_fx.plan import Plan
-from primepar_fx.planner import forced_plan, plan_graph
-from primepar_fx.shapes import B, S
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import forced_plan, plan_graph
 
 CLUSTER = "cpu-gloo"
 

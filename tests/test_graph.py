@@ -19,11 +19,11 @@ import sympy
 import torch
 
 from primepar_fx import analyze
-from primepar_fx.explain import explain_rows, explain_table
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import DeviceMesh, enumerate_sequences
-from primepar_fx.shapes import B, S
+from primepar_fx.report.explain import explain_rows, explain_table
 
 
 def analytic_flops(h: int, kv: int, f: int, vocab: int, layers: int, gated: bool) -> sympy.Expr:

@@ -44,16 +44,16 @@ import pytest
 import sympy
 
 import primepar_fx
-from primepar_fx.baselines import _analyse, megatron_assignment
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.costgraph import out_index, price_graph
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.cost.redistribute import redistribution
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import phase_tensors
-from primepar_fx.shapes import B, S
+from primepar_fx.planning.baselines import _analyse, megatron_assignment
+from primepar_fx.planning.pricing import out_index, price_graph
 
 MODEL = "gpt2-tiny"
 VALUES = {B: 8, S: 32}

@@ -1,4 +1,4 @@
-"""The P(2x2) picture in docs/concepts.md is what ``primepar_fx.partition.picture`` draws from the DSIs now."""
+"""The P(2x2) picture in docs/concepts.md is what ``primepar_fx.report.picture`` draws from the DSIs now."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import primepar_fx
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, PartitionSeq, Phase
-from primepar_fx.partition.picture import bind, holdings, main, render_markdown, render_svg
+from primepar_fx.report.picture import bind, holdings, main, render_markdown, render_svg
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SVG = DOCS / "img" / "prime_2x2.svg"

@@ -9,8 +9,8 @@ import pytest
 import primepar_fx
 from primepar_fx import analyze
 from primepar_fx.models import build, example_inputs
-from primepar_fx.plan import Plan
-from primepar_fx.planner import plan_graph
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.search import InfeasibleBudget
 
 
@@ -80,7 +80,7 @@ def test_a_budget_at_the_free_plans_peak_keeps_the_free_plan():
 
     from primepar_fx.api import analyze
     from primepar_fx.models import build, example_inputs, get_config
-    from primepar_fx.planner import plan_graph
+    from primepar_fx.planning.planner import plan_graph
     from primepar_fx.search import InfeasibleBudget
 
     config = replace(get_config("gpt2-tiny"), hidden=256, layers=2, ffn_hidden=1024, vocab_size=1024, max_seq=128)
@@ -118,9 +118,9 @@ def test_a_grouped_plan_costs_the_same_written_out_on_every_digit():
     peak: grouping only narrows the space, it never misprices. Checked on the searched plan and on random ones."""
     from primepar_fx.cost.cluster import load_cluster
     from primepar_fx.cost.model import CostOptions
+    from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import PartitionSeq, Prime
-    from primepar_fx.planner import _price_fixed, _random_assignment
-    from primepar_fx.shapes import B, S
+    from primepar_fx.planning.planner import _price_fixed, _random_assignment
 
     g = graph("llama-tiny")
     values, opts = {B: 16, S: 64}, CostOptions(dtype="fp32")

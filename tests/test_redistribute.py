@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opdims import linear_dims as linear
 
-from primepar_fx.cost.layouts import SETS, index_set, intern_rows, overlap
 from primepar_fx.cost.redistribute import (
     LayoutPairs,
     Redistribution,
@@ -28,12 +27,13 @@ from primepar_fx.cost.redistribute import (
     redistribution,
     redistribution_matrix,
 )
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Phase, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
+from primepar_fx.partition.layouts import SETS, index_set, intern_rows, overlap
 from primepar_fx.partition.mesh import class_senders, nearest_holder
 from primepar_fx.rules.spec import OpDims, TensorMap
 from primepar_fx.runtime.exchange import Exchange
-from primepar_fx.shapes import B, S
 
 F, Bk, G = Phase.FORWARD, Phase.BACKWARD, Phase.GRADIENT
 Size = int | sympy.Expr
@@ -499,7 +499,7 @@ def test_pack_puts_flag_r_in_bit_r(shape):
 def test_pairwise_fills_what_it_missed_from_its_own_answer_not_the_shared_table():
     """Pricing threads share the overlap table, and one may swap it for a bigger copy that lacks the values another
     just wrote. ``pairwise`` must fill its gaps from what ``overlaps`` returned, never by re-reading the table."""
-    from primepar_fx.cost.layouts import IndexSets
+    from primepar_fx.partition.layouts import IndexSets
 
     sets = IndexSets()
     numbers = [sets.add(index_set((8,), ((i, 4),))) for i in range(4)] + [sets.add(index_set((8,), ((1, 2),)))]

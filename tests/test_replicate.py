@@ -11,10 +11,10 @@ from torch import nn
 
 from primepar_fx import analyze
 from primepar_fx import plan as make_plan
-from primepar_fx.capture import capture, split_name
-from primepar_fx.compile import compile_graph
+from primepar_fx.compiler.module import compile_graph
+from primepar_fx.frontend.capture import capture, split_name
+from primepar_fx.graph.replicate import find_layer_stack
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.replicate import find_layer_stack
 
 LAYERS = 4
 
@@ -155,9 +155,9 @@ def test_replicated_graph_plans_like_the_full_one_and_is_not_compiled():
 def test_replicated_graph_prices_like_the_full_one(name):
     """Every node and edge cost, scatter saving and shared (tied) parameter edge is the full graph's."""
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.cost.costgraph import price_graph
     from primepar_fx.cost.model import CostOptions
-    from primepar_fx.shapes import B, S
+    from primepar_fx.frontend.symbols import B, S
+    from primepar_fx.planning.pricing import price_graph
 
     config = dataclasses.replace(get_config(name), layers=LAYERS)
     model = build(config, device="meta")

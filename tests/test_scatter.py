@@ -8,11 +8,11 @@ import numpy as np
 import sympy
 from opdims import biased_linear_dims as biased_linear
 
-from primepar_fx.cost.layouts import SETS
 from primepar_fx.cost.redistribute import backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.cost.scatter import bias_broadcasts, broadcasts_many, scatters, scatters_many
 from primepar_fx.partition import DeviceMesh, OpPartition, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
+from primepar_fx.partition.layouts import SETS
 from primepar_fx.rules.spec import OpDims
 
 WHOLE = ((0, 4),), ((0, 6),)  # a 4 x 6 tensor, held whole

@@ -18,15 +18,15 @@ import os
 import pytest
 
 import primepar_fx
-from primepar_fx.baselines import data_parallel_assignment, megatron_assignment, megatron_configs
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.costgraph import PricedGraph, price_graph
 from primepar_fx.cost.model import CostOptions
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.planning.baselines import data_parallel_assignment, megatron_assignment, megatron_configs
+from primepar_fx.planning.pricing import PricedGraph, price_graph
 from primepar_fx.search import InfeasibleBudget, TableTooLarge, evaluate, plan_memory, smallest_memory, solve
-from primepar_fx.shapes import B, S
 
 VALUES = {B: 8, S: 64}
 CLUSTER = load_cluster("v100-paper")
@@ -92,7 +92,7 @@ def test_dp_optimum_equals_the_proven_ilp_optimum_on_a_real_model(model: str, la
 @pytest.mark.parametrize("model", ["gpt2-tiny", pytest.param("opt-tiny", marks=slow)])
 def test_dp_optimum_equals_the_ilp_optimum_on_the_grouped_16_device_mesh(model: str) -> None:
     """16 devices as the planner searches them by default (4x2x2: the leading digits merged), one layer; ~20 s."""
-    from primepar_fx.planner import search_mesh
+    from primepar_fx.planning.planner import search_mesh
 
     mesh = search_mesh(DeviceMesh.for_world_size(16), None)
     assert mesh.digits == (4, 2, 2)

@@ -1,4 +1,4 @@
-"""Tests for primepar_fx.shapes: symbolic shapes in B and S, and the byte helpers."""
+"""Tests for primepar_fx.frontend.shapes: symbolic shapes in B and S, and the byte helpers."""
 
 from __future__ import annotations
 
@@ -7,13 +7,8 @@ import sympy
 import torch
 from torch import nn
 
-from primepar_fx.capture import Captured, ShapeSpecializationError, capture
-from primepar_fx.shapes import (
-    META_DTYPES,
-    META_SHAPES,
-    META_SYMVALUE,
-    B,
-    S,
+from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.frontend.shapes import (
     annotate,
     evaluate,
     nbytes,
@@ -24,6 +19,7 @@ from primepar_fx.shapes import (
     source_line,
     sym_expr,
 )
+from primepar_fx.frontend.symbols import META_DTYPES, META_SHAPES, META_SYMVALUE, B, S
 
 IN, OUT = 8, 4
 
@@ -107,7 +103,7 @@ def test_parameters_get_static_shapes(linear: Captured) -> None:
 def test_shapes_of_an_unannotated_node_says_to_annotate_first() -> None:
     graph = torch.fx.Graph()
     node = graph.placeholder("x")
-    with pytest.raises(ValueError, match="run primepar_fx.shapes.annotate first"):
+    with pytest.raises(ValueError, match="run primepar_fx.frontend.shapes.annotate first"):
         shapes_of(node)
 
 

@@ -1,8 +1,8 @@
-"""Folding the repeated layers of a per-node table (``primepar_fx.tables``)."""
+"""Folding the repeated layers of a per-node table (``primepar_fx.utils.tables``)."""
 
 from __future__ import annotations
 
-from primepar_fx.tables import fold_repeats, repeated_block
+from primepar_fx.utils.tables import fold_repeats, repeated_block
 
 
 def _layers(head: int, block: list[str], copies: int, tail: int) -> list[list[str]]:

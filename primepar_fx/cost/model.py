@@ -45,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from fractions import Fraction
 from functools import lru_cache
 from math import prod
 
@@ -53,16 +52,16 @@ import numpy as np
 import sympy
 import torch
 
+from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
-from primepar_fx.cost.layouts import concrete_sizes
-from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, edge_pairs
+from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, clear_redistribution_caches, edge_pairs
+from primepar_fx.cost.scatter import SCATTERS
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Transfer
 from primepar_fx.partition.enumerate import ValuesKey, values_key
-from primepar_fx.rules.spec import OpDims, TensorMap
+from primepar_fx.rules.spec import OpDims
 
 aten = torch.ops.aten
-ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 #: element-wise ops whose backward needs none of their inputs (nothing is stashed for them)
 _LINEAR_POINTWISE = frozenset(
     {
@@ -82,25 +81,6 @@ _LINEAR_POINTWISE = frozenset(
         aten.dropout.default,
     }
 )
-
-
-@dataclass(frozen=True, slots=True)
-class CostOptions:
-    """What the cost model assumes about training: dtype, optimizer state and the memory weight ``alpha``."""
-
-    dtype: str = "fp32"
-    optimizer_states: int = 2  # Adam keeps two moments per parameter
-    alpha: float = 0.0
-
-    def __post_init__(self) -> None:
-        if dtype_key(self.dtype) not in ITEMSIZE:
-            raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {self.dtype!r}")
-        if self.optimizer_states < 0 or self.alpha < 0:
-            raise ValueError("optimizer_states and alpha must be non-negative")
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[dtype_key(self.dtype)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,17 +110,6 @@ class NodeCost:
 @lru_cache(maxsize=1 << 14)
 def _num(expr: sympy.Expr, vkey: ValuesKey) -> float:
     return float(sympy.sympify(expr).xreplace({k: sympy.Integer(v) for k, v in vkey}))
-
-
-@lru_cache(maxsize=1 << 16)
-def _block_elems(op: OpDims, parts: tuple[int, ...], tmap: TensorMap, vkey: ValuesKey) -> int:
-    """Elements of one device's block of ``tmap`` when iteration dim ``op.dims[i]`` is cut into ``parts[i]``."""
-    part_of, sizes = dict(zip(op.dims, parts)), concrete_sizes(op, vkey)
-    return int(round(float(prod((Fraction(sizes[d], part_of[d]) for group in tmap for d in group), start=1))))
-
-
-def _block_bytes(part: OpPartition, tmap: TensorMap, vkey: ValuesKey, itemsize: int) -> int:
-    return _block_elems(part.op, tuple(part.parts.values()), tmap, vkey) * itemsize
 
 
 def phase_flops(op: OpDims, target: object) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
@@ -190,13 +159,13 @@ def node_cost(
         if phase is not Phase.FORWARD and not any(t.result for t in tensors[phase]):
             phase_s.append(0.0)
             continue
-        nbytes = sum(_block_bytes(part, t.tmap, vkey, item) for t in tensors[phase])
+        nbytes = sum(block_bytes(part, t.tmap, vkey, item) for t in tensors[phase])
         step_compute = cluster.device.compute_time(op.kind, _num(flops, vkey) / subops, nbytes, dtype)
         total = 0.0
         for t in range(part.steps):
             ring = 0.0
             for tr in (m for m in moves if m.src == (phase, t)):
-                block = _block_bytes(part, _tmap(op, tr.tensor), vkey, item)
+                block = block_bytes(part, tensor_map(op, tr.tensor), vkey, item)
                 ring += cluster.shift_time(block, tr.senders)
                 comm["p2p"] = comm.get("p2p", 0) + block
             total += max(step_compute, ring)
@@ -205,29 +174,20 @@ def node_cost(
         phase_s.append(total)
     coll_s = 0.0
     for c in collectives(part):
-        block = c.count * _block_bytes(part, c.block if c.block is not None else _tmap(op, c.tensor), vkey, item)
+        block = c.count * block_bytes(part, c.block if c.block is not None else tensor_map(op, c.tensor), vkey, item)
         coll_s += cluster.collective_time(c.kind, block, part.mesh, c.digits)
         bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
         comm[c.kind] = comm.get(c.kind, 0) + int(round(bus * block))
-    params = sum(_block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None)
-    stash = sum(_block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
+    params = sum(block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None)
+    stash = sum(block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
     buffers = max(  # one receive buffer per tensor that moves in a phase; phases run one after another
         (
-            sum(_block_bytes(part, _tmap(op, n), vkey, item) for n in {m.tensor for m in moves if m.src[0] is ph})
+            sum(block_bytes(part, tensor_map(op, n), vkey, item) for n in {m.tensor for m in moves if m.src[0] is ph})
             for ph in PHASES
         ),
         default=0,
     )
     return NodeCost(tuple(phase_s), compute_total, ring_total, coll_s, params, stash, buffers, comm)  # type: ignore[arg-type]
-
-
-def _tmap(op: OpDims, name: str) -> TensorMap:
-    """The TensorMap of a tensor named like ``in0``, ``out1``, ``d_in2``, ``d_out0``."""
-    base = name.removeprefix("d_")
-    maps = op.inputs if base.startswith("in") else op.outputs
-    tmap = maps[int(base.lstrip("inout"))]
-    assert tmap is not None, name
-    return tmap
 
 
 def edge_cost_matrix(
@@ -291,7 +251,7 @@ def price_directions(
     The work is numpy on arrays of (held layout, needed layout, device), which runs without the GIL, so two
     threads use two cores. Each key's price is computed by one thread from the same inputs as alone, so the
     result does not depend on the threads. What the threads share: the overlap memo of
-    :data:`~primepar_fx.cost.layouts.SETS`, where a lost write is recomputed later (no set is numbered while they
+    :data:`~primepar_fx.partition.layouts.SETS`, where a lost write is recomputed later (no set is numbered while they
     run), and ``lru_cache``d sender tables, which a race at worst computes twice.
     """
     todo = [(key, pairs) for key, pairs in jobs.items() if key not in DIRECTIONS]
@@ -376,3 +336,9 @@ def _p2p_distinct(
         unit = price("p2p", 2, 1.0) - fixed
         out = np.maximum(out, np.where(mask, count * fixed + received * (itemsize * unit), 0.0).max(axis=-1))
     return out
+
+
+def clear_caches() -> None:
+    """Drop the memoised sizes, layouts, overlaps, re-layout prices and reduce-scatter tests (e.g. between models)."""
+    clear_redistribution_caches()
+    SCATTERS.clear()

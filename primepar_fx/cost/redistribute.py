@@ -43,7 +43,7 @@ class whose block meets ``needed(D)`` (:meth:`LayoutPairs.messages`, with
 these messages (:func:`primepar_fx.cost.model.p2p_seconds`).
 
 Sizes are sympy expressions in ``B`` and ``S``. They are evaluated at the caller's ``values`` (required), so every
-count is an exact integer. Index sets and layouts live in :mod:`primepar_fx.cost.layouts`: every distinct set is
+count is an exact integer. Index sets and layouts live in :mod:`primepar_fx.partition.layouts`: every distinct set is
 numbered once, and a layout is memoised per ``(op, seq, mesh, tmap, phase, t, values)`` as an int array of set
 numbers. :func:`redistribution_matrix` prices every (producer strategy, consumer strategy) pair of an edge at once with
 numpy (:class:`LayoutPairs`), intersecting each distinct pair of sets once.
@@ -59,7 +59,10 @@ from math import prod
 import numpy as np
 import sympy
 
-from primepar_fx.cost.layouts import (
+from primepar_fx.partition.comm import gradient_phase_inputs
+from primepar_fx.partition.dsi import OpPartition, Phase
+from primepar_fx.partition.enumerate import values_key
+from primepar_fx.partition.layouts import (
     SETS,
     IndexSet,
     Layout,
@@ -76,9 +79,6 @@ from primepar_fx.cost.layouts import (
     part_key,
     set_size,
 )
-from primepar_fx.partition.comm import gradient_phase_inputs
-from primepar_fx.partition.dsi import OpPartition, Phase
-from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.mesh import DeviceMesh, class_senders
 from primepar_fx.rules.spec import TensorMap
 
@@ -487,12 +487,9 @@ def redistribution_matrix(
 DIRECTIONS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def clear_caches() -> None:
-    """Drop the memoised sizes, layouts, overlaps, re-layout prices and reduce-scatter tests (e.g. between models)."""
-    from primepar_fx.cost.scatter import SCATTERS  # scatter builds on this module
-
+def clear_redistribution_caches() -> None:
+    """Drop this module's memoised layouts, overlaps, senders and re-layout prices."""
     DIRECTIONS.clear()
-    SCATTERS.clear()
     clear_layout_caches()
     class_senders.cache_clear()
     _class_messages.cache_clear()

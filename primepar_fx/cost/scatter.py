@@ -9,7 +9,7 @@ gradient of a column-parallel linear all-reduced and then split by sequence for 
 
 :func:`scatters` is the test the graph passes apply (:func:`primepar_fx.passes.collectives.fuse_reduce_scatters`,
 which emits the fused pair) to one layout pair; :func:`scatters_many` is the same test on set numbers, one held
-layout against many needed ones, which the cost model (:mod:`primepar_fx.cost.costgraph`) applies to every strategy
+layout against many needed ones, which the cost model (:mod:`primepar_fx.planning.pricing`) applies to every strategy
 pair. ``tests/test_scatter.py`` checks that the two agree on the hand cases and on every linear pair of a 2x2x2
 mesh, so the plan's predicted bytes stay the bytes the ranks send. :func:`fusable_forward` and
 :func:`fusable_backward` are the conditions on the graph both apply first: a plain sum all-reduce that the passes
@@ -27,8 +27,13 @@ import sympy
 import torch
 from torch import fx
 
+from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
 from primepar_fx.cost.cluster import ClusterSpec, ring_factors
-from primepar_fx.cost.layouts import (
+from primepar_fx.cost.redistribute import EdgeUse, backward_held, backward_needed, forward_held, forward_needed
+from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
+from primepar_fx.partition.comm import Collective
+from primepar_fx.partition.enumerate import values_key
+from primepar_fx.partition.layouts import (
     SETS,
     IndexSet,
     Layout,
@@ -37,11 +42,6 @@ from primepar_fx.cost.layouts import (
     block_overlaps,
     intern_rows,
 )
-from primepar_fx.cost.model import CostOptions, _block_bytes, _tmap
-from primepar_fx.cost.redistribute import EdgeUse, backward_held, backward_needed, forward_held, forward_needed
-from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
-from primepar_fx.partition.comm import Collective
-from primepar_fx.partition.enumerate import values_key
 from primepar_fx.rules.spec import OpDims
 
 aten = torch.ops.aten
@@ -90,7 +90,7 @@ def scatters(held: Layout, needed: Layout, groups: Sequence[Sequence[int]]) -> b
 
 
 def scatters_many(held: np.ndarray, needed: np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
-    """:func:`scatters` of one held layout to many needed ones at once, on :data:`~primepar_fx.cost.layouts.SETS`
+    """:func:`scatters` of one held layout to many needed ones at once, on :data:`~primepar_fx.partition.layouts.SETS`
     numbers: ``held`` is a ``(world, tensor dims)`` array, ``needed`` an ``(n, world, tensor dims)`` one; the answer
     is a boolean array of ``n``. Equal index sets have equal numbers, so layouts and blocks compare as ints."""
     ranks = np.asarray(groups, dtype=np.int64)  # (groups, group size): a mesh's groups have one size
@@ -240,7 +240,7 @@ def _saving(
 ) -> tuple[float, int, int]:
     """Seconds and bytes one device saves when all-reduce ``c`` becomes a reduce-scatter of the same block (less a
     bias gradient's all-reduce over the same group), and the bytes the reduce-scatter sends."""
-    block = _block_bytes(part, _tmap(part.op, tensor), vkey, item)
+    block = block_bytes(part, tensor_map(part.op, tensor), vkey, item)
     group = cluster.group_size(part.mesh, c.digits)
     mesh, digits = part.mesh, c.digits
     seconds = cluster.collective_time("all-reduce", block, mesh, digits)
@@ -249,7 +249,7 @@ def _saving(
     rs, _ = ring_factors("reduce-scatter", group)
     saved, scattered = int(round(ar * block)) - int(round(rs * block)), int(round(rs * block))
     if bias is not None:
-        extra = _block_bytes(part, part.op.inputs[bias], vkey, item)  # type: ignore[arg-type]
+        extra = block_bytes(part, part.op.inputs[bias], vkey, item)  # type: ignore[arg-type]
         seconds -= cluster.collective_time("all-reduce", extra, mesh, digits)
         saved -= int(round(ar * extra))
     return seconds, saved, scattered

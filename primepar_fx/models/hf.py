@@ -137,8 +137,7 @@ def load_model_spec(spec: str, **kwargs: Any) -> nn.Module | tuple[nn.Module, tu
     which is imported and called with ``kwargs``; such a callable may also return
     ``(module, example_args, example_kwargs)``, which is passed through.
     """
-    from primepar_fx.models import build
-    from primepar_fx.models.zoo import ZOO
+    from primepar_fx.models.zoo import ZOO, build
 
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"model spec must be a non-empty string, got {spec!r}")

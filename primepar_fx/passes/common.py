@@ -10,7 +10,7 @@ import sympy
 import torch
 from torch import fx, nn
 
-from primepar_fx.capture import Captured
+from primepar_fx.frontend.capture import Captured
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, OpPartition
 from primepar_fx.passes.layouts import NodeLayouts, vkey_of

@@ -1,6 +1,6 @@
 """Where every tensor of the graph lives on every rank: the layouts the passes exchange between.
 
-A layout (:data:`~primepar_fx.cost.layouts.Layout`) lists, per rank and tensor dim, the flat index intervals
+A layout (:data:`~primepar_fx.partition.layouts.Layout`) lists, per rank and tensor dim, the flat index intervals
 the rank holds. The passes read them from the plan's partitions with the same functions the cost model prices
 (:mod:`primepar_fx.cost.redistribute`): a producer holds ``out_j`` at its last Forward step and needs ``d_out_j`` at
 its first Backward step; a consumer needs ``in_k`` at its first Forward step and holds ``d_in_k`` at the last step
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from primepar_fx.cost.layouts import Layout
 from primepar_fx.cost.redistribute import backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate
 from primepar_fx.partition.enumerate import ValuesKey, values_key
+from primepar_fx.partition.layouts import Layout
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import sympy
 import torch
 from torch import fx, nn
 
-from primepar_fx.cost.layouts import Layout
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.partition.layouts import Layout
 from primepar_fx.passes.annotate import annotate_plan
 from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
 from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_module, arg, digits_of, info, is_getitem

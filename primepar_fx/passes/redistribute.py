@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from primepar_fx.cost.layouts import Layout
+from primepar_fx.partition.layouts import Layout
 from primepar_fx.passes.common import STORAGE, RankContext, add_module, info, is_getitem
 from primepar_fx.runtime.exchange import Exchange, Redistribute, full_layout
 

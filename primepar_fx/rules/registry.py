@@ -14,7 +14,9 @@ import sympy
 import torch
 from torch import fx
 
-from primepar_fx.rules.spec import OpDims, Shape, TensorMap
+from primepar_fx.frontend.shapes import source_line as innermost_source_line
+from primepar_fx.frontend.symbols import Shape
+from primepar_fx.rules.spec import OpDims, TensorMap
 
 log = logging.getLogger(__name__)
 
@@ -88,62 +90,11 @@ def registered_ops() -> tuple[object, ...]:
 
 def source_line(node: fx.Node) -> str:
     """The model source line a node came from (the innermost frame outside torch), or ``"<unknown>"``."""
-    from primepar_fx.shapes import source_line as innermost
-
-    return innermost(node) or "<unknown>"
+    return innermost_source_line(node) or "<unknown>"
 
 
 def op_name(target: object) -> str:
     return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", repr(target))
-
-
-def replicate_dims(node: fx.Node, ctx: RuleContext) -> OpDims:
-    """The opt-in fallback: an opaque op whose every dim is unsplittable, so it runs replicated."""
-    ins: list[TensorMap | None] = []
-    dims: list[str] = []
-    sizes: list[sympy.Expr] = []
-
-    def fresh(shape: Shape, tag: str) -> TensorMap:
-        out = []
-        for i, size in enumerate(shape):
-            name = f"{tag}{i}"
-            dims.append(name)
-            sizes.append(sympy.sympify(size))
-            out.append((name,))
-        return tuple(out)
-
-    for j, shp in enumerate(ctx.input_shapes(node)):
-        ins.append(None if shp is None else fresh(shp, f"i{j}_"))
-    outs = tuple(fresh(shp, f"o{j}_") for j, shp in enumerate(ctx.out_shapes))
-    return OpDims("meta", tuple(dims), tuple(sizes), tuple(ins), outs, no_split=frozenset(dims))
-
-
-def op_dims(node: fx.Node, ctx: RuleContext, *, fallback: str | None = None) -> OpDims:
-    """Apply the registered rule of ``node.target``.
-
-    Raises :class:`MissingRuleError` naming the op, the node and the model source line when there is no rule,
-    unless ``fallback="replicate"`` is given.
-    """
-    import primepar_fx.rules  # noqa: F401  (fills the registry)
-
-    rule = get_rule(node.target)
-    if rule is None:
-        if fallback == "replicate":
-            log.warning("no rule for %s (node %s); replicating it", op_name(node.target), node.name)
-            return replicate_dims(node, ctx)
-        if fallback is not None:
-            raise ValueError(f"unknown fallback {fallback!r}; the only one is 'replicate'")
-        raise MissingRuleError(
-            f"no dimension rule for op {op_name(node.target)} at node '{node.name}' "
-            f"(model source: {source_line(node)}). Register one with "
-            f"primepar_fx.rules.register_rule, or pass fallback='replicate' to run it replicated."
-        )
-    try:
-        return rule(node, ctx)
-    except RuleError as e:
-        raise RuleError(
-            f"rule for {op_name(node.target)} failed at node '{node.name}' ({source_line(node)}): {e}"
-        ) from e
 
 
 # ------------------------------------------------------------------------------------- helpers for rule authors

@@ -19,8 +19,8 @@ from typing import Any
 
 import sympy
 
-#: A tensor's shape as sympy expressions in the symbols ``B`` and ``S`` (other sizes are integers).
-Shape = tuple[sympy.Expr, ...]
+from primepar_fx.frontend.symbols import Shape
+
 #: For each tensor dim, the iteration dims it is made of (major first); ``()`` for a broadcast dim.
 TensorMap = tuple[tuple[str, ...], ...]
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from primepar_fx.cost.cluster import ring_factors
-from primepar_fx.cost.layouts import Layout
 from primepar_fx.cost.scatter import scatters
 from primepar_fx.partition import DeviceMesh
+from primepar_fx.partition.layouts import Layout
 from primepar_fx.runtime.exchange import Exchange, Slices
 from primepar_fx.runtime.stats import CommStats
 

@@ -1,7 +1,7 @@
 """Point-to-point redistribution of a tensor from one layout to another (paper Eq. 8-9, executed).
 
 A *layout* gives, for every rank and tensor dim, the sorted disjoint intervals of flat indices the rank holds
-(:data:`primepar_fx.cost.layouts.Layout`). :class:`Exchange` turns a held and a needed layout into what this
+(:data:`primepar_fx.partition.layouts.Layout`). :class:`Exchange` turns a held and a needed layout into what this
 rank copies locally, sends and receives: every tensor dim is cut at every interval end of every rank into *atoms*;
 a block of atoms that a rank needs and does not hold comes from the holder that differs from it in the fewest
 device-ID digits (the lowest rank on a tie), the rule :func:`primepar_fx.partition.comm.transfers` uses. Each rank
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from primepar_fx.cost.layouts import IndexSet, Layout
 from primepar_fx.partition import DeviceMesh
+from primepar_fx.partition.layouts import IndexSet, Layout
 from primepar_fx.partition.mesh import nearest_holder
 from primepar_fx.runtime.stats import CommStats
 

@@ -25,7 +25,6 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
-from primepar_fx.cost.layouts import bound_partition
 from primepar_fx.cost.model import (
     CostOptions,
     NodeCost,
@@ -36,12 +35,13 @@ from primepar_fx.cost.model import (
 )
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
-from primepar_fx.gcpause import gc_paused
+from primepar_fx.frontend.symbols import META_DTYPES
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
+from primepar_fx.partition.layouts import bound_partition
 from primepar_fx.search import CostGraph
-from primepar_fx.shapes import META_DTYPES
+from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
 

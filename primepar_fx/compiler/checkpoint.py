@@ -2,7 +2,7 @@
 
 **Sharded** (:func:`save` / :func:`load`): a directory written by ``torch.distributed.checkpoint`` (DCP) in which
 every rank writes only the blocks it holds, each described by its offsets and sizes in the whole tensor. A rank's
-storage (:attr:`PrimeParModule._layouts <primepar_fx.compile.PrimeParModule>`) is, per tensor dim, a set of
+storage (:attr:`PrimeParModule._layouts <primepar_fx.compiler.module.PrimeParModule>`) is, per tensor dim, a set of
 intervals; its block is their product, several rectangles when a dim is strided (a P(S x S) or a split merged
 dim). Each rectangle is one DCP chunk. An element several ranks hold (replication) is written once, by the lowest
 rank holding it, so the chunks tile the tensor exactly as DCP requires. Loading asks DCP for the rectangles of the
@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from primepar_fx.compile import PrimeParModule, require_compiled
+from primepar_fx.compiler.module import PrimeParModule, require_compiled
 from primepar_fx.runtime.exchange import full_layout
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ Bad input fails before anything is built (no process group, no module), with one
 process group (pass ``world_size=1`` to run as one process), a plan for another world size or model, a plan whose
 partition does not divide a dim at the example's ``B`` and ``S`` (:class:`~primepar_fx.partition.PartitionError`
 naming the node and the dim). When rank 0 cannot make the plan, every other rank raises with rank 0's message
-(:mod:`primepar_fx.agree`: the options, the plan and its broadcast).
+(:mod:`primepar_fx.compiler.agree`: the options, the plan and its broadcast).
 
 At run time a batch or sequence length other than the compiled one rebuilds this rank's graph for the new sizes
 (the capture is symbolic in ``B`` and ``S``; the plan is reused, and the parameters stay where they are: their
@@ -34,17 +34,17 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from primepar_fx.agree import agree_plan, check_options, check_plan_fits, checked_world, comm_device
-from primepar_fx.capture import capture
+from primepar_fx.compiler.agree import agree_plan, check_options, check_plan_fits, checked_world, comm_device
+from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
+from primepar_fx.frontend.capture import capture
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph, build_graph
-from primepar_fx.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
-from primepar_fx.plan import Plan
+from primepar_fx.planning.plan import Plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
-from primepar_fx.shapes import B, S
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def compile_graph(
     if wait is not None and world > 1:  # once the module is built: a compile that fails changes nothing
         _set_default_timeout(wait)
     if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code
-        from primepar_fx.dump import dump_module
+        from primepar_fx.report.dump import dump_module
 
         dump_module(graph, module, os.environ["PRIMEPAR_DUMP_DIR"])
     return module

@@ -3,7 +3,7 @@
 :func:`sizes_of` reads the batch and sequence length of a call's inputs from the captured (symbolic) shapes of its
 user inputs and raises, naming the input and the dim, on a dtype, rank or size the compiled model cannot take.
 :func:`at_sizes` gives a copy of the captured graph whose tensor metadata is that of other sizes, so the per-rank
-passes can rebuild a graph for them (:class:`~primepar_fx.compile.PrimeParModule` does, reusing its plan).
+passes can rebuild a graph for them (:class:`~primepar_fx.compiler.module.PrimeParModule` does, reusing its plan).
 :func:`no_specialisation` keeps reading a ``SymInt`` as an ``int`` from pinning ``B`` or ``S`` in the program.
 """
 
@@ -20,8 +20,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
-from primepar_fx.shapes import B, S
 
 
 class InputSpec(NamedTuple):

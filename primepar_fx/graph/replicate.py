@@ -12,7 +12,7 @@
    the same node before the stack (shared tensors, such as masks and rotary tables); node names that
    advance by a fixed count per layer (:func:`_check_repeat`);
 4. writes out the whole :class:`~primepar_fx.graph.OpGraph`: the nodes before the stack, the layer ``L`` times,
-   then the nodes after it, each named as :func:`~primepar_fx.capture.capture` names the full model's nodes
+   then the nodes after it, each named as :func:`~primepar_fx.frontend.capture.capture` names the full model's nodes
    (``add``, ``add_1``, ... densely in graph order, so a layer's ``k``-th ``add`` is ``first + layer * per_layer``).
 
 The result is the graph the full capture gives (``tests/test_replicate.py`` checks this node for node on the
@@ -38,7 +38,7 @@ from typing import Any
 import networkx as nx
 from torch import fx, nn
 
-from primepar_fx.capture import capture, split_name
+from primepar_fx.frontend.capture import capture, split_name
 from primepar_fx.graph import LayerStack, OpGraph, OpNode, build_graph
 
 log = logging.getLogger(__name__)

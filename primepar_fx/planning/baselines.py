@@ -46,13 +46,13 @@ from typing import Any
 
 import sympy
 
+from primepar_fx.frontend.symbols import B as BATCH
+from primepar_fx.frontend.symbols import S as SEQ
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, Split
 from primepar_fx.partition.enumerate import ValuesKey, fits_at, values_key
 from primepar_fx.rules.registry import op_name
 from primepar_fx.rules.spec import OpDims
-from primepar_fx.shapes import B as BATCH
-from primepar_fx.shapes import S as SEQ
 
 log = logging.getLogger(__name__)
 

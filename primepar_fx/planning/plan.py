@@ -492,10 +492,10 @@ class Plan:
         """Per-node partitions and costs, then predicted totals with one comparison row per baseline.
 
         ``fold`` prints the copies of the longest repeated block of rows (a model's identical layers) as one marker
-        row, with a note under the table (:func:`~primepar_fx.tables.fold_repeats`)."""
+        row, with a note under the table (:func:`~primepar_fx.utils.tables.fold_repeats`)."""
         from tabulate import tabulate
 
-        from primepar_fx.tables import fold_repeats
+        from primepar_fx.utils.tables import fold_repeats
 
         costed = [n.cost for n in self.nodes if n.cost is not None]
         kinds = [k for k in COMM_KINDS if any(c.comm_bytes.get(k) for c in costed)]

@@ -14,35 +14,29 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
 from torch import fx
 
-from primepar_fx.rules.spec import Shape
+from primepar_fx.frontend.symbols import (
+    ALLOWED_SYMBOLS,
+    META_DTYPES,
+    META_SHAPES,
+    META_SYMVALUE,
+    B,
+    S,
+    Shape,
+    SymbolMap,
+)
 
 if TYPE_CHECKING:
-    from primepar_fx.capture import Captured, ShapeSpecializationError
+    from primepar_fx.frontend.capture import Captured, ShapeSpecializationError
 
 log = logging.getLogger(__name__)
 
-#: The batch size.
-B = sympy.Symbol("B", integer=True, positive=True)
-#: The sequence length.
-S = sympy.Symbol("S", integer=True, positive=True)
-#: The only symbols a shape may mention.
-ALLOWED_SYMBOLS = frozenset({B, S})
-
-#: ``tuple[Shape, ...]``: one shape per tensor output of the node, flattened; ``()`` for non-tensor outputs.
-META_SHAPES = "primepar_shapes"
-#: ``tuple[torch.dtype, ...]``: one dtype per tensor output, aligned with :data:`META_SHAPES`.
-META_DTYPES = "primepar_dtypes"
-#: ``sympy.Expr``: the value of a node that produces a symbolic integer (``aten.sym_size.int`` ...).
-META_SYMVALUE = "primepar_symvalue"
-
-SymbolMap = Mapping[sympy.Symbol, sympy.Symbol]
 
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -87,7 +81,7 @@ def annotate(captured: Captured) -> None:
         ShapeSpecializationError: a shape mentions a symbol other than ``B``/``S``, or the ShapeEnv replaced
             the batch or sequence symbol by a constant.
     """
-    from primepar_fx.capture import ShapeSpecializationError  # runtime import: capture imports this module
+    from primepar_fx.frontend.capture import ShapeSpecializationError  # runtime import: capture imports this module
 
     symbol_map = dict(captured.symbol_map)
     shape_env = None
@@ -193,7 +187,7 @@ def shapes_of(node: fx.Node) -> tuple[Shape, ...]:
     try:
         return node.meta[META_SHAPES]
     except KeyError:
-        raise ValueError(f"node {node.name} has no {META_SHAPES!r}; run primepar_fx.shapes.annotate first") from None
+        raise ValueError(f"node {node.name} has no {META_SHAPES!r}; run frontend.shapes.annotate first") from None
 
 
 def shape_of(node: fx.Node) -> Shape | None:

@@ -3,9 +3,9 @@
 :func:`dump` writes into a folder:
 
 * ``captured.txt``: the captured ATen graph (``print_readable``);
-* ``plan.json``: the plan (:meth:`~primepar_fx.plan.Plan.save`);
+* ``plan.json``: the plan (:meth:`~primepar_fx.planning.plan.Plan.save`);
 * ``nodes.md``: one row per node: op, symbolic output shape, partition, predicted time per phase, communication
-  bytes per kind and memory (the plan's :class:`~primepar_fx.plan.CostBreakdown`);
+  bytes per kind and memory (the plan's :class:`~primepar_fx.planning.plan.CostBreakdown`);
 * ``rank{r}.py``: each rank's rewritten code (``print_readable`` of its GraphModule);
 * ``passes.md``: the op counts after each graph pass (rank 0's);
 * ``graph.dot`` and, when graphviz's ``dot`` is installed, ``graph.svg``: the graph coloured by partition, each
@@ -32,11 +32,11 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.explain import fmt_count, fmt_shape, price_plan
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.plan import COMM_KINDS, PHASES, MiB, Plan
-from primepar_fx.shapes import B, S
+from primepar_fx.planning.plan import COMM_KINDS, PHASES, MiB, Plan
+from primepar_fx.report.explain import fmt_count, fmt_shape, price_plan
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def dump(
     """Write the dump of ``graph`` under ``plan`` into ``out_dir`` (module docstring); return the files written.
 
     ``rank_graphs`` maps ranks to their :class:`~primepar_fx.passes.RankGraph` or
-    :class:`~primepar_fx.compile.PrimeParModule`; by default every rank is built under the fake process group.
+    :class:`~primepar_fx.compiler.module.PrimeParModule`; by default every rank is built under the fake process group.
     ``cluster`` overrides the plan's cluster for pricing the edges.
     """
     plan.check_model((n.name, n.op) for n in graph.nodes.values())

@@ -27,11 +27,11 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
-from primepar_fx.agree import agree_plan, check_options, world_rank
-from primepar_fx.capture import capture
-from primepar_fx.compile import rank_graph_for
+from primepar_fx.compiler.agree import agree_plan, check_options, world_rank
+from primepar_fx.compiler.module import rank_graph_for
+from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
-from primepar_fx.plan import Plan
+from primepar_fx.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 

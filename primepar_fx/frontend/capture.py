@@ -4,8 +4,8 @@
 ``Dim("seq", max=...)`` on dim ``seq_dim`` of every tensor input. The graph is left at the ATen level export
 produces, *not* decomposed, so ``aten.linear``, ``aten.scaled_dot_product_attention`` and ``aten.layer_norm``
 stay single nodes; its op nodes are then renamed densely in graph order (:func:`renumber`). Export names its size
-symbols by hash (``s72`` ...); :class:`Captured` maps them onto :data:`~primepar_fx.shapes.B` and
-:data:`~primepar_fx.shapes.S` through the first tensor user input's shape.
+symbols by hash (``s72`` ...); :class:`Captured` maps them onto :data:`~primepar_fx.frontend.shapes.B` and
+:data:`~primepar_fx.frontend.shapes.S` through the first tensor user input's shape.
 
 When the model's code pins the batch or sequence length (a hard-coded ``.view(B, 32, ...)``, a Python branch on
 the length), export fails with a constraint violation; :func:`capture` re-raises it as
@@ -32,8 +32,8 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
-from primepar_fx.gcpause import gc_paused
-from primepar_fx.shapes import B, S
+from primepar_fx.frontend.symbols import B, S
+from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Captured:
     Attributes:
         program: the ``torch.export.ExportedProgram``.
         gm: ``program.graph_module``, ATen-level and not decomposed.
-        symbol_map: export's size symbols -> :data:`~primepar_fx.shapes.B` / :data:`~primepar_fx.shapes.S`.
+        symbol_map: export's size symbols -> :data:`~primepar_fx.frontend.symbols.B` / :data:`~.symbols.S`.
         params: placeholder name -> parameter FQN.
         buffers: placeholder name -> buffer FQN (persistent, non-persistent and lifted tensor constants).
         user_inputs: placeholder names of the user inputs, in graph order.
@@ -127,7 +127,7 @@ def capture(
 
     ``fake_cache=False`` traces without FakeTensor's dispatch cache. The cache pays when layers repeat (llama2-70b,
     80 layers: 14.5 s with it, 21 s without) and costs when they do not (two layers: 1.8 s with it, 1.1 s
-    without, in a fresh process), so the two-layer capture of :mod:`primepar_fx.replicate` turns it off. The
+    without, in a fresh process), so the two-layer capture of :mod:`primepar_fx.graph.replicate` turns it off. The
     graph is the same either way.
 
     Raises:
@@ -217,7 +217,7 @@ def renumber(gm: torch.fx.GraphModule) -> dict[str, str]:
     ``torch.export`` numbers names in the order it created nodes, including nodes it later removed (size
     arithmetic, dead mask code), so its numbering has gaps that depend on the whole trace. Dense names depend
     only on the graph: a model's ``k``-th layer's nodes are numbered ``first + k * per_layer``, which is what
-    lets :mod:`primepar_fx.replicate` name the nodes of layers it never captured. Placeholders and the output
+    lets :mod:`primepar_fx.graph.replicate` name the nodes of layers it never captured. Placeholders and the output
     keep their names. Returns the names changed, old -> new.
     """
     graph = gm.graph

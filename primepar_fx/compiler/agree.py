@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from primepar_fx.cost.cluster import dtype_key
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph, check_fallback
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
-from primepar_fx.plan import Plan
-from primepar_fx.shapes import B, S
-from primepar_fx.units import memory_budget_bytes
+from primepar_fx.planning.plan import Plan
+from primepar_fx.utils.units import memory_budget_bytes
 
 FORCED = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
 
@@ -84,7 +84,7 @@ def resolve_plan(
     """A :class:`Plan` from ``None`` (search), a Plan, a plan JSON (a path, or the text itself) or a forced-plan
     name."""
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planner import forced_plan, plan_graph
+    from primepar_fx.planning.planner import forced_plan, plan_graph
 
     if isinstance(cluster, (str, os.PathLike)):
         load_cluster(cluster)  # a bad name or spec file fails here, naming its field, whatever the plan
@@ -132,7 +132,7 @@ def check_options(
     """Every rank checks the options itself, before any work: a bad one fails on every rank with its own message
     (a forced-plan name that does not exist, a cluster, memory budget, dtype or fallback that cannot be used)."""
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planner import _forced_seed
+    from primepar_fx.planning.planner import forced_seed
 
     if isinstance(cluster, (str, os.PathLike)):
         load_cluster(cluster)
@@ -142,7 +142,7 @@ def check_options(
     check_fallback(fallback)
     named = isinstance(plan, str) and plan != "searched" and not plan.lstrip().startswith("{")
     if named and not plan.endswith(".json") and not os.path.exists(plan):  # type: ignore[union-attr]
-        _forced_seed(plan)
+        forced_seed(plan)
 
 
 def agree_plan(graph: OpGraph, plan: Any, *, cluster: str, memory_budget: float | None, dtype: str | None) -> Plan:

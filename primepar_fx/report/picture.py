@@ -4,9 +4,9 @@ The picture of P(S x S) in ``docs/concepts.md`` is generated here, so it cannot 
 comes from :meth:`OpPartition.tensor_slice` (the DSIs of :mod:`primepar_fx.partition.dsi`) for the paper's
 linear operator ``O[M,K] = I[M,N] . W[N,K]``, and the tensors of each phase from :func:`phase_tensors`::
 
-    python -m primepar_fx.partition.picture                  # Markdown tables (the block in docs/concepts.md)
-    python -m primepar_fx.partition.picture --svg > docs/img/prime_2x2.svg
-    python -m primepar_fx.partition.picture --seq K,P2x2 --digits 2,2,2
+    python -m primepar_fx.report.picture                  # Markdown tables (the block in docs/concepts.md)
+    python -m primepar_fx.report.picture --svg > docs/img/prime_2x2.svg
+    python -m primepar_fx.report.picture --seq K,P2x2 --digits 2,2,2
 
 ``tests/test_picture.py`` checks that the committed picture equals what this module draws now.
 """
@@ -216,7 +216,7 @@ def render_svg(part: OpPartition) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m primepar_fx.partition.picture", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m primepar_fx.report.picture", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", default="P2x2", help="partition sequence of the linear (default P2x2)")
     p.add_argument("--digits", default="2,2", help="device-ID digit radices (default 2,2)")
     p.add_argument("--svg", action="store_true", help="print the SVG picture instead of Markdown tables")

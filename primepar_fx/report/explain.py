@@ -2,7 +2,7 @@
 
 * :func:`explain_table` (``primepar-fx explain``): a per-node table of the captured graph and the size of its
   partition space.
-* :func:`explain_choice`: why one node of a :class:`~primepar_fx.plan.Plan` got its partition. The node's legal
+* :func:`explain_choice`: why one node of a :class:`~primepar_fx.planning.plan.Plan` got its partition. The node's legal
   sequences are priced with the plan's cost model (:func:`~primepar_fx.cost.model.node_cost`, Eq. 7) and with the
   redistribution to and from its neighbours (:func:`~primepar_fx.cost.model.edge_cost_matrix`, Eq. 8-9), every
   other node held at the plan's choice::
@@ -14,7 +14,7 @@
 
   An edge's cost in the priced graph is net of what fusing an all-reduce with the re-layout after it into a
   reduce-scatter saves (:mod:`primepar_fx.cost.scatter`). The parts of an :class:`Option` attribute that saving as
-  :func:`~primepar_fx.planner.summarize` does for a plan: the re-layout counts whole in the redistribution, and
+  :func:`~primepar_fx.planning.planner.summarize` does for a plan: the re-layout counts whole in the redistribution, and
   the saving comes off the collectives of the node that runs the all-reduce: this node's (``collective_s``,
   ``node_s``, ``comm_bytes``) or a neighbour's (``neighbour_collective_s``). The objective is unchanged.
 
@@ -23,8 +23,6 @@ This module is also callable: ``primepar_fx.explain(plan, node_name, graph=graph
 
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,14 +30,14 @@ import sympy
 from tabulate import tabulate
 
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
-from primepar_fx.cost.costgraph import PricedGraph, price_graph
 from primepar_fx.cost.model import CostOptions
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
-from primepar_fx.plan import MiB, Plan
+from primepar_fx.planning.plan import MiB, Plan
+from primepar_fx.planning.pricing import PricedGraph, price_graph
 from primepar_fx.rules.spec import OpDims, Shape
-from primepar_fx.shapes import B, S
-from primepar_fx.tables import fold_repeats
+from primepar_fx.utils.tables import fold_repeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +102,7 @@ def explain_table(
     """The table ``primepar-fx explain`` prints: node, op, symbolic shape, FLOPs, legal sequences, and totals.
 
     ``fold`` prints the copies of the longest repeated block of rows (identical layers) as one marker row, with a
-    note under the table (:func:`~primepar_fx.tables.fold_repeats`)."""
+    note under the table (:func:`~primepar_fx.utils.tables.fold_repeats`)."""
     rows = explain_rows(graph, mesh, batch=batch, seq=seq, allow_prime=allow_prime)
     subs = {k: v for k, v in ((B, batch), (S, seq)) if v is not None}
     concrete = len(subs) == 2
@@ -372,17 +370,3 @@ def explain_choice(
         chosen=chosen,
         alternatives=tuple(others),
     )
-
-
-class _CallableModule(types.ModuleType):
-    """Lets ``primepar_fx.explain(plan, node_name, graph=graph)`` call :func:`explain_choice` while
-    ``from primepar_fx.explain import explain_table`` keeps working."""
-
-    def __call__(
-        self, plan: Plan, node_name: str, *, graph: OpGraph, cluster: ClusterSpec | str | None = None
-    ) -> Explanation:
-        """:func:`explain_choice`: why ``plan`` gave ``node_name`` its partition."""
-        return explain_choice(plan, node_name, graph=graph, cluster=cluster)
-
-
-sys.modules[__name__].__class__ = _CallableModule

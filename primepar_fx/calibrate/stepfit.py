@@ -1,6 +1,6 @@
 """Step-fitted calibration: fit a cluster spec to the measured training steps of a few plans.
 
-``primepar-fx calibrate`` (:mod:`primepar_fx.cost.calibrate`) times each collective alone, after a barrier, and
+``primepar-fx calibrate`` (:mod:`primepar_fx.calibrate.measure`) times each collective alone, after a barrier, and
 each kernel in one process. Where ranks share cores, a real step also pays for waiting: for a core, and for a
 peer that is not scheduled. Those costs scale with the messages a plan sends, not with what the isolated timings
 see. This module fits the measured step times of a few plans instead, one :class:`StepSample` per plan::
@@ -17,7 +17,7 @@ see. This module fits the measured step times of a few plans instead, one :class
   ``2 (g-1)/g`` of the block, a transfer's bytes exact.
 
 :func:`fit_steps` solves for the coefficients by non-negative least squares on relative residuals
-(:func:`~primepar_fx.cost.calibrate.nnls`; every plan weighs alike). :func:`step_fitted_spec` writes them into the
+(:func:`~primepar_fx.calibrate.measure.nnls`; every plan weighs alike). :func:`step_fitted_spec` writes them into the
 *existing* fields of a :class:`~primepar_fx.cost.cluster.ClusterSpec`, so that the cost model prices a plan as
 the fit does, with ``g`` the ranks of the measured steps (``world_size``) and ``f`` every op family that costs
 anything (not ``view`` or ``meta``)::
@@ -57,7 +57,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from primepar_fx.cost.calibrate import nnls
+from primepar_fx.calibrate.measure import nnls
 from primepar_fx.cost.cluster import DTYPES, FREE_FAMILIES, OP_FAMILIES, ClusterSpec, ComputeModel, LinearLatency
 
 COSTED_FAMILIES = tuple(f for f in OP_FAMILIES if f not in FREE_FAMILIES)

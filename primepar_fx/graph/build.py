@@ -1,6 +1,6 @@
 """The operator graph: captured ATen nodes with symbolic shapes and their dimension rules.
 
-:func:`build_graph` turns a :class:`~primepar_fx.capture.Captured` program into an :class:`OpGraph`: one
+:func:`build_graph` turns a :class:`~primepar_fx.frontend.capture.Captured` program into an :class:`OpGraph`: one
 :class:`OpNode` per compute node (nodes without tensor outputs, such as shape asserts, are left out), with its
 :class:`~primepar_fx.rules.spec.OpDims` (knowing which inputs are parameters and which take no gradient), FLOPs and
 bytes moved, and a networkx ``DiGraph`` whose edges carry the producer's output index and the consumer's input index.
@@ -18,10 +18,12 @@ import sympy
 import torch
 from torch import fx
 
-from primepar_fx.capture import Captured
-from primepar_fx.rules.registry import RuleContext, op_dims, op_name, source_line
+from primepar_fx.frontend.capture import Captured
+from primepar_fx.frontend.shapes import annotate, node_bytes, shape_of, shapes_of
+from primepar_fx.frontend.symbols import META_DTYPES, META_SHAPES
+from primepar_fx.rules.apply import op_dims
+from primepar_fx.rules.registry import RuleContext, op_name, source_line
 from primepar_fx.rules.spec import OpDims, Shape
-from primepar_fx.shapes import META_DTYPES, META_SHAPES, annotate, node_bytes, shape_of, shapes_of
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class OpGraph:
     param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     #: tied parameters: FQN -> the FQN of the parameter it shares storage with (first in graph order)
     tied: dict[str, str] = field(default_factory=dict)
-    #: set when the nodes were replicated from a short capture (:mod:`primepar_fx.replicate`): plan, not compile
+    #: set when the nodes were replicated from a short capture (:mod:`primepar_fx.graph.replicate`): plan, not compile
     replicated: LayerStack | None = None
     #: replicated graphs: node -> the captured node it repeats, whose facts (dtypes, users, arguments) it shares
     origin: dict[str, str] | None = None

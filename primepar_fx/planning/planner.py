@@ -1,15 +1,15 @@
-"""From a priced graph to a :class:`~primepar_fx.plan.Plan`: search, read back, and price the baselines.
+"""From a priced graph to a :class:`~primepar_fx.planning.plan.Plan`: search, read back, and price the baselines.
 
 :func:`plan_graph` runs the search (:func:`primepar_fx.search.solve`) over the graph priced by
-:func:`~primepar_fx.cost.costgraph.price_graph`, then prices three baselines with the same cost model so the
+:func:`~primepar_fx.planning.pricing.price_graph`, then prices three baselines with the same cost model so the
 comparison is like for like:
 
 * ``megatron``: every data-parallel x model-parallel split of the device digits, with and without sequence
-  parallelism (:func:`~primepar_fx.baselines.megatron_configs`); the fastest is kept.
+  parallelism (:func:`~primepar_fx.planning.baselines.megatron_configs`); the fastest is kept.
 * ``data_parallel``: the batch split over every digit.
 * ``split_only``: our own search with P(S x S) left out (the space Alpa and GSPMD-style planners search).
 
-:func:`forced_plan` builds a full :class:`~primepar_fx.plan.Plan` without the free search, to run or compare a
+:func:`forced_plan` builds a full :class:`~primepar_fx.planning.plan.Plan` without the free search, to run or compare a
 named strategy: ``"megatron"`` (the configuration :func:`price_baselines` picks; ``"megatron-sp"`` the best one
 with sequence parallelism), ``"data_parallel"``,
 ``"prime"`` (P(S x S) on every node where it is legal, the rest searched) or ``"random:SEED"`` (a seeded,
@@ -35,18 +35,17 @@ from typing import Any
 import numpy as np
 import sympy
 
-from primepar_fx.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
-from primepar_fx.cost.costgraph import PricedGraph, price_graph
-from primepar_fx.cost.model import CostOptions
-from primepar_fx.cost.redistribute import clear_caches
-from primepar_fx.gcpause import gc_paused
+from primepar_fx.cost.model import CostOptions, clear_caches
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_sequences
-from primepar_fx.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
+from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
+from primepar_fx.planning.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
+from primepar_fx.planning.pricing import PricedGraph, price_graph
 from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, solve
-from primepar_fx.shapes import B, S
-from primepar_fx.units import memory_budget_bytes
+from primepar_fx.utils.gcpause import gc_paused
+from primepar_fx.utils.units import memory_budget_bytes
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +415,7 @@ def plan_graph(
 FORCED_NAMES = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
 
 
-def _forced_seed(name: Any) -> int | None:
+def forced_seed(name: Any) -> int | None:
     """``None`` for a fixed name of :data:`FORCED_NAMES`, the seed of ``"random:SEED"``; raises on anything else."""
     if name in FORCED_NAMES[:-1]:
         return None
@@ -463,7 +462,7 @@ def forced_plan(
     (:func:`price_baselines`' rule) and bounds the ``"prime"`` search; the fixed strategies ignore it. The plan
     has no baselines; ``search["forced"]`` names the strategy.
     """
-    seed = _forced_seed(name)
+    seed = forced_seed(name)
     memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)
     check_sizes(batch, seq)
     spec, mesh = _setup(cluster, world_size, digits)

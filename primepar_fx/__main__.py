@@ -1,0 +1,5 @@
+"""``python -m primepar_fx``: the ``primepar-fx`` command line."""
+
+from primepar_fx.cli import main
+
+raise SystemExit(main())

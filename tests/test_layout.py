@@ -1,0 +1,168 @@
+"""The package's layout: one subpackage per pipeline stage, no import cycles, no upward imports.
+
+The import graph is read from the source (``ast``), every ``import`` and ``from ... import`` counted, those inside
+functions and under ``TYPE_CHECKING`` included: a cycle broken only by a late import is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import networkx as nx
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "primepar_fx"
+
+#: The stages in pipeline order, then the tools beside it. The root modules (``__init__``, ``api``, ``cli``,
+#: ``__main__``) orchestrate and may import any stage.
+STAGES = (
+    "utils",
+    "frontend",
+    "rules",
+    "graph",
+    "partition",
+    "cost",
+    "search",
+    "planning",
+    "runtime",
+    "passes",
+    "report",
+    "compiler",
+)
+
+#: stage -> the stages it may import (itself always). A pipeline stage imports only stages before it; the
+#: edges it does not need are left out, so a new dependency is a decision made here.
+ALLOWED: dict[str, set[str]] = {
+    "utils": set(),
+    "models": set(),
+    "frontend": {"utils"},
+    "rules": {"frontend"},
+    "graph": {"frontend", "rules"},
+    "partition": {"rules"},
+    "cost": {"rules", "partition"},
+    "search": set(),
+    "planning": {"utils", "frontend", "rules", "graph", "partition", "cost", "search"},
+    "runtime": {"partition", "cost"},
+    "passes": {"frontend", "graph", "partition", "cost", "runtime"},
+    "report": {"utils", "frontend", "rules", "graph", "partition", "cost", "planning", "runtime", "passes"},
+    "compiler": {"utils", "frontend", "graph", "partition", "cost", "planning", "runtime", "passes", "report"},
+    "calibrate": {"cost", "runtime"},
+    "examples": {"root", "models", "partition", "cost", "runtime"},
+    "root": set(STAGES) - {"passes", "runtime"} | {"models", "calibrate"},
+}
+ROOT_MODULES = {"__init__", "api", "cli", "__main__"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = ["primepar_fx", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, str, int]]:
+    """``(module, imported name or "", line)`` for every import of this package in one module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, "", node.lineno) for a in node.names if a.name.startswith("primepar_fx")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("primepar_fx"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.append((sub, "", node.lineno) if sub in known else (target, alias.name, node.lineno))
+    return found
+
+
+def stage_of(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] in ROOT_MODULES):
+        return "root"
+    return parts[1]
+
+
+def import_graph() -> nx.DiGraph:
+    mods = modules()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(mods)
+    for name, path in mods.items():
+        for target, _, line in imports(name, path, set(mods)):
+            assert target in mods, f"{path}:{line} imports {target}, which is not a module of the package"
+            if target != name:
+                graph.add_edge(name, target, line=line)
+    return graph
+
+
+def test_the_root_holds_only_the_entry_points():
+    loose = {p.stem for p in PACKAGE.glob("*.py")}
+    assert loose <= ROOT_MODULES, f"modules outside a stage: {sorted(loose - ROOT_MODULES)}"
+    assert len(loose) <= 4
+
+
+def test_every_subpackage_is_a_known_stage_or_tool():
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages <= set(ALLOWED), f"subpackages without a row in ALLOWED: {sorted(packages - set(ALLOWED))}"
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles = list(nx.simple_cycles(import_graph()))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join([*c, c[0]]) for c in cycles[:5])
+
+
+def test_the_stages_import_only_the_stages_before_them():
+    graph = import_graph()
+    stages = nx.DiGraph()
+    bad = []
+    for a, b, data in graph.edges(data=True):
+        sa, sb = stage_of(a), stage_of(b)
+        if sa == sb:
+            continue
+        stages.add_edge(sa, sb)
+        if sb not in ALLOWED[sa]:
+            bad.append(f"{a} (line {data['line']}) -> {b}: {sa} may not import {sb}")
+    assert not bad, "\n".join(bad)
+    assert nx.is_directed_acyclic_graph(stages)
+
+
+def test_the_pipeline_stages_are_ordered():
+    for i, stage in enumerate(STAGES):
+        later = set(STAGES[i:])
+        assert not (ALLOWED[stage] & later), f"{stage} is allowed to import a later stage: {ALLOWED[stage] & later}"
+
+
+def test_no_private_name_is_imported_across_modules():
+    mods = modules()
+    private = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}.{what}"
+        for name, path in mods.items()
+        for target, what, line in imports(name, path, set(mods))
+        if what.startswith("_")
+        and not what.startswith("__")
+        or target.rpartition(".")[2].startswith("_")
+        and not target.endswith(("__init__", "__main__"))
+    ]
+    assert not private, "\n".join(private)
+
+
+@pytest.mark.parametrize("source", ["from .seq import Split", "from . import mesh"])
+def test_relative_imports_resolve_to_the_module_they_name(source, tmp_path):
+    path = PACKAGE / "partition" / "dsi.py"
+    tree_path = tmp_path / "dsi.py"
+    tree_path.write_text(source + "\n")
+    known = set(modules())
+    [(target, what, _)] = imports("primepar_fx.partition.dsi", tree_path, known)
+    assert path.exists()
+    if source.startswith("from . import"):
+        assert (target, what) == ("primepar_fx.partition.mesh", "")
+    else:
+        assert (target, what) == ("primepar_fx.partition.seq", "Split")
