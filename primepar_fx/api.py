@@ -9,15 +9,14 @@ from typing import Any
 
 import torch
 
-from primepar_fx.cost.cluster import dtype_key
 from primepar_fx.frontend.capture import capture, config_seq_max
 from primepar_fx.graph import OpGraph, build_graph, check_fallback
 from primepar_fx.graph.replicate import analyze_replicated
+from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.plan import Plan
-from primepar_fx.planning.planner import check_sizes, plan_graph
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.report.explain import Explanation, explain_choice
 from primepar_fx.utils.gcpause import gc_paused
-from primepar_fx.utils.units import memory_budget_bytes
 
 
 @gc_paused
@@ -56,11 +55,11 @@ def plan(
     example_inputs: tuple[Any, ...] | tuple[tuple[Any, ...], dict[str, Any]] = (),
     *,
     world_size: int,
-    cluster: Any = "v100-paper",
+    cluster: Any = None,
     batch: int | None = None,
     seq: int | None = None,
-    memory_budget: float | None = None,
-    dtype: str = "fp32",
+    memory_budget: float | str | None = None,
+    dtype: Any = "fp32",
     alpha: float = 0.0,
     method: str = "auto",
     allow_prime: bool = True,
@@ -73,9 +72,10 @@ def plan(
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
     ``example_inputs`` is the tuple of positional example arguments, or ``(args, kwargs)``. ``world_size`` devices
-    of ``cluster`` (a preset name, a spec file or a :class:`~primepar_fx.cost.cluster.ClusterSpec`). ``batch`` and
-    ``seq`` (default: the example's sizes) are the sizes the plan is priced at; they may differ from the example's,
-    since the graph is symbolic in ``B`` and ``S``. Works on meta-device models.
+    of ``cluster`` (a preset name, a spec file or a :class:`~primepar_fx.cost.cluster.ClusterSpec`; default:
+    :func:`~primepar_fx.planning.options.default_cluster`, ``v100-paper`` unless ``$PRIMEPAR_CLUSTER`` names
+    another). ``batch`` and ``seq`` (default: the example's sizes) are the sizes the plan is priced at; they may
+    differ from the example's, since the graph is symbolic in ``B`` and ``S``. Works on meta-device models.
 
     ``memory_budget``: a hard limit on each device's predicted peak (bytes, or a size such as ``"30GiB"``).
     ``dtype``: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or a torch dtype. ``alpha``: seconds per byte of
@@ -86,30 +86,30 @@ def plan(
     :func:`~primepar_fx.planning.planner.search_mesh`). ``progress`` shows the pricing's progress bars on stderr.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
+    Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the
+    capture.
     """
-    check_sizes(batch, seq)
-    memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)  # before the capture
-    check_fallback(fallback)
+    options = PlanOptions.make(
+        cluster=cluster,
+        world_size=world_size,
+        batch=batch,
+        seq=seq,
+        memory_budget=memory_budget,
+        dtype=dtype,
+        alpha=alpha,
+        method=method,
+        allow_prime=allow_prime,
+        baselines=baselines,
+        fallback=fallback,
+        grouped=grouped,
+        progress=progress,
+    )
     limit = config_seq_max(model)
     if seq is not None and limit is not None and seq > limit:
         raise ValueError(f"seq={seq} exceeds the model's maximum sequence length of {limit} (its config)")
     args, kwargs = _split_inputs(example_inputs)
     graph = analyze(model, args, kwargs, fallback=fallback, replicate_layers=replicate_layers)
-    return plan_graph(
-        graph,
-        world_size=world_size,
-        cluster=cluster,
-        batch=graph.captured.example_batch if batch is None else batch,
-        seq=graph.captured.example_seq if seq is None else seq,
-        dtype=dtype,
-        memory_budget=memory_budget,
-        alpha=alpha,
-        method=method,
-        allow_prime=allow_prime,
-        baselines=baselines,
-        grouped=grouped,
-        progress=progress,
-    )
+    return plan_graph(graph, options)
 
 
 def explain(plan: Plan, node_name: str, *, graph: OpGraph, cluster: Any = None) -> Explanation:

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
 
 log = logging.getLogger("primepar_fx")
@@ -192,16 +193,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_digits(args)
     if args.output and os.path.isdir(args.output):
         raise CliError(f"-o {args.output} is a folder; give the plan's file name, e.g. {args.output}/plan.json")
-    spec = load_cluster(args.cluster)
-    model, ex_args, ex_kwargs, name = load_model(args.model)
-    _check_seq(model, args.seq, name)
-    replicate = not args.full_capture
-    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
-    captured_s = time.perf_counter() - t0
-    plan = plan_graph(
-        graph,
+    options = PlanOptions.make(  # every option checked before the capture
+        cluster=args.cluster,
         world_size=args.world_size,
-        cluster=spec,
         batch=args.batch,
         seq=args.seq,
         dtype=args.dtype,
@@ -213,8 +207,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         digits=args.digits,
         canonical=args.canonical,
         grouped=args.grouped,
+        fallback=args.fallback,
         progress=sys.stderr.isatty(),
     )
+    model, ex_args, ex_kwargs, name = load_model(args.model)
+    _check_seq(model, args.seq, name)
+    replicate = not args.full_capture
+    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
+    captured_s = time.perf_counter() - t0
+    plan = plan_graph(graph, options)
     print(plan.summary_table(tablefmt=args.format, fold=not args.all_nodes))
     mega = plan.baselines.get("megatron")
     if mega is not None:
@@ -226,7 +227,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"  ({mega.config['fallback_nodes']} of {len(plan.nodes)} nodes could not take that configuration's "
                 "split on some digit, which does not divide their dim, and are replicated there)"
             )
-    for warning in plan_warnings(plan, spec, args.memory_budget, graph):
+    for warning in plan_warnings(plan, options.cluster, args.memory_budget, graph):
         print(f"warning: {warning}", file=sys.stderr)
     if args.output:
         plan.save(args.output)
@@ -277,13 +278,16 @@ def _any_split(graph: Any, plan: Plan) -> bool:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     from primepar_fx.api import analyze
-    from primepar_fx.compiler.agree import resolve_plan
+    from primepar_fx.compiler.agree import compile_options, resolve_plan
     from primepar_fx.report.dump import dump
 
     t0 = time.perf_counter()
-    if args.plan.endswith(".json") and not os.path.isfile(args.plan):
-        raise CliError(f"--plan: no plan file {args.plan!r}")
-    given = Plan.load(args.plan) if os.path.isfile(args.plan) else None
+    options = compile_options(cluster=args.cluster, dtype=args.dtype).replace(world_size=args.world_size)
+    try:
+        kind, value = parse_plan(args.plan)
+    except ValueError as e:
+        raise CliError(f"--plan: {e}") from None
+    given = Plan.load(value) if kind == "file" else None
     batch = args.batch or (given.batch if given else 2)
     seq = args.seq or (given.seq if given else 16)
     if given is not None and (given.batch, given.seq, given.world_size) != (batch, seq, args.world_size):
@@ -298,9 +302,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
             f"{name} returned example inputs of B={graph.captured.example_batch}, "
             f"S={graph.captured.example_seq}; pass those as --batch/--seq"
         )
-    plan = given or resolve_plan(
-        graph, args.plan, world_size=args.world_size, cluster=args.cluster, memory_budget=None, dtype=args.dtype
-    )
+    plan = given or resolve_plan(graph, args.plan, options)
     files = dump(graph, plan, args.output)
     p = plan.predicted
     print(f"{plan.model} on {plan.world_size} devices {list(plan.digits)}, B={batch}, S={seq}, plan {args.plan}:")
@@ -336,6 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (PRIMEPAR_LOG=DEBUG for more)")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_explain_parser(sub)
+    _add_plan_parser(sub)
+    _add_dump_parser(sub)
+    from primepar_fx.calibrate.measure import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+    return p
+
+
+def _add_explain_parser(sub: Any) -> None:
     e = sub.add_parser("explain", help="per-node table: op, symbolic shape, FLOPs, legal partition sequences")
     e.add_argument("model", nargs="?", help="zoo name, hf:FAMILY, or package.module:callable")
     e.add_argument("--list", action="store_true", help="list the zoo models and exit")
@@ -344,11 +356,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch", type=positive_int, help="evaluate at this batch size (with --seq)")
     e.add_argument("--seq", type=positive_int, help="evaluate at this sequence length (with --batch)")
     e.set_defaults(func=cmd_explain)
+
+
+def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="search the cheapest plan and compare it with Megatron and data parallelism")
     pl.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
     _add_model_args(pl)
     pl.add_argument(
-        "--cluster", default="v100-paper", help="preset name or spec file (.json/.toml) (default v100-paper)"
+        "--cluster",
+        help="preset name or spec file (.json/.toml) (default: $PRIMEPAR_CLUSTER, else v100-paper)",
     )
     pl.add_argument("--batch", type=positive_int, required=True, help="global batch size the plan is priced at")
     pl.add_argument("--seq", type=positive_int, required=True, help="sequence length the plan is priced at")
@@ -378,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument("-o", "--output", help="write the plan JSON here")
     pl.set_defaults(func=cmd_plan)
+
+
+def _add_dump_parser(sub: Any) -> None:
     d = sub.add_parser("dump", help="write the captured graph, plan, per-node table, per-rank code and a picture")
     d.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
     d.add_argument("--world-size", "-n", type=positive_int, required=True, help="number of ranks")
@@ -389,7 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", type=positive_int, help="global batch size (default: the plan's, else 2)")
     d.add_argument("--seq", type=positive_int, help="sequence length (default: the plan's, else 16)")
     d.add_argument(
-        "--cluster", default="cpu-gloo", help="preset name or spec file the plan is priced on (default cpu-gloo)"
+        "--cluster",
+        help="preset name or spec file the plan is priced on (default: $PRIMEPAR_CLUSTER, else this machine's: "
+        "cpu-gloo without CUDA)",
     )
     d.add_argument(
         "--dtype",
@@ -400,10 +421,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
     d.add_argument("-o", "--output", required=True, help="the folder to write into (created if missing)")
     d.set_defaults(func=cmd_dump)
-    from primepar_fx.calibrate.measure import add_calibrate_parser
-
-    add_calibrate_parser(sub)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

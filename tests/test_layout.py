@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "report": {"utils", "frontend", "rules", "graph", "partition", "cost", "planning", "runtime", "passes"},
     "compiler": {"utils", "frontend", "graph", "partition", "cost", "planning", "runtime", "passes", "report"},
     "calibrate": {"cost", "runtime"},
-    "examples": {"root", "models", "partition", "cost", "runtime"},
+    "examples": {"root", "models", "partition", "cost", "planning", "runtime"},
     "root": set(STAGES) - {"passes", "runtime"} | {"models", "calibrate"},
 }
 ROOT_MODULES = {"__init__", "api", "cli", "__main__"}

@@ -1,7 +1,8 @@
 """The plan every rank runs: resolved on rank 0, broadcast, checked on every rank.
 
 :func:`~primepar_fx.compile` and the ``torch.compile`` backend first check their options on every rank
-(:func:`check_options`), before any capture. Rank 0 then makes the plan (:func:`resolve_plan`: a search, a forced
+(:meth:`~primepar_fx.planning.options.PlanOptions.make` and :func:`~primepar_fx.planning.options.parse_plan`), before
+any capture. Rank 0 then makes the plan (:func:`resolve_plan`: a search, a forced
 plan, a Plan or a plan JSON) and broadcasts it as JSON text in a tensor (nothing is pickled); every rank checks that
 it fits its world size, its graph and its sizes (:func:`agree_plan`). When rank 0 cannot make the plan, every other
 rank raises with rank 0's message.
@@ -9,7 +10,6 @@ rank raises with rank 0's message.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,17 +17,12 @@ import sympy
 import torch
 import torch.distributed as dist
 
-from primepar_fx.cost.cluster import dtype_key
 from primepar_fx.frontend.symbols import B, S
-from primepar_fx.graph import OpGraph, check_fallback
+from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
+from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
-from primepar_fx.utils.units import memory_budget_bytes
-
-FORCED = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
-
-
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+from primepar_fx.planning.planner import forced_plan, plan_graph
 
 
 def world_rank() -> tuple[int, int]:
@@ -78,40 +73,19 @@ def _broadcast_text(text: str | None, rank: int, world: int, *, failure: str | N
     return received
 
 
-def resolve_plan(
-    graph: OpGraph, plan: Any, *, world_size: int, cluster: str, memory_budget: float | None, dtype: str
-) -> Plan:
+def resolve_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:
     """A :class:`Plan` from ``None`` (search), a Plan, a plan JSON (a path, or the text itself) or a forced-plan
-    name."""
-    from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planning.planner import forced_plan, plan_graph
-
-    if isinstance(cluster, (str, os.PathLike)):
-        load_cluster(cluster)  # a bad name or spec file fails here, naming its field, whatever the plan
-    common = {
-        "world_size": world_size,
-        "cluster": cluster,
-        "batch": graph.captured.example_batch,
-        "seq": graph.captured.example_seq,
-        "dtype": dtype,
-        "memory_budget": memory_budget,
-    }
-    if plan is None or plan == "searched":
-        return plan_graph(graph, **common, baselines=False, method="dp")
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, (str, os.PathLike)) and (str(plan).endswith(".json") or os.path.exists(plan)):
-        if not os.path.isfile(plan):
-            raise ValueError(f"no plan file {os.fspath(plan)!r}")
-        return Plan.load(plan)
-    if isinstance(plan, os.PathLike):
-        raise ValueError(f"no plan file {os.fspath(plan)!r}")
-    if isinstance(plan, str) and plan.lstrip().startswith("{"):
-        return Plan.from_json(plan)  # the text of a plan JSON
-    if isinstance(plan, str):
-        return forced_plan(graph, plan, **common)
-    shown = repr(plan) if len(repr(plan)) <= 80 else f"{repr(plan)[:77]}..."
-    raise ValueError(f"plan must be None, a Plan, a plan JSON (its path or its text) or one of {FORCED}; got {shown}")
+    name (:func:`~primepar_fx.planning.options.parse_plan`), for ``options``' cluster and world size."""
+    kind, value = parse_plan(plan)
+    if kind == "search":
+        return plan_graph(graph, options)
+    if kind == "plan":
+        return value
+    if kind == "file":
+        return Plan.load(value)
+    if kind == "json":
+        return Plan.from_json(value)
+    return forced_plan(graph, value, options)
 
 
 def check_plan_fits(graph: OpGraph, plan: Plan, values: Mapping[sympy.Symbol, int]) -> None:
@@ -126,42 +100,35 @@ def check_plan_fits(graph: OpGraph, plan: Plan, values: Mapping[sympy.Symbol, in
             raise PartitionError(f"plan node {node.name!r} ({node.op}) cannot run at {at}: {e}") from None
 
 
-def check_options(
-    memory_budget: object, dtype: object, fallback: object = None, plan: object = None, cluster: object = None
-) -> None:
-    """Every rank checks the options itself, before any work: a bad one fails on every rank with its own message
-    (a forced-plan name that does not exist, a cluster, memory budget, dtype or fallback that cannot be used)."""
-    from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planning.planner import forced_seed
-
-    if isinstance(cluster, (str, os.PathLike)):
-        load_cluster(cluster)
-    memory_budget_bytes(memory_budget)
-    if dtype is not None:
-        dtype_key(dtype)
-    check_fallback(fallback)
-    named = isinstance(plan, str) and plan != "searched" and not plan.lstrip().startswith("{")
-    if named and not plan.endswith(".json") and not os.path.exists(plan):  # type: ignore[union-attr]
-        forced_seed(plan)
+def compile_options(
+    *, cluster: Any = None, memory_budget: object = None, dtype: object = None, fallback: str | None = None
+) -> PlanOptions:
+    """The options of a plan made to run here (``compile``, the backend, ``primepar-fx dump``): the cluster defaults
+    to this machine's (:func:`~primepar_fx.planning.options.default_cluster`), the dtype to the model's, and a search
+    is the DP without baselines."""
+    return PlanOptions.make(
+        cluster=cluster,
+        running=True,
+        memory_budget=memory_budget,
+        dtype=dtype,
+        fallback=fallback,
+        method="dp",
+        baselines=False,
+    )
 
 
-def agree_plan(graph: OpGraph, plan: Any, *, cluster: str, memory_budget: float | None, dtype: str | None) -> Plan:
+def agree_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:
     """Rank 0 resolves the plan (:func:`resolve_plan`) and broadcasts it; every rank checks it fits.
 
     Every check runs on every rank, before any process group or module exists, so a bad plan fails everywhere
-    with the same message and leaves nothing half-built.
+    with the same message and leaves nothing half-built. ``options.world_size`` is set to the process group's.
     """
     world, rank = world_rank()
-    if dtype is None:
-        first = next(iter(graph.param_dtypes.values()), torch.float32)
-        dtype = _DTYPES.get(first, "fp32")
+    options = options.replace(world_size=world)
     text = None
     if rank == 0:
         try:
-            chosen = resolve_plan(
-                graph, plan, world_size=world, cluster=cluster, memory_budget=memory_budget, dtype=dtype
-            )
-            text = chosen.to_json(indent=None)
+            text = resolve_plan(graph, plan, options).to_json(indent=None)
         except Exception as e:
             if world > 1:
                 _broadcast_text(None, rank, world, failure=f"{type(e).__name__}: {e}")

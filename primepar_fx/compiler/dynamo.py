@@ -27,10 +27,11 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
-from primepar_fx.compiler.agree import agree_plan, check_options, world_rank
+from primepar_fx.compiler.agree import agree_plan, compile_options, world_rank
 from primepar_fx.compiler.module import rank_graph_for
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
+from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -95,9 +96,9 @@ class _ShapeCache:
     """
 
     def __init__(
-        self, gm: fx.GraphModule, example_inputs: list[Any], compile_args: dict[str, Any], state: dict[str, Plan]
+        self, gm: fx.GraphModule, example_inputs: list[Any], plan: Any, options: PlanOptions, state: dict[str, Plan]
     ) -> None:
-        self.gm, self.compile_args, self.state = gm, compile_args, state
+        self.gm, self.plan, self.options, self.state = gm, plan, options, state
         self.cache: dict[tuple, _Runner] = {}
         if not any(isinstance(a, torch.SymInt) for a in example_inputs):
             self.build(list(example_inputs))  # a static graph: build now; a symbolic one at its first call
@@ -114,7 +115,7 @@ class _ShapeCache:
         graph = build_graph(capture(wrapped, users, name="dynamo graph", dynamic=False))
         chosen = self.state.get("plan")
         if chosen is None or not _fits(chosen, graph):
-            chosen = agree_plan(graph, **self.compile_args)
+            chosen = agree_plan(graph, self.plan, self.options)
             self.state["plan"] = chosen
         runner = _Runner(wrapped, graph, rank_graph_for(graph, chosen, rank, whole_params=True))
         self.cache[self.key(concrete)] = runner
@@ -128,7 +129,7 @@ class _ShapeCache:
 
 
 def backend(
-    *, cluster: str = "cpu-gloo", plan: Any = None, memory_budget: float | None = None, dtype: str | None = None
+    *, cluster: Any = None, plan: Any = None, memory_budget: float | str | None = None, dtype: Any = None
 ) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
     """A configured ``torch.compile`` backend: ``torch.compile(model, backend=primepar_fx.backend(plan="prime"))``.
 
@@ -136,24 +137,15 @@ def backend(
     (search on ``cluster``), a :class:`Plan`, a plan JSON (its path or text), or a forced plan name; they are
     checked here, not at the first call. The first compilation's plan is reused for other sizes while it fits.
     """
-    check_options(memory_budget, dtype, plan=plan, cluster=cluster)  # here, not at the first call inside Dynamo
+    options = compile_options(cluster=cluster, memory_budget=memory_budget, dtype=dtype)  # checked here, not inside
+    parse_plan(plan)  # Dynamo at the first call
     state: dict[str, Plan] = {}
-    compile_args = {"plan": plan, "cluster": cluster, "memory_budget": memory_budget, "dtype": dtype}
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         log.info("primepar backend: graph with %d nodes", len(gm.graph.nodes))
-        return _ShapeCache(gm, example_inputs, compile_args, state)
+        return _ShapeCache(gm, example_inputs, plan, options, state)
 
     return compile_fn
-
-
-def _symbolic(gm: fx.GraphModule) -> bool:
-    """Whether Dynamo traced ``gm`` with symbolic sizes (an input whose example value has a ``SymInt`` size)."""
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value") if node.op == "placeholder" else None
-        if isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape):
-            return True
-    return False
 
 
 def _fits(plan: Plan, graph) -> bool:
@@ -165,7 +157,7 @@ def _fits(plan: Plan, graph) -> bool:
 
 
 def primepar_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """The backend registered as ``"primepar"``: searched plan on the ``cpu-gloo`` cluster."""
+    """The backend registered as ``"primepar"``: a searched plan on this machine's cluster (``compile``'s default)."""
     return backend()(gm, example_inputs)
 
 

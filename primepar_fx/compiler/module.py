@@ -34,13 +34,14 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from primepar_fx.compiler.agree import agree_plan, check_options, check_plan_fits, checked_world, comm_device
+from primepar_fx.compiler.agree import agree_plan, check_plan_fits, checked_world, comm_device, compile_options
 from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph, build_graph
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
+from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.groups import ProcessGroups
@@ -333,10 +334,10 @@ def compile(
     example_inputs: Any = (),
     example_kwargs: dict[str, Any] | None = None,
     *,
-    cluster: str = "cpu-gloo",
+    cluster: Any = None,
     plan: Any = None,
-    memory_budget: float | None = None,
-    dtype: str | None = None,
+    memory_budget: float | str | None = None,
+    dtype: Any = None,
     fallback: str | None = None,
     world_size: int | None = None,
     timeout: float | None = None,
@@ -347,7 +348,9 @@ def compile(
     ``model``, with the batch in dim 0 and the sequence in dim 1 of the token inputs; the module takes the same
     arguments, positionally or by keyword. The model's weights must be real (not on the meta device).
 
-    ``plan``: ``None`` (or ``"searched"``) searches the best plan for ``cluster`` (a preset name or a spec file); a
+    ``plan``: ``None`` (or ``"searched"``) searches the best plan for ``cluster`` (a preset name, a spec file or a
+    :class:`~primepar_fx.cost.cluster.ClusterSpec`; default: this machine's, see
+    :func:`~primepar_fx.planning.options.default_cluster`); a
     :class:`Plan`, a path to a plan JSON or its text is used as is; ``"megatron"``, ``"megatron-sp"``,
     ``"data_parallel"``, ``"prime"`` (P(S x S) wherever legal) or ``"random:SEED"`` force one. ``memory_budget``
     bounds each device's predicted peak (bytes, or a size such as ``"30GiB"``); ``dtype`` is the dtype the plan is
@@ -368,45 +371,50 @@ def compile(
             f"{on_meta!r} of the model is on the meta device: compile needs its values (load or materialise the "
             "weights first; primepar_fx.plan works on meta models)"
         )
-    check_options(memory_budget, dtype, fallback, plan, cluster)
+    options = compile_options(cluster=cluster, memory_budget=memory_budget, dtype=dtype, fallback=fallback)
+    parse_plan(plan)
+    _check_timeout(timeout)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     graph = build_graph(capture(model, args, example_kwargs), fallback=fallback)
-    module = compile_graph(
-        graph,
-        cluster=cluster,
-        plan=plan,
-        memory_budget=memory_budget,
-        dtype=dtype,
-        world_size=world_size,
-        timeout=timeout,
-    )
+    module = compile_graph(graph, plan=plan, options=options, world_size=world_size, timeout=timeout)
     program = graph.captured.program
     for fqn in graph.captured.params.values():  # the module holds its shards; let the whole weights go
         program.state_dict[fqn] = program.state_dict[fqn].detach().to("meta")
     return module
 
 
+def _check_timeout(timeout: object) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
 def compile_graph(
     graph: OpGraph,
     *,
-    cluster: str = "cpu-gloo",
+    cluster: Any = None,
     plan: Any = None,
-    memory_budget: float | None = None,
-    dtype: str | None = None,
+    memory_budget: float | str | None = None,
+    dtype: Any = None,
     world_size: int | None = None,
     timeout: float | None = None,
+    options: PlanOptions | None = None,
 ) -> PrimeParModule:
     """:func:`compile` from an already captured graph (capture once, compile several plans).
 
-    Parameters are copied from the captured program, so modules compiled from one graph train independently.
+    ``options`` (from :func:`~primepar_fx.compiler.agree.compile_options`) replaces ``cluster``, ``memory_budget``
+    and ``dtype``. Parameters are copied from the captured program, so modules compiled from one graph train
+    independently.
     """
     graph.require_captured("compile_graph")
     world, rank = checked_world(world_size)
-    check_options(memory_budget, dtype, plan=plan, cluster=cluster)
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if options is None:
+        options = compile_options(cluster=cluster, memory_budget=memory_budget, dtype=dtype)
+    elif (cluster, memory_budget, dtype) != (None, None, None):
+        raise TypeError("pass options or cluster / memory_budget / dtype, not both")
+    parse_plan(plan)
+    _check_timeout(timeout)
     wait = timedelta(seconds=timeout) if timeout is not None else None
-    chosen = agree_plan(graph, plan, cluster=cluster, memory_budget=memory_budget, dtype=dtype)
+    chosen = agree_plan(graph, plan, options)
     mesh = DeviceMesh(tuple(chosen.digits))
     module = PrimeParModule(graph, chosen, rank_graph_for(graph, chosen, rank, timeout=wait), mesh, rank, timeout=wait)
     if wait is not None and world > 1:  # once the module is built: a compile that fails changes nothing

@@ -65,10 +65,10 @@ def _model_arg(text: str) -> str:
 
 
 def _cluster_arg(text: str) -> str:
-    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.planning.options import resolve_cluster
 
     try:
-        load_cluster(text)
+        resolve_cluster(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -113,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="searched",
         help="searched (default), megatron, megatron-sp, data_parallel, prime, random:SEED, or a plan .json file",
     )
-    p.add_argument("--cluster", type=_cluster_arg, default="cpu-gloo", help="cluster preset or spec file to plan for")
+    p.add_argument(
+        "--cluster",
+        type=_cluster_arg,
+        help="cluster preset or spec file to plan for (default: $PRIMEPAR_CLUSTER, else this machine's: cpu-gloo "
+        "without CUDA)",
+    )
     p.add_argument("--memory-budget", type=parse_bytes, help="per-device memory budget of the search, e.g. 2GiB")
     p.add_argument("--save-plan", type=_output_arg, metavar="PATH", help="write the plan JSON here (rank 0)")
     return p

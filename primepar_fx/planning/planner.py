@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -34,20 +33,24 @@ from typing import Any
 
 import numpy as np
 import sympy
+import torch
 
-from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
+from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_sequences
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
+from primepar_fx.planning.options import PlanOptions, forced_seed
 from primepar_fx.planning.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.planning.pricing import PricedGraph, price_graph
 from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, solve
 from primepar_fx.utils.gcpause import gc_paused
-from primepar_fx.utils.units import memory_budget_bytes
 
 log = logging.getLogger(__name__)
+
+#: torch dtype -> the dtype key a plan of a model with such parameters is priced at by default
+_MODEL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,28 +278,6 @@ def price_baselines(
 GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
 
 
-def check_sizes(batch: object, seq: object) -> None:
-    """``batch`` and ``seq`` must be integers >= 1 (``None``: the example's, where the caller allows it)."""
-    for label, size in (("batch", batch), ("seq", seq)):
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"{label} must be an integer >= 1, got {size!r}")
-
-
-def _setup(
-    cluster: ClusterSpec | str, world_size: int, digits: tuple[int, ...] | None
-) -> tuple[ClusterSpec, DeviceMesh]:
-    if isinstance(cluster, (str, os.PathLike)):
-        spec = load_cluster(os.fspath(cluster))
-    elif isinstance(cluster, ClusterSpec):
-        spec = cluster
-    else:
-        raise ValueError(f"cluster must be a preset name, a spec file path or a ClusterSpec, got {cluster!r}")
-    mesh = DeviceMesh(digits) if digits else spec.mesh(world_size)
-    if mesh.size != world_size:
-        raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not --world-size {world_size}")
-    return spec, mesh
-
-
 def search_mesh(mesh: DeviceMesh, grouped: bool | None) -> DeviceMesh:
     """The mesh the free search runs on: ``mesh`` itself, or with its leading (inter-node) digits merged.
 
@@ -310,13 +291,10 @@ def search_mesh(mesh: DeviceMesh, grouped: bool | None) -> DeviceMesh:
 
 def _make_plan(
     graph: OpGraph,
-    spec: ClusterSpec,
+    opts: PlanOptions,
     mesh: DeviceMesh,
     summary: Summary,
     *,
-    batch: int,
-    seq: int,
-    dtype: str,
     baselines: dict[str, Baseline],
     search: dict[str, Any],
 ) -> Plan:
@@ -325,10 +303,10 @@ def _make_plan(
         model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
         world_size=mesh.size,
         digits=mesh.digits,
-        cluster=spec.name,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
+        cluster=opts.cluster.name,
+        batch=opts.batch,
+        seq=opts.seq,
+        dtype=opts.dtype,
         nodes=summary.nodes,
         predicted=summary.predicted,
         baselines=baselines,
@@ -337,64 +315,43 @@ def _make_plan(
 
 
 @gc_paused
-def plan_graph(
-    graph: OpGraph,
-    *,
-    world_size: int,
-    cluster: ClusterSpec | str = "v100-paper",
-    batch: int,
-    seq: int,
-    dtype: str = "fp32",
-    memory_budget: float | None = None,
-    alpha: float = 0.0,
-    method: str = "auto",
-    allow_prime: bool = True,
-    baselines: bool = True,
-    digits: tuple[int, ...] | None = None,
-    canonical: bool = False,
-    grouped: bool | None = None,
-    progress: bool = False,
-) -> Plan:
+def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: Any) -> Plan:
     """Search the cheapest plan for ``graph`` and compare it with the baselines (module docstring).
 
-    ``digits`` overrides the cluster's device digits. ``grouped`` searches with the leading digits merged
-    (:func:`search_mesh`; default: only past :data:`GROUPED_DIGITS` digits); the baselines are priced on the
-    ungrouped mesh either way, so Megatron keeps all of its data x model splits. ``progress`` shows the pricing's
-    progress bars on stderr.
+    ``options`` (a :class:`PlanOptions`), or its fields as keywords for :meth:`PlanOptions.make` (``cluster``,
+    ``world_size``, ``batch``, ``seq``, ``dtype``, ``memory_budget``, ``alpha``, ``method``, ``allow_prime``,
+    ``baselines``, ``digits``, ``grouped``, ``canonical``, ``progress``); ``batch`` and ``seq`` default to the
+    example's. The search runs on :func:`search_mesh` (the leading digits merged past :data:`GROUPED_DIGITS`
+    unless ``grouped`` says otherwise); the baselines are priced on the ungrouped mesh either way, so Megatron
+    keeps all of its data x model splits.
     """
-    memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)  # before any work
-    check_sizes(batch, seq)
-    spec, full = _setup(cluster, world_size, digits)
-    mesh = search_mesh(full, grouped)
-    values = {B: batch, S: seq}
-    opts = CostOptions(dtype=dtype, alpha=alpha)
+    opts = _options(graph, options, kwargs)
+    full = opts.mesh()
+    mesh = search_mesh(full, opts.grouped)
+    values = {B: opts.batch, S: opts.seq}
+    costs = CostOptions(dtype=opts.dtype, alpha=opts.alpha)
     clear_caches()  # each plan numbers its own index sets, so the table of their overlaps holds this plan's
     t0 = time.perf_counter()
     priced = price_graph(
-        graph, mesh, spec, values, opts, allow_prime=allow_prime, canonical=canonical, progress=progress
+        graph,
+        mesh,
+        opts.cluster,
+        values,
+        costs,
+        allow_prime=opts.allow_prime,
+        canonical=opts.canonical,
+        progress=opts.progress,
     )
     t1 = time.perf_counter()
-    sol = solve_for_peak(priced, memory_budget=memory_budget, alpha=alpha, method=method)
-    ours = summarize(graph, priced, sol.choice, opts)
-    base: dict[str, Baseline] = {}
+    sol = solve_for_peak(priced, memory_budget=opts.memory_budget, alpha=opts.alpha, method=opts.method)
+    ours = summarize(graph, priced, sol.choice, costs)
     t2 = time.perf_counter()
-    if baselines:
-        base = price_baselines(graph, full, spec, values, opts, memory_budget)
-        if allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
-            split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
-            split_sol = solve_for_peak(split_priced, memory_budget=memory_budget, alpha=alpha, method=method)
-            split = summarize(graph, split_priced, split_sol.choice, opts)
-            base["split_only"] = Baseline(
-                "split_only", {"search": "no P(S x S)"}, split.predicted, {n.name: n.partition for n in split.nodes}
-            )
+    base = _baselines(graph, priced, full, opts, costs) if opts.baselines else {}
     return _make_plan(
         graph,
-        spec,
+        opts,
         mesh,
         ours,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
         baselines=base,
         search={
             "method": sol.method,
@@ -403,29 +360,52 @@ def plan_graph(
             "pricing_s": round(t1 - t0, 4),
             "search_s": round(sol.seconds, 4),
             "baselines_s": round(time.perf_counter() - t2, 4),
-            "alpha": alpha,
-            "memory_budget": memory_budget,
-            "allow_prime": allow_prime,
-            "canonical": canonical,
+            "alpha": opts.alpha,
+            "memory_budget": opts.memory_budget,
+            "allow_prime": opts.allow_prime,
+            "canonical": opts.canonical,
             "grouped": mesh != full,
         },
     )
 
 
-FORCED_NAMES = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
+def _options(graph: OpGraph, options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptions:
+    """``options`` or the keywords made into them; the example's sizes and the model's dtype where unset."""
+    if options is None:
+        options = PlanOptions.make(**kwargs)
+    elif kwargs:
+        raise TypeError(f"pass PlanOptions or keyword options, not both (got {sorted(kwargs)})")
+    if options.world_size is None and options.digits is None:
+        raise ValueError("a plan needs world_size (or digits)")
+    return options.replace(
+        batch=graph.captured.example_batch if options.batch is None else options.batch,
+        seq=graph.captured.example_seq if options.seq is None else options.seq,
+        dtype=options.dtype or model_dtype(graph),
+        world_size=options.mesh().size,
+    )
 
 
-def forced_seed(name: Any) -> int | None:
-    """``None`` for a fixed name of :data:`FORCED_NAMES`, the seed of ``"random:SEED"``; raises on anything else."""
-    if name in FORCED_NAMES[:-1]:
-        return None
-    if isinstance(name, str) and name.startswith("random:"):
-        text = name.removeprefix("random:")
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"forced plan {name!r}: seed {text!r} is not an integer (e.g. 'random:3')") from None
-    raise ValueError(f"unknown forced plan {name!r}; expected one of {list(FORCED_NAMES)} (SEED an integer)")
+def model_dtype(graph: OpGraph) -> str:
+    """The dtype key of the model's first parameter (``"fp32"`` for a model without any)."""
+    first = next(iter(graph.param_dtypes.values()), torch.float32)
+    return _MODEL_DTYPES.get(first, "fp32")
+
+
+def _baselines(
+    graph: OpGraph, priced: PricedGraph, full: DeviceMesh, opts: PlanOptions, costs: CostOptions
+) -> dict[str, Baseline]:
+    """Megatron-LM, data parallelism and, when the plan's space has P(S x S), split-only."""
+    values = {B: opts.batch, S: opts.seq}
+    base = price_baselines(graph, full, opts.cluster, values, costs, opts.memory_budget)
+    if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
+        split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
+        budget, alpha, method = opts.memory_budget, opts.alpha, opts.method
+        split_sol = solve_for_peak(split_priced, memory_budget=budget, alpha=alpha, method=method)
+        split = summarize(graph, split_priced, split_sol.choice, costs)
+        base["split_only"] = Baseline(
+            "split_only", {"search": "no P(S x S)"}, split.predicted, {n.name: n.partition for n in split.nodes}
+        )
+    return base
 
 
 def _prime_only(seqs: list[PartitionSeq]) -> list[PartitionSeq]:
@@ -444,45 +424,35 @@ def _random_assignment(
     }
 
 
-def forced_plan(
-    graph: OpGraph,
-    name: str,
-    *,
-    world_size: int,
-    cluster: ClusterSpec | str = "cpu-gloo",
-    batch: int,
-    seq: int,
-    dtype: str = "fp32",
-    memory_budget: float | None = None,
-    digits: tuple[int, ...] | None = None,
-) -> Plan:
+def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /, **kwargs: Any) -> Plan:
     """A full :class:`Plan` that follows the named strategy instead of the free search (module docstring).
 
-    ``name`` is one of :data:`FORCED_NAMES`. ``memory_budget`` picks the Megatron configuration
-    (:func:`price_baselines`' rule) and bounds the ``"prime"`` search; the fixed strategies ignore it. The plan
-    has no baselines; ``search["forced"]`` names the strategy.
+    ``name`` is one of :data:`FORCED_NAMES`; ``options`` or keywords as for :func:`plan_graph` (only the cluster,
+    world size or digits, sizes, dtype and memory budget matter). ``memory_budget`` picks the Megatron
+    configuration (:func:`price_baselines`' rule) and bounds the ``"prime"`` search; the fixed strategies ignore
+    it. The plan has no baselines; ``search["forced"]`` names the strategy.
     """
     seed = forced_seed(name)
-    memory_budget, dtype = memory_budget_bytes(memory_budget), dtype_key(dtype)
-    check_sizes(batch, seq)
-    spec, mesh = _setup(cluster, world_size, digits)
-    values = {B: batch, S: seq}
-    opts = CostOptions(dtype=dtype)
-    search: dict[str, Any] = {"forced": name, "memory_budget": memory_budget}
+    opts = _options(graph, options, kwargs)
+    spec, mesh, budget = opts.cluster, opts.mesh(), opts.memory_budget
+    values = {B: opts.batch, S: opts.seq}
+    costs = CostOptions(dtype=opts.dtype)
+    search: dict[str, Any] = {"forced": name, "memory_budget": budget}
     t0 = time.perf_counter()
     if name in ("megatron", "megatron-sp"):
         sp = True if name == "megatron-sp" else None
-        (search["config"], summary, _), _ = _best_megatron(graph, mesh, spec, values, opts, memory_budget, sp)
+        (search["config"], summary, _), _ = _best_megatron(graph, mesh, spec, values, costs, budget, sp)
     elif name == "data_parallel":
-        summary = _price_fixed(graph, data_parallel_assignment(graph, mesh, values=values), mesh, spec, values, opts)
+        assignment = data_parallel_assignment(graph, mesh, values=values)
+        summary = _price_fixed(graph, assignment, mesh, spec, values, costs)
     elif name == "prime":
-        priced = price_graph(graph, mesh, spec, values, opts, restrict=lambda _, seqs: _prime_only(seqs))
-        sol = solve_for_peak(priced, memory_budget=memory_budget, method="dp")
-        summary = summarize(graph, priced, sol.choice, opts)
+        priced = price_graph(graph, mesh, spec, values, costs, restrict=lambda _, seqs: _prime_only(seqs))
+        sol = solve_for_peak(priced, memory_budget=budget, method="dp")
+        summary = summarize(graph, priced, sol.choice, costs)
         search.update(method=sol.method, proven_optimal=sol.proven_optimal, objective=sol.cost)
     else:
         assert seed is not None
-        summary = _price_fixed(graph, _random_assignment(graph, mesh, values, seed), mesh, spec, values, opts)
+        summary = _price_fixed(graph, _random_assignment(graph, mesh, values, seed), mesh, spec, values, costs)
         search["seed"] = seed
     search["seconds"] = round(time.perf_counter() - t0, 4)
-    return _make_plan(graph, spec, mesh, summary, batch=batch, seq=seq, dtype=dtype, baselines={}, search=search)
+    return _make_plan(graph, opts, mesh, summary, baselines={}, search=search)

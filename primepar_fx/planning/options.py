@@ -1,0 +1,217 @@
+"""Every planning option as one frozen value, built and validated in one place, and the one default cluster rule.
+
+:class:`PlanOptions` is what :func:`primepar_fx.plan`, :func:`primepar_fx.compile`, the ``torch.compile`` backend and
+the CLI hand down to the planner: the cluster resolved once into a :class:`~primepar_fx.cost.cluster.ClusterSpec`,
+the sizes, the dtype, the memory budget, the objective's weight and the search's switches. :meth:`PlanOptions.make`
+is the only place that turns user input (a preset name, ``"30GiB"``, ``torch.bfloat16``, ...) into it, and it
+checks everything before any capture or pricing, so a bad option fails at once with a message naming it.
+
+The default cluster (:func:`default_cluster`), where the caller names none:
+
+1. ``$PRIMEPAR_CLUSTER``, if set (a preset name or a spec file);
+2. when the plan is made to run here (``compile``, the backend, ``primepar-fx dump``, the training example), the
+   preset of this machine: under CUDA the GPU's (V100 -> ``v100-paper``, A100 -> ``a100-dgx``, H100 or H200 ->
+   ``h100-dgx``), otherwise ``cpu-gloo``;
+3. otherwise, planning a job for other machines (``primepar_fx.plan``, ``primepar-fx plan`` and ``explain``), the
+   paper's cluster ``v100-paper``.
+
+:func:`parse_plan` is the one place that reads the ``plan=`` argument of ``compile``, the backend and ``dump``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
+from primepar_fx.graph import check_fallback
+from primepar_fx.partition import DeviceMesh
+from primepar_fx.planning.plan import Plan
+from primepar_fx.utils.units import memory_budget_bytes
+
+#: The cluster for planning a job for other machines (rule 3 of :func:`default_cluster`).
+PAPER_CLUSTER = "v100-paper"
+#: The cluster of a machine without CUDA (rule 2).
+CPU_CLUSTER = "cpu-gloo"
+#: GPU name fragment -> preset (rule 2), first match wins.
+GPU_CLUSTERS = (("H200", "h100-dgx"), ("H100", "h100-dgx"), ("A100", "a100-dgx"), ("V100", "v100-paper"))
+#: The search methods.
+METHODS = ("auto", "dp", "ilp")
+#: The names ``plan=`` accepts for a forced plan (``SEED`` an integer).
+FORCED_NAMES = ("megatron", "megatron-sp", "data_parallel", "prime", "random:SEED")
+
+
+def default_cluster(*, running: bool) -> str:
+    """The cluster to price on when none is given (module docstring); ``running``: the plan is made to run here."""
+    named = os.environ.get("PRIMEPAR_CLUSTER")
+    if named:
+        return named
+    if not running:
+        return PAPER_CLUSTER
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name()
+        return next((preset for part, preset in GPU_CLUSTERS if part in gpu), CPU_CLUSTER)
+    return CPU_CLUSTER
+
+
+def resolve_cluster(cluster: ClusterSpec | str | os.PathLike[str] | None, *, running: bool = False) -> ClusterSpec:
+    """A :class:`ClusterSpec` from a spec, a preset name, a spec file or ``None`` (:func:`default_cluster`)."""
+    if cluster is None:
+        cluster = default_cluster(running=running)
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        return load_cluster(cluster)
+    raise ValueError(f"cluster must be a preset name, a spec file path or a ClusterSpec, got {cluster!r}")
+
+
+def check_sizes(batch: object, seq: object) -> None:
+    """``batch`` and ``seq`` must be integers >= 1 (``None``: the example's, where the caller allows it)."""
+    for label, size in (("batch", batch), ("seq", seq)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{label} must be an integer >= 1, got {size!r}")
+
+
+def forced_seed(name: Any) -> int | None:
+    """``None`` for a fixed name of :data:`FORCED_NAMES`, the seed of ``"random:SEED"``; raises on anything else."""
+    if name in FORCED_NAMES[:-1]:
+        return None
+    if isinstance(name, str) and name.startswith("random:"):
+        text = name.removeprefix("random:")
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"forced plan {name!r}: seed {text!r} is not an integer (e.g. 'random:3')") from None
+    raise ValueError(f"unknown forced plan {name!r}; expected one of {list(FORCED_NAMES)} (SEED an integer)")
+
+
+PlanKind = Literal["search", "plan", "file", "json", "forced"]
+
+
+def parse_plan(plan: Any) -> tuple[PlanKind, Any]:
+    """What a ``plan=`` argument asks for, checked without any work: ``("search", None)`` for ``None`` or
+    ``"searched"``; ``("plan", Plan)``; ``("file", path)`` for a plan JSON file; ``("json", text)`` for the text of
+    one; ``("forced", name)`` for a name of :data:`FORCED_NAMES`. Raises ``ValueError`` on anything else."""
+    if plan is None or plan == "searched":
+        return "search", None
+    if isinstance(plan, Plan):
+        return "plan", plan
+    if isinstance(plan, (str, os.PathLike)) and (str(plan).endswith(".json") or os.path.exists(plan)):
+        if not os.path.isfile(plan):
+            raise ValueError(f"no plan file {os.fspath(plan)!r}")
+        return "file", os.fspath(plan)
+    if isinstance(plan, os.PathLike):
+        raise ValueError(f"no plan file {os.fspath(plan)!r}")
+    if isinstance(plan, str) and plan.lstrip().startswith("{"):
+        return "json", plan
+    if isinstance(plan, str):
+        forced_seed(plan)
+        return "forced", plan
+    shown = repr(plan) if len(repr(plan)) <= 80 else f"{repr(plan)[:77]}..."
+    raise ValueError(
+        f"plan must be None, a Plan, a plan JSON (its path or its text) or one of {FORCED_NAMES}; got {shown}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """Every option of a plan, validated (build one with :meth:`make`).
+
+    Attributes:
+        cluster: the cluster the plan is priced on.
+        world_size: the number of devices; ``None`` until known (the backend learns it at the first call).
+        batch, seq: the sizes the plan is priced at; ``None``: the example's.
+        dtype: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``; ``None``: the model's first parameter's.
+        memory_budget: a hard limit on each device's predicted peak, in bytes; ``None``: no limit.
+        alpha: seconds per byte of memory added to the objective.
+        method: ``"dp"``, ``"ilp"`` or ``"auto"``.
+        allow_prime: whether P(S x S) is in the space (``False``: the split-only space).
+        baselines: also price Megatron-LM, data parallelism and split-only.
+        digits: device digits overriding the cluster's (their product is ``world_size``).
+        grouped: search with the leading digits merged; ``None``: past three digits.
+        canonical: search one sequence per class of equivalent ones.
+        fallback: ``"replicate"`` runs ops without a dimension rule replicated; ``None`` raises.
+        progress: show the pricing's progress bars on stderr.
+    """
+
+    cluster: ClusterSpec
+    world_size: int | None = None
+    batch: int | None = None
+    seq: int | None = None
+    dtype: str | None = "fp32"
+    memory_budget: float | None = None
+    alpha: float = 0.0
+    method: str = "auto"
+    allow_prime: bool = True
+    baselines: bool = True
+    digits: tuple[int, ...] | None = None
+    grouped: bool | None = None
+    canonical: bool = False
+    fallback: str | None = None
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cluster, ClusterSpec):
+            raise ValueError(f"cluster must be a ClusterSpec here (use PlanOptions.make), got {self.cluster!r}")
+        ws = self.world_size
+        if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
+            raise ValueError(f"world_size must be a positive integer, got {ws!r}")
+        check_sizes(self.batch, self.seq)
+        if self.dtype is not None and self.dtype != dtype_key(self.dtype):
+            raise ValueError(f"dtype must be a key such as 'bf16' here (use PlanOptions.make), got {self.dtype!r}")
+        if memory_budget_bytes(self.memory_budget) != self.memory_budget:
+            raise ValueError(f"memory_budget must be bytes here (use PlanOptions.make), got {self.memory_budget!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
+            raise ValueError(f"alpha must be a finite number of seconds per byte >= 0, got {self.alpha!r}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be >= 0 seconds per byte, got {self.alpha!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
+        check_fallback(self.fallback)
+        if self.digits is not None:
+            if not self.digits or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 for d in self.digits):
+                raise ValueError(f"digits must be radices >= 2, got {self.digits!r}")
+            if ws is not None and math.prod(self.digits) != ws:
+                raise ValueError(
+                    f"device digits {tuple(self.digits)} make {math.prod(self.digits)} devices, not world size {ws}"
+                )
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        cluster: ClusterSpec | str | os.PathLike[str] | None = None,
+        running: bool = False,
+        memory_budget: object = None,
+        dtype: object = "fp32",
+        digits: Any = None,
+        **fields: Any,
+    ) -> PlanOptions:
+        """Options from user input: ``cluster`` a spec, preset name, spec file or ``None`` (:func:`default_cluster`,
+        ``running`` as there); ``memory_budget`` bytes or a size such as ``"30GiB"``; ``dtype`` a key or a torch
+        dtype (``None``: the model's); the other fields as the class has them."""
+        return cls(
+            cluster=resolve_cluster(cluster, running=running),
+            memory_budget=memory_budget_bytes(memory_budget),
+            dtype=None if dtype is None else dtype_key(dtype),
+            digits=None if digits is None else tuple(digits),
+            **fields,
+        )
+
+    def replace(self, **changes: Any) -> PlanOptions:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def mesh(self) -> DeviceMesh:
+        """The device mesh: :attr:`digits`, or the cluster's mesh of :attr:`world_size` devices."""
+        if self.world_size is None and self.digits is None:
+            raise ValueError("the world size is not known yet: PlanOptions needs world_size or digits for a mesh")
+        mesh = DeviceMesh(self.digits) if self.digits else self.cluster.mesh(self.world_size)  # type: ignore[arg-type]
+        if self.world_size is not None and mesh.size != self.world_size:
+            raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not world size {self.world_size}")
+        return mesh
