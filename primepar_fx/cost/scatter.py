@@ -134,8 +134,8 @@ def broadcasts_many(op: OpDims, bias: int, held: np.ndarray, needed: np.ndarray)
     bias_map = op.inputs[bias]
     assert bias_map is not None
     spanned = {d for group in bias_map for d in group}
-    axes = [axis for axis, group in enumerate(op.outputs[0]) if spanned & set(group)]
-    return (needed[:, :, axes] == held[None, :, axes]).all(axis=(1, 2))
+    out_dims = [dim for dim, group in enumerate(op.outputs[0]) if spanned & set(group)]
+    return (needed[:, :, out_dims] == held[None, :, out_dims]).all(axis=(1, 2))
 
 
 def has_bias(node: fx.Node) -> bool:
@@ -199,12 +199,12 @@ def fusable_forward(part: OpPartition, node: fx.Node) -> Fusable | None:
 
 
 def bias_broadcasts(op: OpDims, bias: int, held: Layout, needed: Layout) -> bool:
-    """Whether the bias (input ``bias``) still broadcasts over the piece: no output axis it spans is sliced."""
+    """Whether the bias (input ``bias``) still broadcasts over the piece: no output dim it spans is sliced."""
     out_map, bias_map = op.outputs[0], op.inputs[bias]
     assert bias_map is not None
     spanned = {d for group in bias_map for d in group}
-    for axis, group in enumerate(out_map):
-        if spanned & set(group) and any(h[axis] != n[axis] for h, n in zip(held, needed)):
+    for dim, group in enumerate(out_map):
+        if spanned & set(group) and any(h[dim] != n[dim] for h, n in zip(held, needed)):
             return False
     return True
 

@@ -187,7 +187,9 @@ def shapes_of(node: fx.Node) -> tuple[Shape, ...]:
     try:
         return node.meta[META_SHAPES]
     except KeyError:
-        raise ValueError(f"node {node.name} has no {META_SHAPES!r}; run frontend.shapes.annotate first") from None
+        raise ValueError(
+            f"node {node.name} has no {META_SHAPES!r}; run primepar_fx.frontend.shapes.annotate first"
+        ) from None
 
 
 def shape_of(node: fx.Node) -> Shape | None:

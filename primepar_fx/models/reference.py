@@ -197,6 +197,8 @@ def alibi_causal_mask(seq: int, heads: int, ref: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Multi-head self-attention (grouped-query when ``kv_heads < heads``; fused or separate q, k, v projections)."""
+
     def __init__(self, config: DecoderConfig, **factory) -> None:
         super().__init__()
         h, kv, b = config.hidden, config.kv_dim, config.bias
@@ -247,6 +249,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The feed-forward block: up projection, GELU / ReLU / SwiGLU, down projection."""
+
     def __init__(self, config: DecoderConfig, **factory) -> None:
         super().__init__()
         h, f, b = config.hidden, config.ffn_hidden, config.bias

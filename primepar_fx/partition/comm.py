@@ -25,6 +25,9 @@ Use = tuple[Phase, int]
 
 @dataclass(frozen=True, slots=True)
 class PhaseTensor:
+    """A tensor one phase touches: its name (``in0``, ``out0``, ``d_out0``, ``d_in0`` ...), its dim map, and
+    whether the phase produces it (``result``) rather than reads it."""
+
     name: str
     tmap: TensorMap
     result: bool

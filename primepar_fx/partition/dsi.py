@@ -35,6 +35,8 @@ from primepar_fx.rules.spec import OpDims, TensorMap
 
 
 class Phase(enum.Enum):
+    """A phase of an operator's training step: Forward, Backward (data gradient) or Gradient (weight gradient)."""
+
     FORWARD = "F"
     BACKWARD = "B"
     GRADIENT = "G"

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import lru_cache
-from math import prod
 
 import sympy
 
-from primepar_fx.partition.dsi import OpPartition
 from primepar_fx.partition.mesh import DeviceMesh
 from primepar_fx.partition.seq import Element, PartitionSeq, Prime, Replicate, Split
 from primepar_fx.rules.spec import OpDims
@@ -126,11 +124,3 @@ def enumerate_sequences(
 
 def count_sequences(op: OpDims, mesh: DeviceMesh, **kw: object) -> int:
     return len(enumerate_sequences(op, mesh, **kw))  # type: ignore[arg-type]
-
-
-def bind_all(op: OpDims, mesh: DeviceMesh, seqs: list[PartitionSeq]) -> list[OpPartition]:
-    return [OpPartition(op, s, mesh) for s in seqs]
-
-
-def world_devices(mesh: DeviceMesh) -> int:
-    return prod(mesh.digits)

@@ -24,6 +24,8 @@ from primepar_fx.partition.mesh import DeviceMesh
 
 @dataclass(frozen=True, slots=True)
 class Split:
+    """Cut iteration dim ``dim`` into as many more slices as the radix of the one digit it consumes."""
+
     dim: str
 
     def __post_init__(self) -> None:
@@ -36,6 +38,8 @@ class Split:
 
 @dataclass(frozen=True, slots=True)
 class Prime:
+    """P(S x S), ``S = size``: a matrix product's M, N and K split S ways each, on S x S paired digits."""
+
     size: int
 
     def __post_init__(self) -> None:
@@ -48,6 +52,8 @@ class Prime:
 
 @dataclass(frozen=True, slots=True)
 class Replicate:
+    """Consume one digit and split nothing: the devices that differ only in it compute the same thing."""
+
     def __str__(self) -> str:
         return "R"
 

@@ -4,7 +4,7 @@
 ``attn_mask`` broadcastable to ``[*b, H, S, T]``. Iteration dims: ``B`` (the leading batch dims, by size),
 ``H``, ``S``, ``T``, ``E``, ``Ev``.
 
-* ``T`` is ``no_split``: it is the softmax axis (and the contraction of P.V).
+* ``T`` is ``no_split``: it is the softmax dim (and the contraction of P.V).
 * ``E`` and ``Ev`` are ``no_split``: the head-embed dims (the paper, §3.2).
 * ``S`` is ``no_split`` when ``is_causal=True``: the kernel aligns its implicit mask to the local block's
   top-left corner, so a split query block would see the wrong keys. An explicit mask splits along with ``S``.

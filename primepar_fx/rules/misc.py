@@ -35,7 +35,7 @@ from primepar_fx.rules.registry import (
     register_rule,
 )
 from primepar_fx.rules.spec import OpDims, TensorMap
-from primepar_fx.rules.view import axis_rule, dims_arg, norm_dim
+from primepar_fx.rules.view import along_dims_rule, dims_arg, norm_dim
 
 aten = torch.ops.aten
 
@@ -97,7 +97,7 @@ def reduce_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
 
 
 # ------------------------------------------------------------------------------------ scans and positions
-def _axes(node: fx.Node, rank: int) -> list[int]:
+def _along_dims(node: fx.Node, rank: int) -> list[int]:
     t = node.target
     if t in (aten.tril.default, aten.triu.default):
         return [rank - 2, rank - 1] if rank >= 2 else []
@@ -108,7 +108,7 @@ def _axes(node: fx.Node, rank: int) -> list[int]:
     return [norm_dim(arg(node, "dim", -1), rank)] if rank else []
 
 
-_SAME_SIZE_AXIS = [
+_SAME_SIZE_ALONG_DIM = [
     aten.cumsum.default,
     aten.cumprod.default,
     aten.flip.default,
@@ -120,20 +120,20 @@ _SAME_SIZE_AXIS = [
 ]
 
 
-@register_rule(_SAME_SIZE_AXIS)
+@register_rule(_SAME_SIZE_ALONG_DIM)
 def scan_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     x = _self(node)
     kind = "reduce" if node.target in (aten.cumsum.default, aten.cumprod.default) else "pointwise"
-    return axis_rule(node, ctx, [x], _axes(node, len(ctx.shape(x))), kind=kind, share=True)
+    return along_dims_rule(node, ctx, [x], _along_dims(node, len(ctx.shape(x))), kind=kind, share=True)
 
 
 @register_rule([aten.diff.default, aten.topk.default])
-def resize_axis_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
+def resize_dim_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     """``diff`` (with ``prepend`` / ``append``) and ``topk`` change the size along their dim."""
     x = _self(node)
     data = [x] + [n for n in node.all_input_nodes if n is not x and ctx.shape_of(n) is not None]
     kind = "reduce" if node.target == aten.topk.default else "pointwise"
-    return axis_rule(node, ctx, data, _axes(node, len(ctx.shape(x))), kind=kind)
+    return along_dims_rule(node, ctx, data, _along_dims(node, len(ctx.shape(x))), kind=kind)
 
 
 # -------------------------------------------------------------------------------------- data-dependent ops

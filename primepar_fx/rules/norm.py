@@ -4,7 +4,7 @@
   several): those dims are ``stats`` (a split of them all-reduces the mean / variance, §3.2), ``weight`` and
   ``bias`` map onto them, and the leading dims (``B``, ``S`` ...) map 1:1. The extra outputs of the native
   kernels (``mean``, ``rstd``: the leading shape with size-1 normalised dims) map onto the leading dims.
-* **softmax / log_softmax**: every dim maps 1:1; the normalised axis is ``no_split`` (the paper splits any
+* **softmax / log_softmax**: every dim maps 1:1; the normalised dim is ``no_split`` (the paper splits any
   dim of a softmax but that one).
 """
 
@@ -24,7 +24,7 @@ from primepar_fx.rules.registry import (
     register_rule,
 )
 from primepar_fx.rules.spec import OpDims, TensorMap
-from primepar_fx.rules.view import axis_rule
+from primepar_fx.rules.view import along_dims_rule
 
 aten = torch.ops.aten
 
@@ -74,4 +74,4 @@ def softmax_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     dim = arg(node, "dim")
     if not isinstance(dim, int) or not -max(rank, 1) <= dim < max(rank, 1):
         raise RuleError(f"bad softmax dim {dim!r} for rank {rank}")
-    return axis_rule(node, ctx, [x], [dim % max(rank, 1)] if rank else [], kind="norm", share=True)
+    return along_dims_rule(node, ctx, [x], [dim % max(rank, 1)] if rank else [], kind="norm", share=True)

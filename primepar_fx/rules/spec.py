@@ -40,7 +40,7 @@ class OpDims:
         sizes: the size of each iteration dim (sympy, in ``B`` and ``S``).
         inputs: one :data:`TensorMap` per entry of ``node.all_input_nodes`` (``None`` for a non-tensor input).
         outputs: one :data:`TensorMap` per tensor output (flattened).
-        no_split: dims that may not be split (a softmax axis, the head-embed dim, a sliced dim).
+        no_split: dims that may not be split (a softmax dim, the head-embed dim, a sliced dim).
         stats: dims that a split forces a statistics all-reduce over although they stay in the output
             (the normalised dim of a norm, the class dim of a cross-entropy).
         matmul: ``(M, N, K)`` roles when the node is a matrix product ``O[M,K] = I[M,N] . W[N,K]``

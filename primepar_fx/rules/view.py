@@ -220,21 +220,21 @@ def permute_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
 
 # ------------------------------------------------------------------------------------------ cut and join
 class Aligned:
-    """Maps same-rank tensors onto the dims of a reference shape, except along ``axes``.
+    """Maps same-rank tensors onto the dims of a reference shape, except along the dims ``along_dims``.
 
-    Along an axis the reference's dim and every other tensor's dim are ``no_split``; with ``share`` a tensor of
-    the same size there reuses the reference's dim (``cumsum``, ``softmax``), otherwise it gets its own
-    (``cat``, ``split``). A size-1 dim maps to ``()``; a size that differs from the reference's off the axes
+    Along one of those dims the reference's dim and every other tensor's dim are ``no_split``; with ``share`` a
+    tensor of the same size there reuses the reference's dim (``cumsum``, ``softmax``), otherwise it gets its own
+    (``cat``, ``split``). A size-1 dim maps to ``()``; a size that differs from the reference's off ``along_dims``
     gets its own ``no_split`` dim too.
     """
 
-    def __init__(self, nm: DimNamer, ref: Shape, axes: Iterable[int], *, share: bool = False) -> None:
-        self.nm, self.ref, self.axes, self.share = nm, ref, set(axes), share
+    def __init__(self, nm: DimNamer, ref: Shape, along_dims: Iterable[int], *, share: bool = False) -> None:
+        self.nm, self.ref, self.along_dims, self.share = nm, ref, set(along_dims), share
         self.no_split: set[str] = set()
         self.base: list[str | None] = []
         for i, size in enumerate(ref):
             name = None if is_one(size) else nm.new(size, pos=i)
-            if name is not None and i in self.axes:
+            if name is not None and i in self.along_dims:
                 self.no_split.add(name)
             self.base.append(name)
         self.ref_map: TensorMap = tuple(() if d is None else (d,) for d in self.base)
@@ -247,7 +247,7 @@ class Aligned:
             base = self.base[i]
             if is_one(size):
                 out.append(())
-            elif base is not None and same_size(size, self.ref[i]) and (i not in self.axes or self.share):
+            elif base is not None and same_size(size, self.ref[i]) and (i not in self.along_dims or self.share):
                 out.append((base,))
             else:
                 name = self.nm.new(size, pos=i)
@@ -256,28 +256,28 @@ class Aligned:
         return tuple(out)
 
 
-def axis_rule(
+def along_dims_rule(
     node: fx.Node,
     ctx: RuleContext,
     data: Sequence[fx.Node],
-    axes: Iterable[int],
+    along_dims: Iterable[int],
     *,
     kind: str = "view",
     share: bool = False,
     **kw: object,
 ) -> OpDims:
-    """A same-rank op over ``data`` (the first is the reference) that works along ``axes``; see :class:`Aligned`."""
+    """A same-rank op over ``data`` (the first is the reference) that works along ``along_dims`` (:class:`Aligned`)."""
     nm = DimNamer()
-    al = Aligned(nm, ctx.shape(data[0]), axes, share=share)
+    al = Aligned(nm, ctx.shape(data[0]), along_dims, share=share)
     maps: dict[fx.Node, TensorMap | None] = {n: al.fit(ctx.shape(n)) for n in data[1:]}
     maps[data[0]] = al.ref_map
     outs = tuple(al.fit(s) for s in ctx.out_shapes)
     return nm.build(kind, align_inputs(node, maps), outs, no_split=frozenset(al.no_split), **kw)
 
 
-def _keeps_whole(ctx: RuleContext, x: fx.Node, axis: int) -> bool:
-    size = ctx.shape(x)[axis]
-    return all(len(s) == len(ctx.shape(x)) and same_size(s[axis], size) for s in ctx.out_shapes)
+def _keeps_whole(ctx: RuleContext, x: fx.Node, dim: int) -> bool:
+    size = ctx.shape(x)[dim]
+    return all(len(s) == len(ctx.shape(x)) and same_size(s[dim], size) for s in ctx.out_shapes)
 
 
 @register_rule(
@@ -297,9 +297,9 @@ def _keeps_whole(ctx: RuleContext, x: fx.Node, axis: int) -> bool:
 )
 def cut_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     x = _data(node)
-    axis = norm_dim(arg(node, "dim", 0), len(ctx.shape(x)))
-    axes = () if _keeps_whole(ctx, x, axis) else (axis,)
-    return axis_rule(node, ctx, [x], axes)
+    dim = norm_dim(arg(node, "dim", 0), len(ctx.shape(x)))
+    along_dims = () if _keeps_whole(ctx, x, dim) else (dim,)
+    return along_dims_rule(node, ctx, [x], along_dims)
 
 
 @register_rule([aten.select.int, aten.select_copy.int, aten.unbind.int, aten.unbind_copy.int])
@@ -307,15 +307,15 @@ def select_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     """``select`` / ``unbind`` drop ``dim``: the input's dim there is ``no_split`` and absent from the outputs."""
     x = _data(node)
     src = ctx.shape(x)
-    axis = norm_dim(arg(node, "dim", 0), len(src))
+    dim = norm_dim(arg(node, "dim", 0), len(src))
     nm = DimNamer()
-    al = Aligned(nm, src, [axis])
-    omap = al.ref_map[:axis] + al.ref_map[axis + 1 :]
-    kept = src[:axis] + src[axis + 1 :]
+    al = Aligned(nm, src, [dim])
+    omap = al.ref_map[:dim] + al.ref_map[dim + 1 :]
+    kept = src[:dim] + src[dim + 1 :]
     outs = []
     for shape in ctx.out_shapes:
         if len(shape) != len(kept) or not all(same_size(a, b) for a, b in zip(shape, kept, strict=True)):
-            raise RuleError(f"output {shape} is not the input {src} without dim {axis}")
+            raise RuleError(f"output {shape} is not the input {src} without dim {dim}")
         outs.append(omap)
     return nm.build("view", align_inputs(node, {x: al.ref_map}), outs, no_split=frozenset(al.no_split))
 
@@ -331,9 +331,9 @@ def _tensor_list(node: fx.Node) -> list[fx.Node]:
 def cat_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     """``cat``: the joined dim is ``no_split`` (a repeated input appears once in ``all_input_nodes``)."""
     out = _out(ctx)
-    axis = norm_dim(arg(node, "dim", 0), len(out))
+    dim = norm_dim(arg(node, "dim", 0), len(out))
     nm = DimNamer()
-    al = Aligned(nm, out, [axis] if len(node.args[0]) > 1 else [])  # type: ignore[arg-type]
+    al = Aligned(nm, out, [dim] if len(node.args[0]) > 1 else [])  # type: ignore[arg-type]
     maps: dict[fx.Node, TensorMap | None] = {t: al.fit(ctx.shape(t)) for t in _tensor_list(node)}
     return nm.build("view", align_inputs(node, maps), (al.ref_map,), no_split=frozenset(al.no_split))
 
@@ -342,11 +342,11 @@ def cat_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
 def stack_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     """``stack``: the new dim (one entry per input) is ``no_split`` and absent from the inputs."""
     out = _out(ctx)
-    axis = norm_dim(arg(node, "dim", 0), len(out))
+    dim = norm_dim(arg(node, "dim", 0), len(out))
     nm = DimNamer()
-    al = Aligned(nm, out[:axis] + out[axis + 1 :], [])
-    new = () if is_one(out[axis]) else (nm.new(out[axis], pos=axis),)
-    omap = al.ref_map[:axis] + (new,) + al.ref_map[axis:]
+    al = Aligned(nm, out[:dim] + out[dim + 1 :], [])
+    new = () if is_one(out[dim]) else (nm.new(out[dim], pos=dim),)
+    omap = al.ref_map[:dim] + (new,) + al.ref_map[dim:]
     maps: dict[fx.Node, TensorMap | None] = {t: al.fit(ctx.shape(t)) for t in _tensor_list(node)}
     return nm.build("view", align_inputs(node, maps), (omap,), no_split=frozenset(al.no_split) | frozenset(new))
 
@@ -357,5 +357,5 @@ def pad_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     x = _data(node)
     rank = len(ctx.shape(x))
     pad = list(arg(node, "pad"))  # type: ignore[call-overload]
-    axes = [rank - 1 - k for k in range(len(pad) // 2) if not (pad[2 * k] == 0 and pad[2 * k + 1] == 0)]
-    return axis_rule(node, ctx, [x], axes)
+    padded = [rank - 1 - k for k in range(len(pad) // 2) if not (pad[2 * k] == 0 and pad[2 * k + 1] == 0)]
+    return along_dims_rule(node, ctx, [x], padded)

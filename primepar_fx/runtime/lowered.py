@@ -23,6 +23,8 @@ Group = tuple[object | None, tuple[int, ...]]
 
 
 class VocabEmbedding(nn.Module):
+    """Embedding lookup on one rank's vocabulary rows ``[lo, lo + rows)``; ids outside them give zero rows."""
+
     def __init__(self, lo: int, rows: int) -> None:
         super().__init__()
         self.lo, self.rows = lo, rows
@@ -38,6 +40,8 @@ class VocabEmbedding(nn.Module):
 
 
 class ShardedLayerNorm(nn.Module):
+    """Layer norm over a normalised dim split across ``group``: mean and variance are all-reduced."""
+
     def __init__(self, size: int, eps: float, group: Group, stats: CommStats) -> None:
         super().__init__()
         self.size, self.eps, self.group, self.stats = size, eps, group, stats
@@ -63,6 +67,8 @@ class ShardedLayerNorm(nn.Module):
 
 
 class ShardedCrossEntropy(nn.Module):
+    """Cross-entropy with the classes split across ``v_group`` and/or the rows across ``n_group``."""
+
     def __init__(
         self, reduction: str, ignore_index: int, v_lo: int, v_group: Group, n_group: Group, stats: CommStats
     ) -> None:

@@ -23,8 +23,8 @@ Guarantees:
   optimum need not minimise ``C + lam * M`` for any ``lam`` (a *duality gap*). Then the plans seen are crossed over
   between cut points (:func:`_crossover`) and polished by single-node moves (:func:`_polish`), within budget; the
   plan is returned with its gap (``bound``). :func:`primepar_fx.search.solve` with ``method="auto"`` then asks the
-  ILP to close the gap when the ILP is small enough. Measured on random 4-6 layer graphs with random budgets: the
-  DP plan was optimal in about half the cases and 0.5% above the optimum on average (worst seen: 6%).
+  ILP to close the gap when the ILP is small enough. How often the DP plan is optimal, and how far above the
+  optimum it lands otherwise, is recorded in ``docs/benchmarks/search_time.md``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ TOLERANCE = 1e-9
 
 @dataclass(frozen=True)
 class BudgetResult:
+    """A plan within the memory budget: strategies, cost, memory, the best proven lower bound on the cost and the
+    number of DP runs it took."""
+
     choice: dict[str, int]
     cost: float
     memory: float

@@ -14,11 +14,11 @@ How the minimum is computed:
    ``e_{g,v}`` becomes the node cost ``e_{g,v}(a_g, .)`` of ``v``. The best ``a`` wins, so the result is exact.
    This keeps the layers identical and separable. Segment tables that touch no global are computed once; those
    that do are recomputed per ``a`` incrementally (only the engine steps downstream of the changed node costs).
-   Measured on 80 layers with a 12-strategy mask: 0.2 s conditioned against 1.25 s with the mask kept as an
-   extra table axis in one segment spanning all layers (the engine's fallback for globals it does not condition).
+   This is faster than the engine's fallback for globals it does not condition, which keeps a global as an extra
+   table axis in one segment spanning all layers (measurements in ``docs/benchmarks/search_time.md``).
    A long edge with few distinct rows, such as a tied embedding's from the first node to the LM head, is first
    routed through a *proxy* node with one state per distinct row (:mod:`~primepar_fx.search.proxy`), which is
-   made global: the OPT-175B DP (96 layers, 8 GPUs) takes 0.12 s instead of 1.0 s. The schedule below weighs the work
+   made global, so the layers between its ends stay separable and can be merged. The schedule below weighs the work
    that is repeated for every joint strategy of the globals.
 2. *Segments* between cut points (:mod:`~primepar_fx.search.structure`). A segment's table ``C_ij(p_i, p_j)``
    comes from the elimination engine (:mod:`~primepar_fx.search.engine`, Eq. 11-12 inside a segment).
@@ -57,7 +57,8 @@ try:  # progress bars are optional
 except ImportError:  # pragma: no cover
     _tqdm = None
 
-#: python overhead of one numpy-level operation, in table entries (about 20 us at ~1.5 ns per entry)
+#: Python overhead of one numpy-level operation, as the number of table entries that take as long to process:
+#: the schedule charges it per operation, so many tiny operations do not look free
 OVERHEAD = 15_000
 
 
@@ -86,6 +87,8 @@ class DPOptions:
 
 @dataclass(frozen=True)
 class DPResult:
+    """The DP's plan: the strategy per node and the objective value it reaches (exact minimum)."""
+
     choice: dict[str, int]
     value: float
 

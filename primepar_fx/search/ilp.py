@@ -45,6 +45,9 @@ BUDGET_MARGINS = (0.0, 1e-9, 1e-7, 1e-5)
 
 @dataclass(frozen=True)
 class IlpResult:
+    """An ILP plan: the strategy per node, whether the solver proved it optimal, the solver's name, the wall time
+    and the number of variables."""
+
     choice: dict[str, int]
     proven_optimal: bool
     solver: str

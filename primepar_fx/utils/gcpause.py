@@ -1,8 +1,8 @@
 """Pause Python's cyclic garbage collector around planning work that allocates many short-lived objects.
 
 Capture (``torch.export``) and pricing allocate millions of small objects while a large graph stays alive, and each
-full collection walks all of them: about a tenth of planning time, measured on llama2-70b (capture 1.24 -> 1.09 s,
-pricing at 128 GPUs 5.96 -> 5.37 s). The work creates little cyclic garbage, so collection waits until it ends.
+full collection walks all of them, again and again, for a noticeable share of planning time (numbers in
+``docs/benchmarks/search_time.md``). The work creates little cyclic garbage, so collection waits until it ends.
 Reference counting still frees everything else at once.
 """
 
