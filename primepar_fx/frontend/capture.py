@@ -125,10 +125,14 @@ def capture(
     ``dynamic=False`` captures at the example's sizes (no ``B``/``S`` symbols: every size is an integer), for
     graphs that are already specialised, such as the first graph ``torch.compile`` hands a backend.
 
-    ``fake_cache=False`` traces without FakeTensor's dispatch cache. The cache pays when layers repeat (llama2-70b,
-    80 layers: 14.5 s with it, 21 s without) and costs when they do not (two layers: 1.8 s with it, 1.1 s
-    without, in a fresh process), so the two-layer capture of :mod:`primepar_fx.graph.replicate` turns it off. The
-    graph is the same either way.
+    ``fake_cache=False`` traces without FakeTensor's dispatch cache. The cache pays when many layers repeat the
+    same ops (a whole deep model) and costs when few do (filling it costs more than its few hits return), so the
+    two-layer capture of :mod:`primepar_fx.graph.replicate` turns it off. The graph is the same either way.
+
+    The steps: check and prepare the example inputs (:func:`_example_inputs`, :func:`_example_sizes`,
+    :func:`_checked_seq_max`), mark their batch and sequence dims dynamic (:func:`_dynamic_shapes`), export
+    (:func:`_export`), rename the op nodes densely (:func:`_renumber_program`) and map the symbols and placeholders
+    (:func:`_captured`).
 
     Raises:
         ValueError: unusable example inputs (no tensor, a batch or sequence of 1, equal batch and sequence sizes).
@@ -138,18 +142,52 @@ def capture(
         raise ValueError(f"capture() expects a torch.nn.Module, got {type(model).__name__}")
     if batch_dim == seq_dim or batch_dim < 0 or seq_dim < 0:
         raise ValueError(f"batch_dim ({batch_dim}) and seq_dim ({seq_dim}) must be distinct non-negative dims")
+    model_name = name or _model_name(model)
+    args, kwargs = _example_inputs(model, example_args, example_kwargs)
+    batch, seq = _example_sizes(args, kwargs, batch_dim, seq_dim)
+    seq_max = _checked_seq_max(model, seq, seq_max)
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs).arguments
+    call = _call_of(signature, args, kwargs)
+    dynamic_shapes = _dynamic_shapes(bound, batch_dim, seq_dim, seq_max)
+    log.info("exporting %s (batch=%d, seq=%d, seq_max=%s)", model_name, batch, seq, seq_max)
+    program = _export(model, args, kwargs, dynamic_shapes if dynamic else None, fake_cache, (batch, seq))
+    _renumber_program(program)
+    captured = _captured(
+        program,
+        symbol_map=_symbol_map(program, batch_dim, seq_dim) if dynamic else {},
+        sizes=(batch, seq),
+        model_name=model_name,
+        call=call,
+    )
+    log.info("captured %s: %d nodes", model_name, len(captured.gm.graph.nodes))
+    return captured
+
+
+def _example_inputs(
+    model: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example inputs as export takes them: moved to ``meta`` for a model there, tensors passed twice copied
+    (:func:`_unalias`)."""
     args = tuple(example_args)
     kwargs = dict(example_kwargs or {})
-    model_name = name or _model_name(model)
     if _on_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    args, kwargs = _unalias(args, kwargs)
-    batch, seq = _example_sizes(args, kwargs, batch_dim, seq_dim)
+    return _unalias(args, kwargs)
+
+
+def _checked_seq_max(model: nn.Module, seq: int, seq_max: int | None) -> int | None:
+    """``seq_max``, by default the model's (:func:`config_seq_max`); the example sequence must fit it."""
     if seq_max is None:
         seq_max = config_seq_max(model)
     if seq_max is not None and seq > seq_max:
         raise ValueError(f"the example sequence length {seq} exceeds seq_max={seq_max}")
+    return seq_max
 
+
+def _dynamic_shapes(bound: dict[str, Any], batch_dim: int, seq_dim: int, seq_max: int | None) -> dict[str, Any]:
+    """Export's ``dynamic_shapes`` for the bound arguments of ``forward``: ``Dim("batch")`` on dim ``batch_dim``
+    and ``Dim("seq", max=seq_max)`` on dim ``seq_dim`` of every tensor that has them."""
     batch_d = Dim("batch")
     seq_d = Dim("seq", max=seq_max) if seq_max is not None else Dim("seq")
 
@@ -157,46 +195,72 @@ def capture(
         dims = {d: v for d, v in ((batch_dim, batch_d), (seq_dim, seq_d)) if t.dim() > d}
         return dims or None
 
-    signature = inspect.signature(model.forward)
-    bound = signature.bind(*args, **kwargs).arguments
-    variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values())
-    call = None if variadic else (signature, tuple(list(signature.parameters)[: len(args)]), tuple(kwargs))
-    dynamic_shapes = {
+    return {
         key: pytree.tree_map(lambda v: spec(v) if isinstance(v, torch.Tensor) else None, value)
         for key, value in bound.items()
     }
-    log.info("exporting %s (batch=%d, seq=%d, seq_max=%s)", model_name, batch, seq, seq_max)
+
+
+def _call_of(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[inspect.Signature, tuple[str, ...], tuple[str, ...]] | None:
+    """:attr:`Captured.call`: the signature and the parameters given positionally and by keyword, or ``None``
+    when the signature takes ``*args`` or ``**kwargs``."""
+    variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values())
+    return None if variadic else (signature, tuple(list(signature.parameters)[: len(args)]), tuple(kwargs))
+
+
+def _export(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic_shapes: dict[str, Any] | None,
+    fake_cache: bool,
+    sizes: tuple[int, int],
+) -> ExportedProgram:
+    """``torch.export.export`` (non-strict), a constraint violation re-raised as :class:`ShapeSpecializationError`
+    naming the model line that caused it (``sizes``: the example batch and seq, to find the symbols concerned)."""
     with _record_shape_events() as events, torch._dynamo.config.patch(fake_tensor_cache_enabled=fake_cache):
         try:
-            program = torch.export.export(
-                model, args, kwargs, dynamic_shapes=dynamic_shapes if dynamic else None, strict=False
-            )
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:
             if _is_constraint_violation(exc):
-                raise _specialization_error(str(exc), events, {"batch": batch, "seq": seq}) from exc
+                raise _specialization_error(str(exc), events, {"batch": sizes[0], "seq": sizes[1]}) from exc
             raise
 
+
+def _renumber_program(program: ExportedProgram) -> None:
+    """:func:`renumber` the program's graph and rename the output nodes its signature names to match."""
     renamed = renumber(program.graph_module)
-    sig = program.graph_signature
-    for spec in sig.output_specs:  # the signature names the output nodes
+    for spec in program.graph_signature.output_specs:
         if getattr(spec.arg, "name", None) in renamed:
             spec.arg.name = renamed[spec.arg.name]
+
+
+def _captured(
+    program: ExportedProgram,
+    *,
+    symbol_map: dict[sympy.Symbol, sympy.Symbol],
+    sizes: tuple[int, int],
+    model_name: str,
+    call: tuple[inspect.Signature, tuple[str, ...], tuple[str, ...]] | None,
+) -> Captured:
+    """The :class:`Captured` of an exported and renumbered ``program``; ``sizes``: the example batch and seq."""
+    sig = program.graph_signature
     buffers = dict(sig.inputs_to_buffers)
     buffers.update(sig.inputs_to_lifted_tensor_constants)
-    captured = Captured(
+    return Captured(
         program=program,
         gm=program.graph_module,
-        symbol_map=_symbol_map(program, batch_dim, seq_dim) if dynamic else {},
+        symbol_map=symbol_map,
         params=dict(sig.inputs_to_parameters),
         buffers=buffers,
         user_inputs=tuple(sig.user_inputs),
-        example_batch=batch,
-        example_seq=seq,
+        example_batch=sizes[0],
+        example_seq=sizes[1],
         model_name=model_name,
         call=call,
     )
-    log.info("captured %s: %d nodes", model_name, len(captured.gm.graph.nodes))
-    return captured
 
 
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")

@@ -1,8 +1,7 @@
 """Capture two layers of a deep model and replicate them into the whole graph (a planning-only shortcut).
 
-``torch.export`` costs about 0.2 s per decoder layer on this kind of machine, so an 80-layer model takes
-10-20 s to capture while the planner only needs one layer's nodes and how layers connect.
-:func:`analyze_replicated` therefore:
+``torch.export`` traces every decoder layer, so capturing a deep model takes time in proportion to its depth,
+while the planner only needs one layer's nodes and how layers connect. :func:`analyze_replicated` therefore:
 
 1. finds the layer stack: the ``nn.ModuleList`` holding the most parameters whose children share one class and
    one parameter and buffer signature (names, shapes, dtypes) (:func:`find_layer_stack`);
@@ -225,97 +224,138 @@ def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0) -> OpGrap
 
     Layers ``first`` and ``first + 1`` are the template; earlier ones stay as they were captured. Raises
     :class:`NotRepeated` when layer ``first + 1`` does not repeat layer ``first``.
+
+    The steps: cut the short graph at the layers (:func:`_cut`), check that the template repeats
+    (:func:`_check_repeat`), name every node of the whole graph (:func:`_name_nodes`), wire each to its inputs
+    (:func:`_wire`, :func:`_digraph`) and write the parameter tables out layer by layer (:func:`_whole_table`).
     """
     cut = _cut(short, fqn, first)
     rename = _param_renamer(fqn, first)
     carried = _check_repeat(short, rename, first, cut)
-    l0, l1 = cut.layers
-    captured = first + 2
+    named = _name_nodes(short, cut, rename, first, count)
+    origin, inputs = _wire(short, cut, carried, named, first, count)
+    g = _digraph(named.nodes, inputs)
+    stack = LayerStack(fqn=fqn, count=count, captured=first + 2)
+    log.info(
+        "graph %s: %d compute nodes from %d captured (%s: %d layers)",
+        short.name,
+        len(named.nodes),
+        len(short.nodes),
+        fqn,
+        count,
+    )
+    layers = range(first, count)
+    return OpGraph(
+        short.captured,
+        named.nodes,
+        g,
+        _whole_table(short.param_shapes, fqn, first, layers, rename),
+        _whole_table(short.param_dtypes, fqn, first, layers, rename),
+        _whole_table(short.tied, fqn, first, layers, rename),
+        replicated=stack,
+        origin=origin,
+        inputs=inputs,
+    )
 
-    def layer_name(name: str, layer: int) -> str:  # a node of the template's first layer, in ``layer``
-        base, num = split_name(name)
-        return _numbered(base, num + (layer - first) * cut.per_layer[base])
 
-    names: dict[tuple[str, int], str] = {}  # (short-graph name, layer) -> name in the whole graph
+@dataclasses.dataclass
+class _Named:
+    """The whole graph's nodes, and the names the short graph's nodes take in it."""
+
+    nodes: dict[str, OpNode]  # name in the whole graph -> node, in graph order
+    layer: dict[tuple[str, int], str]  # (a node of the first template layer, layer) -> its name in that layer
+    after: dict[str, str]  # a node after the stack -> its name in the whole graph
+
+
+def _layer_name(name: str, layer: int, first: int, per_layer: Counter) -> str:
+    """The name of ``name``, a node of template layer ``first``, in ``layer``: capture numbers each name base
+    densely, so its number advances by that base's count per layer."""
+    base, num = split_name(name)
+    return _numbered(base, num + (layer - first) * per_layer[base])
+
+
+def _name_nodes(short: OpGraph, cut: _Layout, rename, first: int, count: int) -> _Named:
+    """Every node of the whole graph, named as the full capture names it: the nodes before the stack as captured,
+    the first template layer once per layer ``first .. count - 1`` (with that layer's parameters), then the nodes
+    after the stack, numbered past the layers the short graph lacks."""
+    names: dict[tuple[str, int], str] = {}
     nodes: dict[str, OpNode] = {}
     for n in cut.pre:
         nodes[n] = short.nodes[n]
     layers = range(first, count)
     for layer in layers:
-        for n in l0:
-            names[n, layer] = new = layer_name(n, layer)
+        for n in cut.layers[0]:
+            names[n, layer] = new = _layer_name(n, layer, first, cut.per_layer)
             node = short.nodes[n]
             nodes[new] = dataclasses.replace(node, name=new, params=tuple(rename(p, layer) for p in node.params))
-    after = {n: layer_name(n, count - captured + first) for n in cut.post}
+    captured = first + 2
+    after = {n: _layer_name(n, count - captured + first, first, cut.per_layer) for n in cut.post}
     for n in cut.post:
         nodes[after[n]] = dataclasses.replace(short.nodes[n], name=after[n])
-    if len(nodes) != len(cut.pre) + len(layers) * len(l0) + len(cut.post):
+    if len(nodes) != len(cut.pre) + len(layers) * len(cut.layers[0]) + len(cut.post):
         raise NotRepeated("two replicated nodes would share a name")
+    return _Named(nodes, names, after)
 
+
+def _wire(
+    short: OpGraph, cut: _Layout, carried: dict[str, int], named: _Named, first: int, count: int
+) -> tuple[dict[str, str], dict[str, tuple[str | None, ...]]]:
+    """``(origin, inputs)``: per node of the whole graph, the captured node it repeats and its inputs' names.
+
+    Each node repeats a captured one: the last layer repeats the second template layer (its users come after the
+    stack), every other layer the first. Its facts (dtypes, users, arguments) are that node's.
+    """
+    l0, l1 = cut.layers
     index0 = {n: j for j, n in enumerate(l0)}
     index1 = {n: j for j, n in enumerate(l1)}
 
     def source(u: str, template: int, layer: int) -> str:
         """The name of input ``u`` of a node that repeats a node of template layer ``template`` in ``layer``."""
         if u in index0:
-            return names[u, layer if template == 0 else layer - 1]
+            return named.layer[u, layer if template == 0 else layer - 1]
         if u in index1:
-            return names[l0[index1[u]], layer]
+            return named.layer[l0[index1[u]], layer]
         if u in carried and template == 0 and layer > first:
-            return names[l0[carried[u]], layer - 1]
-        return after.get(u, u)
+            return named.layer[l0[carried[u]], layer - 1]
+        return named.after.get(u, u)
 
-    # Each node repeats a captured one: the last layer repeats the second template layer (its users come after
-    # the stack), every other layer the first. Its facts (dtypes, users, arguments) are that node's.
     origin: dict[str, str] = {n: n for n in cut.pre}
     inputs: dict[str, tuple[str | None, ...]] = {n: short.input_names(n) for n in cut.pre}
-    for layer in layers:
+    for layer in range(first, count):
         template = 1 if layer == count - 1 else 0
         for j, n in enumerate(l0):
-            name, src = names[n, layer], (l0, l1)[template][j]
+            name, src = named.layer[n, layer], (l0, l1)[template][j]
             origin[name] = src
             inputs[name] = tuple(None if u is None else source(u, template, layer) for u in short.input_names(src))
     for n in cut.post:
-        origin[after[n]] = n
-        inputs[after[n]] = tuple(None if u is None else source(u, 1, count - 1) for u in short.input_names(n))
+        origin[named.after[n]] = n
+        inputs[named.after[n]] = tuple(None if u is None else source(u, 1, count - 1) for u in short.input_names(n))
+    return origin, inputs
+
+
+def _digraph(nodes: dict[str, OpNode], inputs: dict[str, tuple[str | None, ...]]) -> nx.DiGraph:
+    """The data-flow graph: an edge ``u -> v`` with ``dst_in=i`` where ``u`` is input ``i`` of ``v``."""
     g = nx.DiGraph()
     g.add_nodes_from(nodes)
     for name, ins in inputs.items():
         for i, u in enumerate(ins):
             if u is not None:
                 g.add_edge(u, name, dst_in=i)
+    return g
 
-    def whole(table: dict) -> dict:  # parameter FQN -> value, the template's entries layer by layer
-        head, skip = f"{fqn}.{first}.", f"{fqn}.{first + 1}."
-        template = [(k, v) for k, v in table.items() if k.startswith(head)]
-        out = {}
-        for key, value in table.items():
-            if key.startswith((head, skip)):
-                if key == template[0][0]:
-                    for layer in layers:
-                        for k, v in template:
-                            out[rename(k, layer)] = rename(v, layer) if isinstance(v, str) else v
-            else:
-                out[key] = value
-        return out
 
-    stack = LayerStack(fqn=fqn, count=count, captured=captured)
-    log.info(
-        "graph %s: %d compute nodes from %d captured (%s: %d layers)",
-        short.name,
-        len(nodes),
-        len(short.nodes),
-        fqn,
-        count,
-    )
-    return OpGraph(
-        short.captured,
-        nodes,
-        g,
-        whole(short.param_shapes),
-        whole(short.param_dtypes),
-        whole(short.tied),
-        replicated=stack,
-        origin=origin,
-        inputs=inputs,
-    )
+def _whole_table(table: dict, fqn: str, first: int, layers: range, rename) -> dict:
+    """A table keyed by parameter FQN (shapes, dtypes, ties) for the whole graph: the template's entries layer by
+    layer, in place of the two template layers' entries; every other entry as it is."""
+    head, skip = f"{fqn}.{first}.", f"{fqn}.{first + 1}."
+    template = [(k, v) for k, v in table.items() if k.startswith(head)]
+    out = {}
+    for key, value in table.items():
+        if key.startswith((head, skip)):
+            if key == template[0][0]:
+                for layer in layers:
+                    for k, v in template:
+                        out[rename(k, layer)] = rename(v, layer) if isinstance(v, str) else v
+        else:
+            out[key] = value
+    return out

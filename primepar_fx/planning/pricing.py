@@ -196,144 +196,250 @@ def price_graph(
 
     ``workers``: threads that price the distinct re-layouts (:func:`~primepar_fx.cost.model.price_directions`);
     by default one per core, at most two. The costs do not depend on it.
+
+    The steps, each a method of :class:`_Pricing`: bind every node's sequences and price them
+    (:meth:`~_Pricing.bind_nodes`), find the data-flow edges and the distinct re-layouts and reduce-scatter fusions
+    they need (:meth:`~_Pricing.find_flows`), price those (:meth:`~_Pricing.price_relayouts`), fill in each edge's
+    matrices (:meth:`~_Pricing.edge_matrices`, :meth:`~_Pricing.add_shared_parameters`) and assemble the
+    :class:`CostGraph` (:meth:`~_Pricing.cost_graph`).
     """
     start = time.perf_counter()
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
-    strategies: dict[str, list[PartitionSeq]] = {}
-    costs: dict[str, list[NodeCost]] = {}
-    # value: (entry number, sequences, their costs, their bound partitions)
-    node_cache: dict[tuple, tuple[int, list[PartitionSeq], list[NodeCost], list[OpPartition]]] = {}
-    partitions: dict[str, list[OpPartition]] = {}
-    space: dict[str, int] = {}  # node -> entry number of its node_cache entry, a cheap key for the edge cache
-    legal: dict[tuple, list[PartitionSeq]] = {}
-    for name, node in tqdm(graph.nodes.items(), desc="pricing nodes", disable=not progress, leave=False):
-        if fixed is not None and name in fixed:
-            pinned = fixed[name]
-            seqs = [pinned] if isinstance(pinned, PartitionSeq) else list(pinned)
-        elif replicate_constants and not node.requires_grad:
-            seqs = [PartitionSeq(tuple(Replicate() for _ in mesh.digits))]
-        else:
-            if node_key(node) not in legal:
-                legal[node_key(node)] = enumerate_sequences(
-                    node.dims, mesh, values=values, allow_prime=allow_prime, levels=levels
-                )
-            seqs = legal[node_key(node)] if restrict is None else restrict(name, legal[node_key(node)])
-        if not seqs:
-            raise ValueError(f"node {name} ({node.op}) has no legal partition on device digits {mesh.digits}")
-        nk = node_key(node)
-        key = (nk, None if seqs is legal.get(nk) else tuple(seqs))  # None: the legal sequences, not hashed again
-        if key not in node_cache:
-            bound = [bound_partition((node.dims, s, mesh)) for s in seqs]
-            priced = [node_cost(p, node.target, cluster, values, opts) for p in bound]
-            node_cache[key] = (len(node_cache), seqs, priced, bound)
-        space[name], strategies[name], costs[name], partitions[name] = node_cache[key]
-    edge_cost, edge_bytes = {}, {}
-    edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    sides: dict[tuple, tuple] = {}  # (node entry, output) or (node entry, input, None) -> its edge sides
-    vkey = values_key(values)
-    scatter: dict[tuple[str, str], ScatterSaving] = {}
-    scatter_cache: dict[tuple, ScatterSaving | None] = {}
-
-    fusable_cache: dict[tuple, tuple[int, tuple] | None] = {}
-
-    def fusable_all(name: str, node: OpNode, k: int | None) -> tuple[int, tuple] | None:
-        """Per strategy of ``name``: its Forward output all-reduce (``k=None``) or input ``k``'s gradient all-reduce
-        that may fuse with a re-layout (:mod:`primepar_fx.cost.scatter`), with the number of its cache entry (a
-        cheap key); ``None`` when no strategy has one."""
-        fx_node = graph.fx_node(name)
-        key = (space[name], k, graph_facts(fx_node, k))  # the answer depends on the partitions and these facts only
-        if key not in fusable_cache:
-            if k is None:
-                found = tuple(fusable_forward(p, fx_node) for p in partitions[name])
-            else:
-                found = tuple(fusable_backward(p, fx_node, k) for p in partitions[name])
-            fusable_cache[key] = (len(fusable_cache), found) if any(found) else None
-        return fusable_cache[key]
-
-    # pass 1: every data-flow edge with its cache key; each distinct key's layouts and the directions they re-lay
-    # out; the edges where an all-reduce may fuse with the re-layout
-    flows: list[tuple[str, str, int, int, tuple, tuple | None]] = []
-    layouts: dict[tuple, tuple] = {}  # edge key -> (pairs, direction keys)
-    directions: dict[tuple, LayoutPairs] = {}
-    fusions: dict[tuple, tuple] = {}  # scatter key -> what scatter_saving needs
-    for u, v, data in graph.graph.edges(data=True):
-        pu, pv = graph.nodes[u], graph.nodes[v]
-        k_in, k_out = data["dst_in"], out_index(pv)
-        if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
-            continue
-        item = tensor_itemsize(graph.fx_node(u), k_out, opts)
-        key = (space[u], space[v], k_out, k_in, item)
-        fwd = fusable_all(u, pu, None) if k_out == 0 else None
-        bwd = fusable_all(v, pv, k_in) if pv.requires_grad and pu.requires_grad else None
-        skey = None if fwd is None and bwd is None else (key, fwd and fwd[0], bwd and bwd[0])
-        flows.append((u, v, k_in, k_out, key, skey))
-        if skey is not None and skey not in fusions:
-            fusions[skey] = (
-                partitions[u],
-                k_out,
-                partitions[v],
-                k_in,
-                fwd[1] if fwd else [None] * len(strategies[u]),
-                bwd[1] if bwd else [None] * len(strategies[v]),
-            )
-        if key in layouts:
-            continue
-        check_edge(partitions[u][0], k_out, partitions[v][0], k_in, vkey)
-        if (space[u], k_out) not in sides:  # a node's layouts, shared by its edges
-            sides[space[u], k_out] = producer_sides(partitions[u], k_out, vkey)
-        if (space[v], k_in, None) not in sides:
-            sides[space[v], k_in, None] = consumer_sides(partitions[v], k_in, vkey)
-        pairs = pairs_of(sides[space[u], k_out], sides[space[v], k_in, None])
-        dkeys = tuple(None if d is None else direction_key(d, mesh, cluster, item) for d in pairs)
-        layouts[key] = pairs, dkeys
-        directions.update((k, d) for k, d in zip(dkeys, pairs) if k is not None)
-
-    # pass 2: the re-layout directions on the worker threads, the reduce-scatter savings meanwhile on this one
-    def savings() -> None:
-        for skey, args in fusions.items():
-            scatter_cache[skey] = scatter_saving(*args, cluster, values, opts)
-
-    price_directions(
-        directions, mesh, cluster, workers=default_workers() if workers is None else workers, alongside=savings
-    )
-    # pass 3: each edge's matrices
-    for u, v, k_in, k_out, key, skey in tqdm(flows, desc="pricing edges", disable=not progress, leave=False):
-        if key not in edge_cache:
-            pairs, dkeys = layouts[key]
-            producers, consumers = partitions[u], partitions[v]
-            edge_cache[key] = edge_cost_matrix(
-                producers, k_out, consumers, k_in, cluster, values, opts, itemsize=key[-1], pairs=pairs, keys=dkeys
-            )
-        edge_cost[(u, v)], edge_bytes[(u, v)] = edge_cache[key]
-        if skey is not None and scatter_cache[skey] is not None:
-            scatter[(u, v)] = scatter_cache[skey]
-            edge_cost[(u, v)] = edge_cost[(u, v)] - scatter[(u, v)].forward_s - scatter[(u, v)].backward_s
-    for u, k_u, v, k_v in shared_parameters(graph):
-        sec, nbytes = edge_cost_matrix(partitions[u], k_u, partitions[v], k_v, cluster, values, opts, shared=True)
-        if (u, v) in edge_cost:
-            sec, nbytes = sec + edge_cost[(u, v)], nbytes + edge_bytes[(u, v)]
-        edge_cost[(u, v)], edge_bytes[(u, v)] = sec, nbytes
-    vectors = {  # per node cache entry: (seconds, memory bytes) of every strategy, shared (read-only) by its nodes
-        entry: (
-            _frozen([c.time_s for c in priced]),
-            _frozen([float(c.memory_bytes(opts.optimizer_states)) for c in priced]),
-        )
-        for entry, _, priced, _ in node_cache.values()
-    }
-    cg = CostGraph(
-        nodes=tuple(graph.nodes),
-        node_cost={n: vectors[space[n]][0] for n in costs},
-        edge_cost=edge_cost,
-        node_memory={n: vectors[space[n]][1] for n in costs},
-        node_key={n: node_key(graph.nodes[n]) for n in graph.nodes},
-    )
+    space = _Space(allow_prime, levels, fixed, replicate_constants, restrict)
+    pricing = _Pricing(graph, mesh, cluster, values, opts, space)
+    pricing.bind_nodes(progress)
+    pricing.find_flows()
+    pricing.price_relayouts(default_workers() if workers is None else workers)
+    pricing.edge_matrices(progress)
+    pricing.add_shared_parameters()
+    cg = pricing.cost_graph()
     seconds = time.perf_counter() - start
     log.info(
         "priced %d nodes (%d distinct) and %d edges (%d distinct) in %.2f s",
-        len(costs),
-        len(node_cache),
-        len(edge_cost),
-        len(edge_cache),
+        len(pricing.costs),
+        len(pricing.node_cache),
+        len(pricing.edge_cost),
+        len(pricing.edge_cache),
         seconds,
     )
-    return PricedGraph(cg, mesh, strategies, costs, edge_bytes, seconds, scatter)
+    return PricedGraph(cg, mesh, pricing.strategies, pricing.costs, pricing.edge_bytes, seconds, pricing.scatter)
+
+
+@dataclass(frozen=True)
+class _Space:
+    """Which sequences each node is priced on: the options of :func:`price_graph` that say so."""
+
+    allow_prime: bool
+    levels: tuple | None  # the network level of each device digit, for the canonical subspace; None: the full one
+    fixed: Mapping[str, PartitionSeq | Sequence[PartitionSeq]] | None
+    replicate_constants: bool
+    restrict: Callable[[str, list[PartitionSeq]], list[PartitionSeq]] | None
+
+
+#: a node cache entry: (its number, the sequences, their costs, their bound partitions)
+_NodeEntry = tuple[int, list[PartitionSeq], list[NodeCost], list[OpPartition]]
+#: a data-flow edge: (producer, consumer, input index, output index, edge cache key, scatter key or None)
+_Flow = tuple[str, str, int, int, tuple, tuple | None]
+
+
+@dataclass(eq=False)
+class _Pricing:
+    """One :func:`price_graph` call: its inputs and the tables its steps fill, in the order they run.
+
+    Identical layers produce identical work, so most tables are memos keyed by structure rather than by node: a
+    node's key and sequences, an edge's two node cache entries and tensor, a direction's layouts.
+    """
+
+    graph: OpGraph
+    mesh: DeviceMesh
+    cluster: ClusterSpec
+    values: dict[sympy.Symbol, int]
+    opts: CostOptions
+    space: _Space
+    # bind_nodes: per node its sequences, their costs and bound partitions, and the number of its node cache entry
+    strategies: dict[str, list[PartitionSeq]] = field(default_factory=dict)
+    costs: dict[str, list[NodeCost]] = field(default_factory=dict)
+    partitions: dict[str, list[OpPartition]] = field(default_factory=dict)
+    entry: dict[str, int] = field(default_factory=dict)  # node -> its node cache entry number, a cheap edge key
+    node_cache: dict[tuple, _NodeEntry] = field(default_factory=dict)
+    legal: dict[tuple, list[PartitionSeq]] = field(default_factory=dict)  # node key -> its enumerated sequences
+    # find_flows: every data-flow edge, each distinct edge key's layouts and the directions they re-lay out, and
+    # the edges where an all-reduce may fuse with the re-layout
+    flows: list[_Flow] = field(default_factory=list)
+    layouts: dict[tuple, tuple] = field(default_factory=dict)  # edge key -> (pairs, direction keys)
+    directions: dict[tuple, LayoutPairs] = field(default_factory=dict)
+    fusions: dict[tuple, tuple] = field(default_factory=dict)  # scatter key -> what scatter_saving needs
+    sides: dict[tuple, tuple] = field(default_factory=dict)  # (entry, output) or (entry, input, None) -> its sides
+    fusable_cache: dict[tuple, tuple[int, tuple] | None] = field(default_factory=dict)
+    # price_relayouts: each scatter key's saving (None: no pair of strategies fuses)
+    scatter_cache: dict[tuple, ScatterSaving | None] = field(default_factory=dict)
+    # edge_matrices and add_shared_parameters: the result per edge, and its memo per edge key
+    edge_cost: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    edge_bytes: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.vkey = values_key(self.values)
+
+    # ---------------------------------------------------------------------------------------------- the nodes
+    def bind_nodes(self, progress: bool) -> None:
+        """Step 1: each node's sequences, bound to its dims on the mesh and priced (Eq. 7), once per distinct key."""
+        nodes = tqdm(self.graph.nodes.items(), desc="pricing nodes", disable=not progress, leave=False)
+        for name, node in nodes:
+            self._bind(name, node, self._sequences(name, node))
+
+    def _sequences(self, name: str, node: OpNode) -> list[PartitionSeq]:
+        """The sequences ``name`` is priced on: its pinned ones, replicated for a constant, else its legal ones
+        (narrowed by ``restrict``)."""
+        space = self.space
+        if space.fixed is not None and name in space.fixed:
+            pinned = space.fixed[name]
+            seqs = [pinned] if isinstance(pinned, PartitionSeq) else list(pinned)
+        elif space.replicate_constants and not node.requires_grad:
+            seqs = [PartitionSeq(tuple(Replicate() for _ in self.mesh.digits))]
+        else:
+            if node_key(node) not in self.legal:
+                self.legal[node_key(node)] = enumerate_sequences(
+                    node.dims, self.mesh, values=self.values, allow_prime=space.allow_prime, levels=space.levels
+                )
+            legal = self.legal[node_key(node)]
+            seqs = legal if space.restrict is None else space.restrict(name, legal)
+        if not seqs:
+            raise ValueError(f"node {name} ({node.op}) has no legal partition on device digits {self.mesh.digits}")
+        return seqs
+
+    def _bind(self, name: str, node: OpNode, seqs: list[PartitionSeq]) -> None:
+        nk = node_key(node)
+        key = (nk, None if seqs is self.legal.get(nk) else tuple(seqs))  # None: the legal sequences, not hashed again
+        if key not in self.node_cache:
+            bound = [bound_partition((node.dims, s, self.mesh)) for s in seqs]
+            priced = [node_cost(p, node.target, self.cluster, self.values, self.opts) for p in bound]
+            self.node_cache[key] = (len(self.node_cache), seqs, priced, bound)
+        self.entry[name], self.strategies[name], self.costs[name], self.partitions[name] = self.node_cache[key]
+
+    # ---------------------------------------------------------------------------------------------- the edges
+    def find_flows(self) -> None:
+        """Step 2: every data-flow edge with its cache key; each distinct key's layouts and the directions they
+        re-lay out; the edges where an all-reduce may fuse with the re-layout."""
+        for u, v, data in self.graph.graph.edges(data=True):
+            pu, pv = self.graph.nodes[u], self.graph.nodes[v]
+            k_in, k_out = data["dst_in"], out_index(pv)
+            if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
+                continue
+            item = tensor_itemsize(self.graph.fx_node(u), k_out, self.opts)
+            key = (self.entry[u], self.entry[v], k_out, k_in, item)
+            self._add_flow(u, v, k_in, k_out, key)
+            if key not in self.layouts:
+                self._add_layouts(u, v, k_in, k_out, key)
+
+    def _add_flow(self, u: str, v: str, k_in: int, k_out: int, key: tuple) -> None:
+        """Record edge ``u -> v`` and, when an all-reduce at either end may fuse with its re-layout, what pricing
+        the fusion needs (once per scatter key)."""
+        pu, pv = self.graph.nodes[u], self.graph.nodes[v]
+        fwd = self._fusable_all(u, None) if k_out == 0 else None
+        bwd = self._fusable_all(v, k_in) if pv.requires_grad and pu.requires_grad else None
+        skey = None if fwd is None and bwd is None else (key, fwd and fwd[0], bwd and bwd[0])
+        self.flows.append((u, v, k_in, k_out, key, skey))
+        if skey is not None and skey not in self.fusions:
+            self.fusions[skey] = (
+                self.partitions[u],
+                k_out,
+                self.partitions[v],
+                k_in,
+                fwd[1] if fwd else [None] * len(self.strategies[u]),
+                bwd[1] if bwd else [None] * len(self.strategies[v]),
+            )
+
+    def _fusable_all(self, name: str, k: int | None) -> tuple[int, tuple] | None:
+        """Per strategy of ``name``: its Forward output all-reduce (``k=None``) or input ``k``'s gradient all-reduce
+        that may fuse with a re-layout (:mod:`primepar_fx.cost.scatter`), with the number of its cache entry (a
+        cheap key); ``None`` when no strategy has one."""
+        fx_node = self.graph.fx_node(name)
+        key = (self.entry[name], k, graph_facts(fx_node, k))  # the answer depends on the partitions and these only
+        if key not in self.fusable_cache:
+            if k is None:
+                found = tuple(fusable_forward(p, fx_node) for p in self.partitions[name])
+            else:
+                found = tuple(fusable_backward(p, fx_node, k) for p in self.partitions[name])
+            self.fusable_cache[key] = (len(self.fusable_cache), found) if any(found) else None
+        return self.fusable_cache[key]
+
+    def _add_layouts(self, u: str, v: str, k_in: int, k_out: int, key: tuple) -> None:
+        """The layout pairs of a new edge key and the keys of the directions they re-lay out (found, not priced)."""
+        eu, ev, vkey = self.entry[u], self.entry[v], self.vkey
+        check_edge(self.partitions[u][0], k_out, self.partitions[v][0], k_in, vkey)
+        if (eu, k_out) not in self.sides:  # a node's layouts, shared by its edges
+            self.sides[eu, k_out] = producer_sides(self.partitions[u], k_out, vkey)
+        if (ev, k_in, None) not in self.sides:
+            self.sides[ev, k_in, None] = consumer_sides(self.partitions[v], k_in, vkey)
+        pairs = pairs_of(self.sides[eu, k_out], self.sides[ev, k_in, None])
+        dkeys = tuple(None if d is None else direction_key(d, self.mesh, self.cluster, key[-1]) for d in pairs)
+        self.layouts[key] = pairs, dkeys
+        self.directions.update((k, d) for k, d in zip(dkeys, pairs) if k is not None)
+
+    def price_relayouts(self, workers: int) -> None:
+        """Step 3: the distinct re-layout directions on up to ``workers`` threads, the reduce-scatter savings
+        meanwhile on this one.
+
+        The worker threads write only the shared direction table (:func:`~primepar_fx.cost.model.price_directions`
+        says what else they share); :meth:`_savings` writes only ``scatter_cache`` and numbers no new index set,
+        since every layout it reads was found in :meth:`find_flows`, which must have run to its end first.
+        """
+        price_directions(self.directions, self.mesh, self.cluster, workers=workers, alongside=self._savings)
+
+    def _savings(self) -> None:
+        for skey, args in self.fusions.items():
+            self.scatter_cache[skey] = scatter_saving(*args, self.cluster, self.values, self.opts)
+
+    def edge_matrices(self, progress: bool) -> None:
+        """Step 4: each edge's (seconds, bytes) matrices (Eq. 8-9) from the priced directions, once per edge key;
+        the seconds net of the reduce-scatter saving where an all-reduce fuses with the re-layout."""
+        flows = tqdm(self.flows, desc="pricing edges", disable=not progress, leave=False)
+        for u, v, k_in, k_out, key, skey in flows:
+            if key not in self.edge_cache:
+                pairs, dkeys = self.layouts[key]
+                self.edge_cache[key] = edge_cost_matrix(
+                    self.partitions[u],
+                    k_out,
+                    self.partitions[v],
+                    k_in,
+                    self.cluster,
+                    self.values,
+                    self.opts,
+                    itemsize=key[-1],
+                    pairs=pairs,
+                    keys=dkeys,
+                )
+            self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = self.edge_cache[key]
+            if skey is not None and self.scatter_cache[skey] is not None:
+                saving = self.scatter[(u, v)] = self.scatter_cache[skey]
+                self.edge_cost[(u, v)] = self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s
+
+    def add_shared_parameters(self) -> None:
+        """Step 5: a parameter several nodes read is stored in its first reader's layout; each later reader pays
+        for re-laying it out, added to the edge between the two (made if there is none)."""
+        for u, k_u, v, k_v in shared_parameters(self.graph):
+            sec, nbytes = edge_cost_matrix(
+                self.partitions[u], k_u, self.partitions[v], k_v, self.cluster, self.values, self.opts, shared=True
+            )
+            if (u, v) in self.edge_cost:
+                sec, nbytes = sec + self.edge_cost[(u, v)], nbytes + self.edge_bytes[(u, v)]
+            self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = sec, nbytes
+
+    def cost_graph(self) -> CostGraph:
+        """Step 6: the search's :class:`CostGraph`; the nodes of one cache entry share their (read-only) vectors."""
+        vectors = {  # per node cache entry: (seconds, memory bytes) of every strategy
+            entry: (
+                _frozen([c.time_s for c in priced]),
+                _frozen([float(c.memory_bytes(self.opts.optimizer_states)) for c in priced]),
+            )
+            for entry, _, priced, _ in self.node_cache.values()
+        }
+        return CostGraph(
+            nodes=tuple(self.graph.nodes),
+            node_cost={n: vectors[self.entry[n]][0] for n in self.costs},
+            edge_cost=self.edge_cost,
+            node_memory={n: vectors[self.entry[n]][1] for n in self.costs},
+            node_key={n: node_key(self.graph.nodes[n]) for n in self.graph.nodes},
+        )

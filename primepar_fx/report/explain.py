@@ -30,7 +30,8 @@ import sympy
 from tabulate import tabulate
 
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
-from primepar_fx.cost.model import CostOptions
+from primepar_fx.cost.model import CostOptions, NodeCost
+from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
@@ -281,7 +282,33 @@ def explain_choice(
 
     ``graph`` is the model's :class:`OpGraph` (the plan stores partitions, not the model); ``cluster`` overrides the
     plan's cluster (needed when the plan was made from a spec file that is not at hand).
+
+    The steps: price the node's every legal partition with the rest of the plan pinned (:func:`price_plan`), add
+    up what its edges cost per partition (:func:`_edge_parts`), make each partition an :class:`Option`
+    (:func:`_options`) and say what the plan was (:func:`_plan_line`, :func:`_why_not`).
     """
+    _check_request(plan, node_name, graph)
+    priced = price_plan(graph, plan, free=node_name, cluster=cluster)
+    seqs, costs = priced.strategies[node_name], priced.node_costs[node_name]
+    opts = CostOptions(dtype=plan.dtype, alpha=float(plan.search.get("alpha") or 0.0))
+    parts = _edge_parts(priced, node_name, len(seqs), plan.world_size)
+    options = _options(seqs, costs, parts, opts, plan.partitions()[node_name])
+    chosen = next(o for o in options if o.chosen)
+    others = sorted((o for o in options if not o.chosen), key=lambda o: (o.objective_s, o.partition))
+    node = graph.nodes[node_name]
+    return Explanation(
+        node=node_name,
+        op=node.op,
+        shape=fmt_shape(node.out_shapes[0] if node.out_shapes else None),
+        constant=not node.requires_grad,
+        plan=_plan_line(plan),
+        why_not=_why_not(plan),
+        chosen=chosen,
+        alternatives=tuple(others),
+    )
+
+
+def _check_request(plan: Plan, node_name: str, graph: OpGraph) -> None:
     if not isinstance(plan, Plan) or not isinstance(node_name, str):
         raise TypeError(
             f"explain_choice(plan, node_name, graph=...) takes a Plan and a node name, got {type(plan).__name__} "
@@ -289,16 +316,29 @@ def explain_choice(
         )
     if node_name not in graph.nodes:
         raise KeyError(f"no node {node_name!r} in {graph.name}; nodes are e.g. {list(graph.nodes)[:5]}")
-    priced = price_plan(graph, plan, free=node_name, cluster=cluster)
-    seqs, costs = priced.strategies[node_name], priced.node_costs[node_name]
-    opts = CostOptions(dtype=plan.dtype, alpha=float(plan.search.get("alpha") or 0.0))
-    world = plan.world_size
-    edge_s = [0.0] * len(seqs)  # the edges' costs as the search sees them: net of reduce-scatter savings
-    redis_b = [0.0] * len(seqs)
-    # reduce-scatter savings (cost.scatter), attributed as planner.summarize does: off the collectives of the node
-    # that runs the all-reduce (the producer in Forward, the consumer in Backward), not off the redistribution
-    own_s, own_b = [0.0] * len(seqs), [0] * len(seqs)
-    others_s = [0.0] * len(seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class _EdgeParts:
+    """Per partition of the explained node, what its edges add (lists indexed by partition).
+
+    ``edge_s`` are the edges' costs as the search sees them, net of reduce-scatter savings; ``redis_b`` the bytes
+    they move, mean per device. The reduce-scatter savings (:mod:`primepar_fx.cost.scatter`) are attributed as
+    :func:`~primepar_fx.planning.planner.summarize` does, off the collectives of the node that runs the all-reduce
+    (the producer in Forward, the consumer in Backward), not off the redistribution: ``own_s`` and ``own_b`` where
+    that node is the explained one, ``others_s`` where it is a neighbour.
+    """
+
+    edge_s: list[float]
+    redis_b: list[float]
+    own_s: list[float]
+    own_b: list[int]
+    others_s: list[float]
+
+
+def _edge_parts(priced: PricedGraph, node_name: str, count: int, world: int) -> _EdgeParts:
+    """The :class:`_EdgeParts` of ``node_name`` (``count`` partitions) from a pricing that pins its neighbours."""
+    parts = _EdgeParts([0.0] * count, [0.0] * count, [0.0] * count, [0] * count, [0.0] * count)
     for (u, v), mat in priced.cost_graph.edge_cost.items():
         if node_name not in (u, v):
             continue
@@ -306,67 +346,76 @@ def explain_choice(
         incoming = v == node_name  # the neighbours are pinned: their only strategy is number 0
         sec, byt = (mat[0, :], nbytes[0, :]) if incoming else (mat[:, 0], nbytes[:, 0])
         sav = priced.scatter.get((u, v))
-        for i in range(len(seqs)):
-            edge_s[i] += float(sec[i])
-            redis_b[i] += float(byt[i]) / world
-            if sav is None:
-                continue
-            ij = (0, i) if incoming else (i, 0)
-            for owner, s_, b_, rs in (
-                (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
-                (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
-            ):
-                if not rs[ij]:
-                    continue
-                if owner == node_name:
-                    own_s[i] += float(s_[ij])
-                    own_b[i] += int(b_[ij])
-                else:
-                    others_s[i] += float(s_[ij])
-    chosen_seq = plan.partitions()[node_name]
+        for i in range(count):
+            parts.edge_s[i] += float(sec[i])
+            parts.redis_b[i] += float(byt[i]) / world
+            if sav is not None:
+                _attribute_saving(parts, i, sav, (0, i) if incoming else (i, 0), (u, v), node_name)
+    return parts
+
+
+def _attribute_saving(
+    parts: _EdgeParts, i: int, sav: ScatterSaving, ij: tuple[int, int], edge: tuple[str, str], node_name: str
+) -> None:
+    """Add partition ``i``'s share of the saving ``sav`` of ``edge`` (at entry ``ij`` of its matrices) to the node
+    that runs each all-reduce: the edge's producer in Forward, its consumer in Backward."""
+    u, v = edge
+    for owner, s_, b_, rs in (
+        (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
+        (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
+    ):
+        if not rs[ij]:
+            continue
+        if owner == node_name:
+            parts.own_s[i] += float(s_[ij])
+            parts.own_b[i] += int(b_[ij])
+        else:
+            parts.others_s[i] += float(s_[ij])
+
+
+def _options(
+    seqs: list[PartitionSeq], costs: list[NodeCost], parts: _EdgeParts, opts: CostOptions, chosen: PartitionSeq
+) -> list[Option]:
+    """One :class:`Option` per partition, in the pricing's order; ``chosen`` is the plan's."""
     options = []
     for i, (seq, c) in enumerate(zip(seqs, costs)):
         memory = c.memory_bytes(opts.optimizer_states)
+        own_s = parts.own_s[i]
         options.append(
             Option(
                 partition=str(seq),
-                objective_s=c.time_s + edge_s[i] + opts.alpha * memory,
-                node_s=c.time_s - own_s[i],
+                objective_s=c.time_s + parts.edge_s[i] + opts.alpha * memory,
+                node_s=c.time_s - own_s,
                 compute_s=c.compute_s,
                 ring_s=c.ring_s,
-                collective_s=c.collective_s - own_s[i],
-                redistribution_s=edge_s[i] + own_s[i] + others_s[i],
-                comm_bytes=sum(c.comm_bytes.values()) - own_b[i],
-                redistribution_bytes=int(round(redis_b[i])),
+                collective_s=c.collective_s - own_s,
+                redistribution_s=parts.edge_s[i] + own_s + parts.others_s[i],
+                comm_bytes=sum(c.comm_bytes.values()) - parts.own_b[i],
+                redistribution_bytes=int(round(parts.redis_b[i])),
                 memory_bytes=memory,
-                chosen=seq == chosen_seq,
-                neighbour_collective_s=-others_s[i] or 0.0,
+                chosen=seq == chosen,
+                neighbour_collective_s=-parts.others_s[i] or 0.0,
             )
         )
-    chosen = next(o for o in options if o.chosen)
-    others = sorted((o for o in options if not o.chosen), key=lambda o: (o.objective_s, o.partition))
-    node = graph.nodes[node_name]
+    return options
+
+
+def _plan_line(plan: Plan) -> str:
+    """One line about the plan: model, devices, cluster, sizes, dtype, how it was made."""
     how = plan.search.get("forced") or plan.search.get("method") or "given"
     budget = plan.search.get("memory_budget")
-    plan_line = (
-        f"plan for {plan.model} on {world} devices {list(plan.digits)} of {plan.cluster} "
+    return (
+        f"plan for {plan.model} on {plan.world_size} devices {list(plan.digits)} of {plan.cluster} "
         f"(B={plan.batch}, S={plan.seq}, {plan.dtype}; {how}{f', memory budget {budget:.4g} B' if budget else ''})"
     )
+
+
+def _why_not(plan: Plan) -> str:
+    """Why the plan may pass over an alternative that is cheaper with the neighbours held fixed."""
     if plan.search.get("forced"):
-        why_not = f"the plan was forced ({plan.search['forced']!r}), not searched"
-    elif budget:
-        why_not = "the plan was searched under a memory budget, which the cheaper ones may exceed"
-    elif not plan.search.get("proven_optimal", False):
-        why_not = "the search did not prove its plan optimal"
-    else:
-        why_not = "unexpected for a proven-optimal plan without a memory budget: was it priced on another cluster?"
-    return Explanation(
-        node=node_name,
-        op=node.op,
-        shape=fmt_shape(node.out_shapes[0] if node.out_shapes else None),
-        constant=not node.requires_grad,
-        plan=plan_line,
-        why_not=why_not,
-        chosen=chosen,
-        alternatives=tuple(others),
-    )
+        return f"the plan was forced ({plan.search['forced']!r}), not searched"
+    if plan.search.get("memory_budget"):
+        return "the plan was searched under a memory budget, which the cheaper ones may exceed"
+    if not plan.search.get("proven_optimal", False):
+        return "the search did not prove its plan optimal"
+    return "unexpected for a proven-optimal plan without a memory budget: was it priced on another cluster?"
