@@ -31,10 +31,10 @@ from typing import Any
 import torch.distributed as dist
 from tabulate import tabulate
 
-from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh
+from primepar_fx.planning.options import CPU_CLUSTER, resolve_cluster
 from primepar_fx.planning.plan import COMM_KINDS, PHASES, MiB, Plan
 from primepar_fx.report.explain import fmt_count, fmt_shape, price_plan
 
@@ -207,10 +207,10 @@ def edge_redistribution_bytes(graph: OpGraph, plan: Plan, cluster: Any = None) -
     """
     if cluster is None:
         try:
-            cluster = load_cluster(plan.cluster)
+            cluster = resolve_cluster(plan.cluster)
         except ValueError as e:  # a spec file not at hand: bytes do not depend on the cluster, seconds do
-            log.warning("pricing the edges on cpu-gloo: %s", e)
-            cluster = "cpu-gloo"
+            log.warning("pricing the edges on %s: %s", CPU_CLUSTER, e)
+            cluster = resolve_cluster(CPU_CLUSTER)
     priced = price_plan(graph, plan, cluster=cluster)
     return {e: int(m[0, 0]) // plan.world_size for e, m in priced.edge_bytes.items()}
 

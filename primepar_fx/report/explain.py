@@ -29,12 +29,13 @@ from functools import lru_cache
 import sympy
 from tabulate import tabulate
 
-from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, NodeCost
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
+from primepar_fx.planning.options import resolve_cluster
 from primepar_fx.planning.plan import MiB, Plan
 from primepar_fx.planning.pricing import PricedGraph, price_graph
 from primepar_fx.rules.spec import OpDims, Shape
@@ -147,7 +148,7 @@ def price_plan(
     ``free`` gets every legal sequence (the plan's own first among equals, added if the enumeration lacks it).
     ``cluster`` defaults to the plan's (a preset name or a spec file path).
     """
-    spec = load_cluster(cluster or plan.cluster) if not isinstance(cluster, ClusterSpec) else cluster
+    spec = resolve_cluster(cluster or plan.cluster)
     plan.check_model((n.name, n.op) for n in graph.nodes.values())
     mesh = DeviceMesh(tuple(plan.digits))
     chosen = plan.partitions()
