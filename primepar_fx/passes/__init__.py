@@ -11,6 +11,10 @@ In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of t
    reduce-scatter.
 5. :func:`~primepar_fx.passes.ring.replace_ring_products`: one ring operator per P(S x S) product.
 6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block.
+
+:func:`~primepar_fx.passes.runner.run_passes` runs them: on a copy, linting and recompiling after each pass, naming
+the failing pass in a :class:`~primepar_fx.passes.runner.PassError`, skipping those ``PRIMEPAR_DISABLE_PASSES``
+names and writing each pass's graph under ``PRIMEPAR_DUMP_DIR``.
 """
 
 from primepar_fx.passes.annotate import annotate_plan
@@ -18,16 +22,20 @@ from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collecti
 from primepar_fx.passes.localize import RankGraph, localize, rewrite_local_ops
 from primepar_fx.passes.redistribute import insert_redistributions
 from primepar_fx.passes.ring import replace_ring_products
+from primepar_fx.passes.runner import PassError, op_counts, run_passes
 from primepar_fx.passes.shard import shard_parameters
 
 __all__ = [
+    "PassError",
     "RankGraph",
     "annotate_plan",
     "fuse_reduce_scatters",
     "insert_collectives",
     "insert_redistributions",
     "localize",
+    "op_counts",
     "replace_ring_products",
     "rewrite_local_ops",
+    "run_passes",
     "shard_parameters",
 ]

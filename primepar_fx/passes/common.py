@@ -100,11 +100,6 @@ def add_module(gm: fx.GraphModule, prefix: str, mod: nn.Module) -> str:
     return name
 
 
-def call_module_before(gm: fx.GraphModule, before: fx.Node, prefix: str, mod: nn.Module, *args: Any) -> fx.Node:
-    with gm.graph.inserting_before(before):
-        return gm.graph.call_module(add_module(gm, prefix, mod), args)
-
-
 def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 

@@ -10,7 +10,8 @@
   uses the modules of :mod:`primepar_fx.runtime.lowered`;
 * a fallback node (:mod:`primepar_fx.passes.annotate`) runs whole and then keeps its planned output slice.
 
-:func:`localize` runs the passes in order on a copy of the captured graph::
+:func:`localize` runs the passes in order on a copy of the captured graph, with
+:func:`~primepar_fx.passes.runner.run_passes` (each pass checked, ``PRIMEPAR_DISABLE_PASSES``, per-pass dumps)::
 
     annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> fuse_reduce_scatters
       -> replace_ring_products -> rewrite_local_ops
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -35,6 +37,7 @@ from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_
 from primepar_fx.passes.layouts import local_shape
 from primepar_fx.passes.redistribute import insert_redistributions, redistribute_module
 from primepar_fx.passes.ring import replace_ring_products
+from primepar_fx.passes.runner import run_passes
 from primepar_fx.passes.shard import shard_parameters
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.lowered import ShardedCrossEntropy, ShardedLayerNorm, VocabEmbedding
@@ -62,6 +65,15 @@ SIZE_ARG = {
 #: positions of (start, end, step) in each arange overload
 ARANGE = {aten.arange.default: (None, 0, None), aten.arange.start: (0, 1, None), aten.arange.start_step: (0, 1, 2)}
 MEANS = {aten.mean.dim, aten.mean.default}
+#: the passes ``PRIMEPAR_DISABLE_PASSES`` may not skip, and why. Skipping any other pass gives a graph that runs (or
+#: fails at run time) to help find a bug, not the plan's computation: docs/runtime.md, "Running the passes", says
+#: what each one does then. Skipping ``annotate_plan`` leaves no node planned, so every rank runs the whole graph.
+REQUIRED_PASSES = {
+    "shard_parameters": "it records which slice of each parameter this rank keeps; later passes and the compiled "
+    "module read it",
+    "rewrite_local_ops": "it turns every op into its local form; without it the ops of a partitioned graph keep "
+    "their whole-tensor sizes and fail on their blocks",
+}
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
 
@@ -190,6 +202,8 @@ def localize(
     """Run the passes (module docstring) on a copy of ``graph``'s captured GraphModule for rank ``rank``.
 
     ``whole_params``: parameters arrive whole on every call (the ``torch.compile`` backend) rather than sharded.
+    A failing pass raises :class:`~primepar_fx.passes.runner.PassError` (the pass's own error is its ``__cause__``).
+    ``PRIMEPAR_DISABLE_PASSES`` must be the same on every rank: the passes create process groups collectively.
     """
     graph.require_captured("the per-rank passes")
     captured = graph.captured
@@ -208,35 +222,17 @@ def localize(
     copy.output(out)
     gm = fx.GraphModule(nn.Module(), copy, class_name=f"PrimeParRank{rank}")
     ctx = RankContext(graph, mesh, rank, values, groups, whole_params=whole_params)
-    counts = [("captured", op_counts(gm))]
-    gm = annotate_plan(gm, ctx, partitions)
-    passes = (
+    passes = [
+        ("annotate_plan", partial(annotate_plan, partitions=partitions)),
         shard_parameters,
         insert_redistributions,
         insert_collectives,
         fuse_reduce_scatters,
         replace_ring_products,
         rewrite_local_ops,
-    )
-    for p in passes:
-        gm = p(gm, ctx)
-        counts.append((p.__name__, op_counts(gm)))
-    gm.graph.lint()
-    gm.recompile()
+    ]
+    gm, counts = run_passes(gm, passes, ctx, required=REQUIRED_PASSES, input_name="captured")
+    # annotate_plan only fills node.meta, so its counts are the captured graph's: pass_counts never listed it
+    counts = [(name, c) for name, c in counts if name != "annotate_plan"]
     layouts = {n.name: n.meta[STORAGE] for n in gm.graph.nodes if n.op == "placeholder" and STORAGE in n.meta}
     return RankGraph(gm, layouts, ctx.fallbacks, ctx.stats, counts)
-
-
-def op_counts(gm: fx.GraphModule) -> dict[str, int]:
-    """How many nodes of each kind the graph has: ATen ops by name, inserted modules by their class."""
-    out: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            key = getattr(node.target, "__name__", str(node.target))
-            key = str(node.target) if key in ("default", "Tensor", "int") else key
-        elif node.op == "call_module":
-            key = type(gm.get_submodule(node.target)).__name__
-        else:
-            continue
-        out[key] = out.get(key, 0) + 1
-    return dict(sorted(out.items()))
