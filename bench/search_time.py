@@ -61,7 +61,7 @@ READING = """## Reading the results
     stay separable and are merged by squaring.
 * **Capture takes 0.5-0.7 s instead of 6-14 s.** The planner exports two layers and replicates them
   (`primepar_fx/graph/replicate.py`, [planning.md](../planning.md#0-capture-two-layers-replicate-the-rest)). The bench
-  checks that the replicated graph has the full capture's nodes and names. `tests/test_replicate.py` also checks
+  checks that the replicated graph has the full capture's nodes and names. `tests/graph/test_replicate.py` also checks
   its edges, parameters and prices.
   * The two-layer export runs without FakeTensor's dispatch cache, which nearly every op of a short symbolic
     trace misses (0.7-0.9 s in the last run). A full capture keeps it: its 80 identical layers hit it, and
@@ -91,8 +91,8 @@ READING = """## Reading the results
   `8x2x2` for 32 GPUs.
   * That keeps P near 100-200 sequences per node, so P(S×S) stays possible inside a node and every split stays
     possible across nodes.
-  * `tests/test_planner.py` checks that a grouped plan, written out on the full mesh, is priced identically.
-  * `tests/test_search_real.py` checks that DP = ILP on the grouped 16-GPU mesh.
+  * `tests/planning/test_planner.py` checks that a grouped plan, written out on the full mesh, is priced identically.
+  * `tests/search/test_search_real.py` checks that DP = ILP on the grouped 16-GPU mesh.
 * **DP vs ILP.** On two-layer models of the same shapes, the ILP (PuLP/CBC) reaches the DP's optimum exactly
   where it fits: gap 0 at 4 and 128 GPUs for all three models. Elsewhere the edge matrices make the ILP
   millions of variables, and it is not run.

@@ -18,7 +18,7 @@ callable, so the same generator serves two drivers:
   8 gloo ranks takes about half a minute (each imports torch), a case a few seconds. Hypothesis cannot drive
   this: it calls the test once per example, and shrinks by calling it again, while a bucket has to be known before
   its ranks start.
-* hypothesis (``st.composite`` over the same :func:`draw_case`, see ``tests/test_fuzz.py``) for two examples on
+* hypothesis (``st.composite`` over the same :func:`draw_case`, see ``tests/compiler/test_fuzz.py``) for two examples on
   2 ranks, one process-group start each, and for cheap single-process properties of the generator. Hypothesis
   only draws there; the ranks run in fresh ``spawn`` processes, never forked from the hypothesis engine.
 

@@ -166,3 +166,13 @@ def test_relative_imports_resolve_to_the_module_they_name(source, tmp_path):
         assert (target, what) == ("primepar_fx.partition.mesh", "")
     else:
         assert (target, what) == ("primepar_fx.partition.seq", "Split")
+
+
+def test_the_tests_mirror_the_packages():
+    tests = PACKAGE.parent / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("golden", "__pycache__")}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders <= packages, f"test folders without a package: {sorted(folders - packages)}"
+    for folder in folders:
+        for test in (tests / folder).glob("test_*.py"):
+            assert not (tests / test.name).exists(), f"{test.name} is both in tests/ and tests/{folder}/"

@@ -14,7 +14,7 @@ while the planner only needs one layer's nodes and how layers connect. :func:`an
    then the nodes after it, each named as :func:`~primepar_fx.frontend.capture.capture` names the full model's nodes
    (``add``, ``add_1``, ... densely in graph order, so a layer's ``k``-th ``add`` is ``first + layer * per_layer``).
 
-The result is the graph the full capture gives (``tests/test_replicate.py`` checks this node for node on the
+The result is the graph the full capture gives (``tests/graph/test_replicate.py`` checks this node for node on the
 zoo's and Hugging Face's models), so a plan made from it applies to the full model: it carries the same
 ``model_fingerprint``. It has no per-layer ``GraphModule``, so it can be planned but not compiled
 (:attr:`OpGraph.replicated <primepar_fx.graph.OpGraph.replicated>` is set and the passes refuse it).

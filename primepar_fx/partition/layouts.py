@@ -214,7 +214,7 @@ class IndexSets:
 
 def _gather(table: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """``table[rows, cols]`` with ``rows`` and ``cols`` broadcast, as one ``take`` on flat indices, which numpy
-    runs faster than two-array fancy indexing on these shapes (measured: ``docs/benchmarks/search_time.md``)."""
+    runs faster than two-array fancy indexing on these shapes (measured: ``docs/benchmarks/measured_in_code.md``)."""
     return table.ravel().take(rows * table.shape[1] + cols)
 
 

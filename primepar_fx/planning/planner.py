@@ -55,6 +55,8 @@ _MODEL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "
 
 @dataclass(frozen=True, slots=True)
 class Summary:
+    """A plan's whole-plan figures and its per-node rows, read back from a priced graph and a choice."""
+
     predicted: Predicted
     nodes: tuple[NodePlan, ...]
 

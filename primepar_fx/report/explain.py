@@ -44,6 +44,8 @@ from primepar_fx.utils.tables import fold_repeats
 
 @dataclass(frozen=True, slots=True)
 class NodeRow:
+    """One row of ``primepar-fx explain``: a node, its op and shape, forward FLOPs and legal sequences."""
+
     name: str
     op: str
     shape: str

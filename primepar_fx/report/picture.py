@@ -8,7 +8,7 @@ linear operator ``O[M,K] = I[M,N] . W[N,K]``, and the tensors of each phase from
     python -m primepar_fx.report.picture --svg > docs/img/prime_2x2.svg
     python -m primepar_fx.report.picture --seq K,P2x2 --digits 2,2,2
 
-``tests/test_picture.py`` checks that the committed picture equals what this module draws now.
+``tests/report/test_picture.py`` checks that the committed picture equals what this module draws now.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Guarantees:
   between cut points (:func:`_crossover`) and polished by single-node moves (:func:`_polish`), within budget; the
   plan is returned with its gap (``bound``). :func:`primepar_fx.search.solve` with ``method="auto"`` then asks the
   ILP to close the gap when the ILP is small enough. How often the DP plan is optimal, and how far above the
-  optimum it lands otherwise, is recorded in ``docs/benchmarks/search_time.md``.
+  optimum it lands otherwise, is recorded in ``docs/benchmarks/measured_in_code.md``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ How the minimum is computed:
    This keeps the layers identical and separable. Segment tables that touch no global are computed once; those
    that do are recomputed per ``a`` incrementally (only the engine steps downstream of the changed node costs).
    This is faster than the engine's fallback for globals it does not condition, which keeps a global as an extra
-   table axis in one segment spanning all layers (measurements in ``docs/benchmarks/search_time.md``).
+   table axis in one segment spanning all layers (measurements in ``docs/benchmarks/measured_in_code.md``).
    A long edge with few distinct rows, such as a tied embedding's from the first node to the LM head, is first
    routed through a *proxy* node with one state per distinct row (:mod:`~primepar_fx.search.proxy`), which is
    made global, so the layers between its ends stay separable and can be merged. The schedule below weighs the work

@@ -2,7 +2,7 @@
 
 Capture (``torch.export``) and pricing allocate millions of small objects while a large graph stays alive, and each
 full collection walks all of them, again and again, for a noticeable share of planning time (numbers in
-``docs/benchmarks/search_time.md``). The work creates little cyclic garbage, so collection waits until it ends.
+``docs/benchmarks/measured_in_code.md``). The work creates little cyclic garbage, so collection waits until it ends.
 Reference counting still frees everything else at once.
 """
 

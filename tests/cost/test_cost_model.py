@@ -316,7 +316,7 @@ def test_edge_cost_is_the_cheaper_of_an_all_to_all_and_the_runtime_exchange(dtyp
 @pytest.mark.parametrize(("dtype", "item"), DTYPES)
 def test_cannon_skew_edge_is_one_message_per_receiving_device(dtype: str, item: int) -> None:
     # P2x2 -> P2x2: forward the devices of row 1 swap their blocks, backward those of row 0
-    # (tests/test_redistribute.py derives the skew); each receiver gets one block from one peer
+    # (tests/cost/test_redistribute.py derives the skew); each receiver gets one block from one peer
     first, second = linear(SB, SM, SN, SK), linear(SB, SM, SK, SN)
     producer = [OpPartition(first, PartitionSeq.parse("P2x2"), MESH)]
     consumer = [OpPartition(second, PartitionSeq.parse("P2x2"), MESH)]

@@ -13,7 +13,7 @@ import primepar_fx
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, PartitionSeq, Phase
 from primepar_fx.report.picture import bind, holdings, main, render_markdown, render_svg
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 SVG = DOCS / "img" / "prime_2x2.svg"
 CONCEPTS = DOCS / "concepts.md"
 BLOCK = re.compile(r"(<!-- picture:start[^\n]*-->\n\n)(.*?)(\n<!-- picture:end -->)", re.S)

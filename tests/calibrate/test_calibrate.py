@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from opdims import linear_dims
 
-from primepar_fx.calibrate.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
 from primepar_fx.calibrate import measure as cal
+from primepar_fx.calibrate.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
 from primepar_fx.cost.cluster import COLLECTIVES, ClusterSpec, LinearLatency, fit_collective, load_cluster
 from primepar_fx.cost.model import CostOptions, NodeCost, node_cost
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq

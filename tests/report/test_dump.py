@@ -21,7 +21,7 @@ from primepar_fx.report import dump as dump_mod
 from primepar_fx.report.dump import dump, dump_module, edge_redistribution_bytes, fake_rank_graphs, normalize_code
 
 WORLD, BATCH, SEQ = 4, 8, 64
-GOLDEN = Path(__file__).parent / "golden" / "gpt2_tiny_megatron_rank0.py"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gpt2_tiny_megatron_rank0.py"
 FILES = ("captured.txt", "plan.json", "nodes.md", "passes.md", "graph.dot") + tuple(f"rank{r}.py" for r in range(4))
 
 
