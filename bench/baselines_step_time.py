@@ -2,8 +2,8 @@
 
 Systems, all training the same reference decoder (:data:`CONFIG`, built from one seed) on the same global batch:
 
-* ``primepar searched``: the plan :func:`primepar_fx.compile_graph` searches with the ``cpu-gloo`` preset, and
-  ``primepar searched (calibrated)`` with ``--spec``, a cluster spec from ``primepar-fx calibrate`` on this machine,
+* ``primepar searched``: the plan :func:`~primepar_fx.compiler.module.compile_graph` searches on ``cpu-gloo``,
+  and ``primepar searched (calibrated)`` with ``--spec``, a cluster spec from ``primepar-fx calibrate`` on this machine,
   also under a memory budget (``(calibrated, budget)``: the predicted peak of Megatron dp1 x mp4 +SP on that spec);
   ``primepar megatron``: the forced Megatron plan (the configuration the cost model finds cheapest), for
   reference, and ``primepar megatron dp1 x mp4 +SP``: Megatron with sequence parallelism over all ranks, the
