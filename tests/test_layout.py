@@ -176,3 +176,62 @@ def test_the_tests_mirror_the_packages():
     for folder in folders:
         for test in (tests / folder).glob("test_*.py"):
             assert not (tests / test.name).exists(), f"{test.name} is both in tests/ and tests/{folder}/"
+
+
+CYCLE_PROBE = r"""
+import builtins, importlib.abc, importlib.machinery, sys
+
+initializing = []  # the package's modules whose code is running, outermost first
+found = []
+
+
+class Tracking(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("primepar_fx"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module, run=run):
+                initializing.append(module.__name__)
+                try:
+                    run(module)
+                finally:
+                    initializing.pop()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+real_import = builtins.__import__
+
+
+def checked_import(name, globals=None, locals=None, fromlist=(), level=0):
+    importer = (globals or {}).get("__name__", "")
+    if level == 0 and name.startswith("primepar_fx") and importer.startswith("primepar_fx"):
+        targets = [name] + [f"{name}.{f}" for f in fromlist or () if f"{name}.{f}" in sys.modules]
+        for target in targets:
+            ancestor = importer.startswith(target + ".")
+            if target in initializing and target != importer and not ancestor:
+                found.append(f"{importer} imports {target} while {target} is still running")
+    return real_import(name, globals, locals, fromlist, level)
+
+
+sys.meta_path.insert(0, Tracking())
+builtins.__import__ = checked_import
+import primepar_fx  # noqa: E402
+import primepar_fx.cli  # noqa: E402
+
+print("\n".join(found) or "no cycle")
+"""
+
+
+def test_importing_the_package_runs_into_no_half_initialised_module():
+    """``import primepar_fx`` in a fresh interpreter: no module of the package imports one whose code is still
+    running (other than its own enclosing packages), which is what an import cycle does at run time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CYCLE_PROBE], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "no cycle", out.stdout
