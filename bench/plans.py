@@ -12,8 +12,9 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import config_name, megatron_assignment, megatron_configs
+from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.plan import Plan
-from primepar_fx.planning.planner import Summary, _make_plan, summarize
+from primepar_fx.planning.planner import Summary, make_plan, summarize
 from primepar_fx.planning.pricing import price_graph
 
 
@@ -49,14 +50,12 @@ def megatron_plan(
     mesh = spec.mesh(world_size)
     assignment = megatron_assignment(graph, mesh, values={B: batch, S: seq}, **config)
     summary = price_fixed(graph, assignment, mesh, cluster, batch, seq, dtype)
-    return _make_plan(
+    options = PlanOptions.make(cluster=spec, world_size=world_size, batch=batch, seq=seq, dtype=dtype)
+    return make_plan(
         graph,
-        spec,
+        options,
         mesh,
         summary,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
         baselines={},
         search={"forced": "megatron", "config": {**config, "name": config_name(config)}},
     )

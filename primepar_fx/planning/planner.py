@@ -291,7 +291,7 @@ def search_mesh(mesh: DeviceMesh, grouped: bool | None) -> DeviceMesh:
     return mesh.grouped(GROUPED_DIGITS) if grouped else mesh
 
 
-def _make_plan(
+def make_plan(
     graph: OpGraph,
     opts: PlanOptions,
     mesh: DeviceMesh,
@@ -300,6 +300,7 @@ def _make_plan(
     baselines: dict[str, Baseline],
     search: dict[str, Any],
 ) -> Plan:
+    """The :class:`Plan` of ``graph`` priced as ``summary`` on ``mesh``, with ``opts``' cluster, sizes and dtype."""
     return Plan(
         model=graph.name,
         model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
@@ -349,7 +350,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     ours = summarize(graph, priced, sol.choice, costs)
     t2 = time.perf_counter()
     base = _baselines(graph, priced, full, opts, costs) if opts.baselines else {}
-    return _make_plan(
+    return make_plan(
         graph,
         opts,
         mesh,
@@ -457,4 +458,4 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
         summary = _price_fixed(graph, _random_assignment(graph, mesh, values, seed), mesh, spec, values, costs)
         search["seed"] = seed
     search["seconds"] = round(time.perf_counter() - t0, 4)
-    return _make_plan(graph, opts, mesh, summary, baselines={}, search=search)
+    return make_plan(graph, opts, mesh, summary, baselines={}, search=search)
