@@ -34,7 +34,14 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from primepar_fx.compiler.agree import agree_plan, check_plan_fits, checked_world, comm_device, compile_options
+from primepar_fx.compiler.agree import (
+    agree_plan,
+    check_plan_fits,
+    checked_world,
+    comm_device,
+    compile_options,
+    with_machine_cluster,
+)
 from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
@@ -44,6 +51,7 @@ from primepar_fx.passes.localize import RankGraph, localize
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
+from primepar_fx.runtime.gradsync import GradientBuckets
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
 
@@ -66,6 +74,8 @@ class PrimeParModule(nn.Module):
             between steps.
         graph_module: the rewritten per-rank ``GraphModule`` of the sizes last run (print ``graph_module.code``).
         fallbacks: nodes that run whole because their partition has no local form.
+        grad_buckets: the buckets that sum parameter gradients over their replicas during backward
+            (:class:`~primepar_fx.runtime.gradsync.GradientBuckets`; ``grad_buckets.describe()`` lists them).
         check_sizes: whether each call first checks that every rank got inputs of the same ``B`` and ``S`` (one
             all-reduce of four integers, not counted in ``comm_stats``; default ``True``). With ``False`` only a
             rebuild for new sizes checks it, and ranks given different sizes that each have a graph for them run on
@@ -142,6 +152,13 @@ class PrimeParModule(nn.Module):
             else:
                 raise NotImplementedError(f"input {spec.target} of kind {spec.kind.name} is not supported")
         self._ranges = size_ranges(captured)
+        self.grad_buckets = GradientBuckets(
+            [
+                (self._param_of[n], self.shards[self._key_of[self._param_of[n]]], r)  # type: ignore[index]
+                for n, r in rank_graph.grad_reductions.items()
+            ],
+            self.comm_stats,
+        )
 
     # ------------------------------------------------------------------------------------------------ running
     def _as_captured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -222,6 +239,9 @@ class PrimeParModule(nn.Module):
             for name, fqn in self._param_of.items():
                 if built.param_layouts[name] != self._layouts[fqn]:
                     raise RuntimeError(f"parameter {fqn!r} would be stored differently at B={sizes[0]}, S={sizes[1]}")
+            first = self._rank_graphs[self._sizes].grad_reductions
+            if {n: r.digits for n, r in built.grad_reductions.items()} != {n: r.digits for n, r in first.items()}:
+                raise RuntimeError(f"the gradient buckets would differ at B={sizes[0]}, S={sizes[1]}")
             for f in dataclasses.fields(CommStats):  # one counter for every size: share its dicts
                 setattr(built.stats, f.name, getattr(self.comm_stats, f.name))
             self._rank_graphs[sizes] = built
@@ -376,6 +396,7 @@ def compile(
     _check_timeout(timeout)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     graph = build_graph(capture(model, args, example_kwargs), fallback=fallback)
+    options = with_machine_cluster(options, plan, measure=cluster is None)
     module = compile_graph(graph, plan=plan, options=options, world_size=world_size, timeout=timeout)
     program = graph.captured.program
     for fqn in graph.captured.params.values():  # the module holds its shards; let the whole weights go
@@ -409,6 +430,7 @@ def compile_graph(
     world, rank = checked_world(world_size)
     if options is None:
         options = compile_options(cluster=cluster, memory_budget=memory_budget, dtype=dtype)
+        options = with_machine_cluster(options, plan, measure=cluster is None)
     elif (cluster, memory_budget, dtype) != (None, None, None):
         raise TypeError("pass options or cluster / memory_budget / dtype, not both")
     parse_plan(plan)

@@ -8,7 +8,8 @@ In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of t
    input slicing, output gathering.
 4. :func:`~primepar_fx.passes.collectives.insert_collectives`: forward / backward all-reduces of each partition;
    :func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`: an all-reduce and the slice after it become one
-   reduce-scatter.
+   reduce-scatter; :func:`~primepar_fx.passes.gradsync.defer_parameter_gradients`: a parameter's gradient sum
+   leaves the graph for the compiled module's gradient buckets (asynchronous, overlapped with backward).
 5. :func:`~primepar_fx.passes.ring.replace_ring_products`: one ring operator per P(S x S) product.
 6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block.
 
@@ -19,6 +20,7 @@ names and writing each pass's graph under ``PRIMEPAR_DUMP_DIR``.
 
 from primepar_fx.passes.annotate import annotate_plan
 from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
+from primepar_fx.passes.gradsync import defer_parameter_gradients
 from primepar_fx.passes.localize import RankGraph, localize, rewrite_local_ops
 from primepar_fx.passes.redistribute import insert_redistributions
 from primepar_fx.passes.ring import replace_ring_products
@@ -29,6 +31,7 @@ __all__ = [
     "PassError",
     "RankGraph",
     "annotate_plan",
+    "defer_parameter_gradients",
     "fuse_reduce_scatters",
     "insert_collectives",
     "insert_redistributions",

@@ -14,7 +14,7 @@
 :func:`~primepar_fx.passes.runner.run_passes` (each pass checked, ``PRIMEPAR_DISABLE_PASSES``, per-pass dumps)::
 
     annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> fuse_reduce_scatters
-      -> replace_ring_products -> rewrite_local_ops
+      -> defer_parameter_gradients -> replace_ring_products -> rewrite_local_ops
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ from primepar_fx.partition.layouts import Layout
 from primepar_fx.passes.annotate import annotate_plan
 from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
 from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_module, arg, digits_of, info, is_getitem
+from primepar_fx.passes.gradsync import defer_parameter_gradients
 from primepar_fx.passes.layouts import local_shape
 from primepar_fx.passes.redistribute import insert_redistributions, redistribute_module
 from primepar_fx.passes.ring import replace_ring_products
 from primepar_fx.passes.runner import run_passes
 from primepar_fx.passes.shard import shard_parameters
+from primepar_fx.runtime.gradsync import GradReduction
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.lowered import ShardedCrossEntropy, ShardedLayerNorm, VocabEmbedding
 from primepar_fx.runtime.stats import CommStats
@@ -87,6 +89,8 @@ class RankGraph:
     stats: CommStats = field(default_factory=CommStats)
     #: ``(pass name, op counts after it)``, starting with the captured graph
     pass_counts: list[tuple[str, dict[str, int]]] = field(default_factory=list)
+    #: parameter placeholder -> the gradient sum the compiled module's gradient buckets do for it
+    grad_reductions: dict[str, GradReduction] = field(default_factory=dict)
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, prefix: str, mod: nn.Module, *args: Any) -> fx.Node:
@@ -228,6 +232,7 @@ def localize(
         insert_redistributions,
         insert_collectives,
         fuse_reduce_scatters,
+        defer_parameter_gradients,
         replace_ring_products,
         rewrite_local_ops,
     ]
@@ -235,4 +240,4 @@ def localize(
     # annotate_plan only fills node.meta, so its counts are the captured graph's: pass_counts never listed it
     counts = [(name, c) for name, c in counts if name != "annotate_plan"]
     layouts = {n.name: n.meta[STORAGE] for n in gm.graph.nodes if n.op == "placeholder" and STORAGE in n.meta}
-    return RankGraph(gm, layouts, ctx.fallbacks, ctx.stats, counts)
+    return RankGraph(gm, layouts, ctx.fallbacks, ctx.stats, counts, ctx.grad_reductions)

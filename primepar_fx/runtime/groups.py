@@ -4,6 +4,10 @@ A group indicator is a set of digit positions; its groups are the ranks that dif
 (:meth:`~primepar_fx.partition.DeviceMesh.groups`). ``torch.distributed.new_group`` is collective over the whole
 world, so :meth:`ProcessGroups.get` creates *every* group of a pattern the first time any rank asks for it. The
 graph passes ask in graph order, which is the same on every rank.
+
+A *channel* names a second, separate set of groups over the same ranks: the gradient buckets of
+:mod:`primepar_fx.runtime.gradsync` run on their own channel, so that their asynchronous collectives, launched from
+autograd hooks, can never be matched with a collective of the graph that a peer issued in a different order.
 """
 
 from __future__ import annotations
@@ -22,18 +26,22 @@ class ProcessGroups:
         self.mesh, self.timeout = mesh, timeout
         self.rank = rank
         self.coords = mesh.coords(rank)
-        self._cache: dict[tuple[int, ...], tuple[object | None, tuple[int, ...]]] = {}
+        self._cache: dict[tuple[tuple[int, ...], str], tuple[object | None, tuple[int, ...]]] = {}
 
-    def get(self, positions: tuple[int, ...]) -> tuple[object | None, tuple[int, ...]]:
-        """``(group, ranks)`` of this rank's group over the digits ``positions``; group ``None`` if alone."""
-        key = tuple(sorted(set(positions)))
+    def get(self, positions: tuple[int, ...], channel: str = "") -> tuple[object | None, tuple[int, ...]]:
+        """``(group, ranks)`` of this rank's group over the digits ``positions``; group ``None`` if alone.
+
+        ``channel``: ``""`` for the graph's own groups; any other name gives groups of the same ranks that are
+        separate communicators (the world group included), created on first use like the others."""
+        digits = tuple(sorted(set(positions)))
+        key = (digits, channel)
         if key not in self._cache:
-            groups = self.mesh.groups(key)
+            groups = self.mesh.groups(digits)
             mine: tuple[object | None, tuple[int, ...]] = (None, (self.rank,))
             for ranks in groups:
                 if len(ranks) == 1:
                     continue
-                if len(ranks) == self.mesh.size:
+                if len(ranks) == self.mesh.size and not channel:
                     handle = dist.group.WORLD
                 else:
                     handle = dist.new_group(ranks, timeout=self.timeout)

@@ -25,12 +25,14 @@ class CommStats:
     by_node: dict[str, int] = field(default_factory=dict)
     detail: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def add(self, kind: str, nbytes: float, node: str = "") -> None:
+    def add(self, kind: str, nbytes: float, node: str = "", calls: int = 1) -> None:
+        """Count ``nbytes`` of ``kind`` sent for ``node`` in ``calls`` messages (``0``: part of a message counted
+        already, as each tensor of a gradient bucket is)."""
         if kind not in self.bytes:
             raise ValueError(f"unknown communication kind {kind!r}; expected one of {COMM_KINDS}")
         n = int(round(nbytes))
         self.bytes[kind] += n
-        self.calls[kind] += 1
+        self.calls[kind] += calls
         if node:
             self.by_node[node] = self.by_node.get(node, 0) + n
             self.detail[(node, kind)] = self.detail.get((node, kind), 0) + n

@@ -1,0 +1,219 @@
+"""Parameter gradients summed over their replicas as DDP and FSDP2 do it: in buckets, asynchronously, during backward.
+
+A parameter that several ranks hold the same block of gets, on each of them, only the part of its gradient that
+the rank's own computation contributes; the plan sums those parts over the group (a Gradient-phase all-reduce on
+the parameter input of its consumer). Done in the graph, that is one synchronous all-reduce per parameter, each
+waited where autograd reaches it. :class:`GradientBuckets` does the same sums the way PyTorch's data parallelisms
+do:
+
+* the parameters are grouped into size-bounded buckets in reverse order of their use in forward (the order their
+  gradients become ready), one bucket holding tensors of one process group and one dtype;
+* a hook on each parameter records its gradient for this backward when autograd has computed it; when every
+  gradient of a bucket is in, the bucket is flattened and all-reduced with ``async_op=True``, so the transfer
+  runs while autograd computes the rest of backward;
+* buckets launch strictly in index order on every rank, on groups of their own (the ``"grad"`` channel of
+  :class:`~primepar_fx.runtime.groups.ProcessGroups`), so no peer can pair them with another collective;
+* a callback at the end of backward launches what is left (a parameter whose gradient never came is left out of
+  its bucket's message and its ``.grad`` untouched: every rank runs the same graph, so it is the same on all), waits
+  once for every bucket and writes each parameter's ``.grad``.
+
+Gradients stay exact: ``.grad`` ends as the group sum of this backward's gradient, plus whatever ``.grad`` held
+before (gradient accumulation over several backwards keeps working: the earlier value is set aside while autograd
+writes this backward's part, and added back at the end). ``torch.autograd.grad`` on the parameters gets the
+summed gradients too, synchronously (autograd then writes no ``.grad``, so there is nothing to overlap with).
+Every bucket counts its tensors' bytes in ``comm_stats`` under the node the plan prices them on, with the same
+ring volume as the graph's all-reduces, and one message per bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.runtime.stats import CommStats
+
+#: DDP's default bucket size, and its smaller first bucket (the last gradients of backward: launched early)
+BUCKET_CAP_MB = 25.0
+FIRST_BUCKET_CAP_MB = 1.0
+
+
+@dataclass(frozen=True)
+class GradReduction:
+    """The sum of one parameter's gradient over the ranks that differ only in ``digits``."""
+
+    digits: tuple[int, ...]
+    #: this rank's group: ``(handle, ranks)`` on the gradient channel
+    group: tuple[object, tuple[int, ...]]
+    #: the node whose partition asks for the sum (bytes are counted under it, as the plan prices them)
+    node: str
+    #: position of the parameter's first use in the forward graph (buckets follow the reverse of it)
+    order: int
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.group[1]
+
+
+class _Bucket:
+    def __init__(self, index: int, group: tuple[object, tuple[int, ...]], dtype: torch.dtype) -> None:
+        self.index, self.group, self.dtype = index, group, dtype
+        self.members: list[int] = []  # indices into GradientBuckets.params
+        self.numel = 0
+        self.flat: torch.Tensor | None = None
+        self.sent: list[int] = []  # the members with a gradient this backward, in the order of ``flat``
+        self.work: object | None = None
+
+
+class GradientBuckets:
+    """Bucketed asynchronous gradient sums of ``params`` (module docstring).
+
+    ``params``: ``(name, parameter, reduction)`` for every parameter whose gradient the plan sums over a group;
+    parameters that do not require a gradient are left out. ``bucket_cap_mb`` bounds a bucket's bytes (the first
+    bucket launched: ``first_bucket_cap_mb``); a parameter larger than the bound gets a bucket of its own.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, nn.Parameter, GradReduction]],
+        stats: CommStats | None,
+        *,
+        bucket_cap_mb: float = BUCKET_CAP_MB,
+        first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB,
+    ) -> None:
+        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+            raise ValueError(f"bucket sizes must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
+        ordered = sorted((e for e in params if e[1].requires_grad), key=lambda e: -e[2].order)
+        self.names = [name for name, _, _ in ordered]
+        self.params = [p for _, p, _ in ordered]
+        self.reductions = [r for _, _, r in ordered]
+        self.stats = stats
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: list[int] = []
+        open_: dict[tuple, _Bucket] = {}
+        for i, (p, r) in enumerate(zip(self.params, self.reductions)):
+            key = (r.ranks, r.digits, p.dtype)
+            bucket = open_.get(key)
+            cap = (first_bucket_cap_mb if not self.buckets or bucket is self.buckets[0] else bucket_cap_mb) * 2**20
+            if bucket is not None and bucket.members and (bucket.numel + p.numel()) * p.element_size() > cap:
+                bucket = None
+            if bucket is None:
+                bucket = open_[key] = _Bucket(len(self.buckets), r.group, p.dtype)
+                self.buckets.append(bucket)
+            bucket.members.append(i)
+            bucket.numel += p.numel()
+            self.bucket_of.append(bucket.index)
+        self._nodes = [get_gradient_edge(p).node for p in self.params]
+        self._handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        self._reset()
+
+    # ------------------------------------------------------------------------------------------------ one backward
+    def _reset(self) -> None:
+        self._active = False
+        self._grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self._earlier: list[torch.Tensor | None] = [None] * len(self.params)
+        self._missing = [len(b.members) for b in self.buckets]
+        self._launched = 0
+        for b in self.buckets:
+            b.flat, b.work, b.sent = None, None, []
+
+    def _hook(self, i: int):
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            return self._ready(i, grad)
+
+        return hook
+
+    def _ready(self, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        try:
+            accumulates = torch._C._will_engine_execute_node(self._nodes[i])
+        except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated into .grad
+            accumulates = False
+        if not accumulates:
+            return self._reduce_now(i, grad)
+        if not self._active:
+            self._active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        p = self.params[i]
+        if p.grad is not None:  # set aside what earlier backwards left; autograd now writes this one's part
+            self._earlier[i], p.grad = p.grad, None
+        self._grads[i] = grad
+        b = self.bucket_of[i]
+        self._missing[b] -= 1
+        while self._launched < len(self.buckets) and self._missing[self._launched] == 0:
+            self._launch(self.buckets[self._launched])
+            self._launched += 1
+        return None
+
+    def _reduce_now(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        r = self.reductions[i]
+        out = grad.detach().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=r.group[0])
+        self._count(i)
+        return out
+
+    def _count(self, i: int, calls: int = 1) -> None:
+        if self.stats is not None:
+            p, r = self.params[i], self.reductions[i]
+            volume = ring_factors("all-reduce", len(r.ranks))[0] * p.numel() * p.element_size()
+            self.stats.add("collective", volume, r.node, calls=calls)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.sent = [i for i in bucket.members if self._grads[i] is not None]
+        if not bucket.sent:
+            return
+        parts = [self._grads[i].reshape(-1) for i in bucket.sent]  # type: ignore[union-attr]
+        bucket.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group[0], async_op=True)
+        for k, i in enumerate(bucket.sent):
+            self._count(i, calls=1 if k == 0 else 0)
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left, wait once for every bucket, write the sums into ``.grad``."""
+        try:
+            for bucket in self.buckets[self._launched :]:
+                self._launch(bucket)
+            for bucket in self.buckets:
+                if bucket.work is None:
+                    continue
+                bucket.work.wait()  # type: ignore[attr-defined]
+                offset = 0
+                for i in bucket.sent:
+                    n = self.params[i].numel()
+                    self._write(i, bucket.flat[offset : offset + n])  # type: ignore[index]
+                    offset += n
+        finally:
+            self._reset()
+
+    def _write(self, i: int, summed: torch.Tensor) -> None:
+        p, earlier = self.params[i], self._earlier[i]
+        summed = summed.view(p.shape)
+        if earlier is not None:
+            p.grad = earlier.add_(summed)
+        elif p.grad is not None:
+            p.grad.copy_(summed)
+        else:  # autograd wrote nothing (it stole no tensor and the hook's gradient was dropped): take the sum
+            p.grad = summed.clone()
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def describe(self) -> list[dict]:
+        """One row per bucket: its group, dtype, parameters and bytes (for ``explain`` and tests)."""
+        return [
+            {
+                "bucket": b.index,
+                "ranks": list(b.group[1]),
+                "dtype": str(b.dtype).removeprefix("torch."),
+                "params": [self.names[i] for i in b.members],
+                "bytes": b.numel * torch.empty((), dtype=b.dtype).element_size(),
+            }
+            for b in self.buckets
+        ]
