@@ -146,14 +146,14 @@ def fit_compute(samples: Iterable[tuple[float, float, float]], *, use_flops: boo
     return ComputeModel(*coef) if use_flops else ComputeModel(0.0, *coef)
 
 
-def _rounded(model: Any, digits: int = 4) -> Any:
+def rounded(model: Any, digits: int = 4) -> Any:
     """The model with every coefficient rounded to ``digits`` significant digits (readable spec files)."""
     values = {f.name: float(f"{getattr(model, f.name):.{digits}g}") for f in dataclasses.fields(model)}
     return dataclasses.replace(model, **values)
 
 
 # ---------------------------------------------------------------------------------------------------- progress
-class _Progress:
+class Progress:
     """A tqdm bar when tqdm is importable and stderr is a terminal, else INFO log lines."""
 
     def __init__(self, total: int, desc: str) -> None:
@@ -263,7 +263,7 @@ def measure_compute(
     shapes, sizes = (QUICK_MATMUL_SHAPES, QUICK_MEMORY_SIZES) if quick else (MATMUL_SHAPES, MEMORY_SIZES)
     sync, old_threads = _sync(device), torch.get_num_threads()
     samples: dict[str, list[tuple[float, float, float]]] = {}
-    progress = _Progress(len(dtypes) * (len(shapes) + 8 * len(sizes)), f"compute on {device}")
+    progress = Progress(len(dtypes) * (len(shapes) + 8 * len(sizes)), f"compute on {device}")
     try:
         if threads:
             torch.set_num_threads(threads)
@@ -279,7 +279,7 @@ def measure_compute(
         torch.set_num_threads(old_threads)
     models: dict[str, ComputeModel] = {}
     for key, rows in samples.items():
-        model = _rounded(fit_compute(rows, use_flops=key.startswith("matmul")))
+        model = rounded(fit_compute(rows, use_flops=key.startswith("matmul")))
         models[key] = model
         if report is not None:
             r2, max_rel = fit_quality([model(f, n) for f, n, _ in rows], [t for *_, t in rows])
@@ -292,7 +292,7 @@ def measure_compute(
 # ---------------------------------------------------------------------------------------------------- collectives
 
 
-def _collective_call(kind: str, nbytes: int, rank: int, world: int, device: torch.device) -> tuple[Callable, int]:
+def collective_call(kind: str, nbytes: int, rank: int, world: int, device: torch.device) -> tuple[Callable, int]:
     """A closure running one ``kind`` collective and the bytes per device it moves (cluster.py convention)."""
     import torch.distributed as dist
 
@@ -342,7 +342,7 @@ def _worker(
         sync = _sync(device)
         samples: dict[str, list[tuple[int, float]]] = {}
         for kind in COLLECTIVES:
-            calls = [_collective_call(kind, size, rank, world, device) for size in sizes]
+            calls = [collective_call(kind, size, rank, world, device) for size in sizes]
             for (fn, _), size in zip(calls, sizes):
                 q.put(("step", rank, f"{kind} {size} B warm-up"))
                 for _ in range(WARMUP):
@@ -399,7 +399,7 @@ def measure_collectives(
     args = (world_size, backend, port, sizes, reps, timeout, q)
     procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world_size)]
     steps = dict.fromkeys(range(world_size), "start-up (spawn, import torch)")
-    progress = _Progress(len(COLLECTIVES) * reps, f"{backend} collectives x{world_size}")
+    progress = Progress(len(COLLECTIVES) * reps, f"{backend} collectives x{world_size}")
     result: dict[str, list[tuple[int, float]]] | None = None
     try:
         for p in procs:
@@ -441,7 +441,7 @@ def measure_collectives(
         q.close()
     fits: dict[str, LinearLatency] = {}
     for kind, rows in result.items():
-        fit = _rounded(fit_collective(kind, world_size, rows))
+        fit = rounded(fit_collective(kind, world_size, rows))
         fits[kind] = fit
         if report is not None:
             pred = [fit.collective(kind, world_size, n) for n, _ in rows]
@@ -456,7 +456,7 @@ def default_backend(world_size: int = 1) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _resize(base: ClusterSpec, world_size: int) -> ClusterSpec:
+def resize_spec(base: ClusterSpec, world_size: int) -> ClusterSpec:
     """``base`` with at least ``world_size`` devices (the calibrated ranks share one node)."""
     if base.num_nodes == 1:
         n = max(base.num_devices, world_size)
@@ -484,7 +484,7 @@ def calibrate(
 ) -> ClusterSpec:
     """Measure compute and level-0 collectives here and return ``base`` with them merged in (``calibrated``)."""
     backend = backend or default_backend(world_size)
-    spec = _resize(base if isinstance(base, ClusterSpec) else load_cluster(base), world_size)
+    spec = resize_spec(base if isinstance(base, ClusterSpec) else load_cluster(base), world_size)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda" and spec.name == "cpu-gloo":
         log.warning(

@@ -10,6 +10,7 @@ rank raises with rank 0's message.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ import sympy
 import torch
 import torch.distributed as dist
 
+from primepar_fx.calibrate.machine import machine_spec, one_host
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
@@ -115,6 +117,20 @@ def compile_options(
         method="dp",
         baselines=False,
     )
+
+
+def with_machine_cluster(options: PlanOptions, plan: Any, *, measure: bool) -> PlanOptions:
+    """``options`` priced on this machine as measured (:func:`~primepar_fx.calibrate.machine.machine_spec`: cached,
+    else measured once on every rank) where ``measure`` (the caller gave no cluster), ``PRIMEPAR_CLUSTER`` names
+    none, the ranks share one host and rank 0 will price a plan (a search or a forced plan). Collective: every rank
+    calls it; only rank 0's options change (only rank 0 plans)."""
+    world, rank = world_rank()
+    if not measure or world < 2 or os.environ.get("PRIMEPAR_CLUSTER") or not one_host(world):
+        return options
+    if parse_plan(plan)[0] not in ("search", "forced"):
+        return options
+    spec = machine_spec(world, rank, options.cluster)
+    return options if spec is None else options.replace(cluster=spec)
 
 
 def agree_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:

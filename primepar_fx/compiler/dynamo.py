@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
-from primepar_fx.compiler.agree import agree_plan, compile_options, world_rank
+from primepar_fx.compiler.agree import agree_plan, compile_options, with_machine_cluster, world_rank
 from primepar_fx.compiler.module import rank_graph_for
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
@@ -96,9 +96,15 @@ class _ShapeCache:
     """
 
     def __init__(
-        self, gm: fx.GraphModule, example_inputs: list[Any], plan: Any, options: PlanOptions, state: dict[str, Plan]
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        plan: Any,
+        options: PlanOptions,
+        state: dict[str, Plan],
+        measure: bool = False,
     ) -> None:
-        self.gm, self.plan, self.options, self.state = gm, plan, options, state
+        self.gm, self.plan, self.options, self.state, self.measure = gm, plan, options, state, measure
         self.cache: dict[tuple, _Runner] = {}
         if not any(isinstance(a, torch.SymInt) for a in example_inputs):
             self.build(list(example_inputs))  # a static graph: build now; a symbolic one at its first call
@@ -115,7 +121,8 @@ class _ShapeCache:
         graph = build_graph(capture(wrapped, users, name="dynamo graph", dynamic=False))
         chosen = self.state.get("plan")
         if chosen is None or not _fits(chosen, graph):
-            chosen = agree_plan(graph, self.plan, self.options)
+            options = with_machine_cluster(self.options, self.plan, measure=self.measure)
+            chosen = agree_plan(graph, self.plan, options)
             self.state["plan"] = chosen
         runner = _Runner(wrapped, graph, rank_graph_for(graph, chosen, rank, whole_params=True))
         self.cache[self.key(concrete)] = runner
@@ -143,7 +150,7 @@ def backend(
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         log.info("primepar backend: graph with %d nodes", len(gm.graph.nodes))
-        return _ShapeCache(gm, example_inputs, plan, options, state)
+        return _ShapeCache(gm, example_inputs, plan, options, state, measure=cluster is None)
 
     return compile_fn
 

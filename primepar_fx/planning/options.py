@@ -15,6 +15,9 @@ The default cluster (:func:`default_cluster`), where the caller names none:
 3. otherwise, planning a job for other machines (``primepar_fx.plan``, ``primepar-fx plan`` and ``explain``), the
    paper's cluster ``v100-paper``.
 
+``compile`` and the backend then replace rule 2's preset by this machine as measured on its ranks, cached
+(:func:`primepar_fx.compiler.agree.with_machine_cluster`, :mod:`primepar_fx.calibrate.machine`).
+
 :func:`parse_plan` is the one place that reads the ``plan=`` argument of ``compile``, the backend and ``dump``.
 """
 

@@ -69,9 +69,9 @@ def test_fit_collective_recovers_per_bus_byte_and_per_step_coefficients(kind, wo
 
 
 def test_base_grows_to_the_calibrated_world_size():
-    grown = cal._resize(load_cluster("cpu-gloo"), 16)
+    grown = cal.resize_spec(load_cluster("cpu-gloo"), 16)
     assert grown.num_devices == grown.devices_per_node == 16
-    assert cal._resize(load_cluster("cpu-gloo"), 2).num_devices == load_cluster("cpu-gloo").num_devices
+    assert cal.resize_spec(load_cluster("cpu-gloo"), 2).num_devices == load_cluster("cpu-gloo").num_devices
 
 
 def test_world_size_is_checked_before_anything_runs(tmp_path):
