@@ -2,6 +2,9 @@
 
 Systems, all training the same reference decoder (:data:`CONFIG`, built from one seed) on the same global batch:
 
+* ``primepar (no options)``: what ``primepar_fx.compile(model, args)`` does, a search on this machine as its ranks
+  measured it (:mod:`primepar_fx.calibrate.machine`; measured on the first run, then read from the cache);
+  ``primepar data_parallel``: the forced data-parallel plan (its gradients in DDP-style buckets).
 * ``primepar searched``: the plan :func:`~primepar_fx.compiler.module.compile_graph` searches on ``cpu-gloo``,
   and ``primepar searched (calibrated)`` with ``--spec``, a cluster spec from ``primepar-fx calibrate`` on this machine,
   also under a memory budget (``(calibrated, budget)``: the predicted peak of Megatron dp1 x mp4 +SP on that spec);
@@ -88,7 +91,11 @@ REFERENCE = "dtensor tp"
 PAGE = "docs/benchmarks/baselines.md"
 MEGATRON_TP = "primepar megatron dp1 x mp4 +SP"  # dtensor tp's layout, planned and run by primepar
 BUDGETED = "primepar searched (calibrated, budget)"  # within the predicted peak of MEGATRON_TP
+NO_OPTIONS = "primepar (no options)"  # compile(model, args): searched on this machine as measured (cached)
+DATA_PARALLEL = "primepar data_parallel"
 SYSTEMS = (
+    NO_OPTIONS,
+    DATA_PARALLEL,
     "primepar searched",
     "primepar searched (calibrated)",
     BUDGETED,
@@ -159,7 +166,12 @@ def make_system(label: str, graph, config, rank: int, world: int, spec: str | No
             plan = megatron_plan(graph, tp, world_size=world, cluster=cluster, batch=batch, seq=seq)
         if label == BUDGETED:
             plan, budget = None, plan.predicted.peak_memory_bytes
-        module = compile_graph(graph, plan=plan, cluster=cluster, memory_budget=budget)
+        if label == DATA_PARALLEL:
+            plan = "data_parallel"
+        if label == NO_OPTIONS:
+            module = compile_graph(graph)
+        else:
+            module = compile_graph(graph, plan=plan, cluster=cluster, memory_budget=budget)
         module.check_sizes = False  # the same inputs on every rank; the baselines have no such all-reduce
         run |= {"plan": module.plan, "budget": budget}
     else:

@@ -4,9 +4,10 @@
   for the others; the forward all-reduce of the plan (``V`` is summed) completes the rows.
 * :class:`ShardedLayerNorm`: the normalised dim split. The mean and the variance are all-reduced (two-pass, one
   statistic each) in both directions, since every rank normalises its own slice with them.
-* :class:`ShardedCrossEntropy`: rows ``N`` and/or classes ``V`` split. With ``V`` split the row max, the sum of
-  exponentials and the target logit are all-reduced; with ``N`` split the loss sum and the count of non-ignored
-  targets are, so a ``mean`` divides by the global count exactly as one device does.
+* :class:`ShardedCrossEntropy`: rows ``N`` and/or classes ``V`` split. With ``V`` split the row max, then the sum
+  of exponentials and the target logit (one message) are all-reduced; with ``N`` split the loss sum and the count
+  of non-ignored targets are (one all-reduce of both), so a ``mean`` divides by the global count exactly as one
+  device does.
 """
 
 from __future__ import annotations
@@ -85,13 +86,13 @@ class ShardedCrossEntropy(nn.Module):
             peak = all_reduce(
                 logits.detach().amax(-1), vg, len(vranks), self.stats, op=dist.ReduceOp.MAX, node=self.node
             )
-            sumexp = all_reduce_autograd(
-                torch.exp(logits - peak.unsqueeze(-1)).sum(-1), vg, len(vranks), "forward", self.stats, self.node
-            )
+            sumexp = torch.exp(logits - peak.unsqueeze(-1)).sum(-1)
             local = target - self.v_lo
             inside = (local >= 0) & (local < rows)
             picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
-            picked = all_reduce_autograd(picked, vg, len(vranks), "forward", self.stats, self.node)
+            # the two sums in one message (the max cannot join them: another reduction)
+            both = all_reduce_autograd(torch.stack([sumexp, picked]), vg, len(vranks), "forward", self.stats, self.node)
+            sumexp, picked = both.unbind()
             loss = torch.log(sumexp) + peak - picked
         else:
             loss = F.cross_entropy(logits, target, reduction="none", ignore_index=self.ignore_index)
@@ -99,10 +100,11 @@ class ShardedCrossEntropy(nn.Module):
         if self.reduction == "none":
             return loss
         ng, nranks = self.n_group
-        total = all_reduce_autograd(loss.sum(), ng, len(nranks), "forward", self.stats, self.node)
         if self.reduction == "sum":
-            return total
-        count = all_reduce(valid.sum().to(loss.dtype), ng, len(nranks), self.stats, node=self.node)
+            return all_reduce_autograd(loss.sum(), ng, len(nranks), "forward", self.stats, self.node)
+        # the loss sum and the count of targets in one message (the cost model prices one all-reduce of both)
+        both = torch.stack([loss.sum(), valid.sum().to(loss.dtype)])
+        total, count = all_reduce_autograd(both, ng, len(nranks), "forward", self.stats, self.node).unbind()
         return total / count
 
     def extra_repr(self) -> str:
