@@ -381,6 +381,48 @@ def targets(result: dict) -> list[list[str]]:
 TARGET_HEADERS = ["primepar system", "step time / tp (<= 1?)", "peak memory / tp (< 1?)", "bytes / tp (< 1?)", "met"]
 
 
+def speed_targets(result: dict) -> list[list[str]]:
+    """Issue 16's targets: ``[target, measured ratio, bound, met]`` for the rows this run has."""
+    rows = {r["system"]: r for r in result["rows"]}
+    out = []
+
+    def add(what: str, value: float, bound: float) -> None:
+        out.append([what, f"{value:.2f}", f"<= {bound:.2f}", "yes" if value <= bound else "no"])
+
+    if DATA_PARALLEL in rows and "ddp" in rows:
+        add("primepar data_parallel / ddp, step time", rows[DATA_PARALLEL]["step_s"] / rows["ddp"]["step_s"], 1.10)
+    if MEGATRON_TP in rows and REFERENCE in rows:
+        mt, tp = rows[MEGATRON_TP], rows[REFERENCE]
+        add(f"{MEGATRON_TP} / {REFERENCE}, step time", mt["step_s"] / tp["step_s"], 1.0)
+        add(f"{MEGATRON_TP} / {REFERENCE}, bus bytes", mt["bus_bytes"] / tp["bus_bytes"], 1.0)
+    fastest = [rows[s] for s in ("ddp", "fsdp2", REFERENCE) if s in rows]
+    if NO_OPTIONS in rows and fastest:
+        best = min(fastest, key=lambda r: r["step_s"])
+        add(
+            f"{NO_OPTIONS} / the fastest ({best['system']}), step time",
+            rows[NO_OPTIONS]["step_s"] / best["step_s"],
+            1.0,
+        )
+    exact = [
+        abs(r["comm_stats"] - r["pred_bytes"]) < 0.5 and abs(r["bus_bytes"] - r["pred_bytes"]) < 0.5
+        for r in rows.values()
+        if "pred_bytes" in r
+    ]
+    if exact:
+        out.append(
+            [
+                "primepar rows with measured = predicted bytes",
+                f"{sum(exact)}/{len(exact)}",
+                "all",
+                "yes" if all(exact) else "no",
+            ]
+        )
+    return out
+
+
+SPEED_HEADERS = ["issue 16 target", "measured", "bound", "met"]
+
+
 def markdown(saved: dict, png: str | None) -> str:
     result, args, total_s = saved["result"], argparse.Namespace(**saved["args"]), saved["total_s"]
     load = result["load"]
@@ -401,6 +443,10 @@ def markdown(saved: dict, png: str | None) -> str:
         f"{args.spec or 'not run'}.",
         "",
         tabulate(table(result), HEADERS, tablefmt="github"),
+        "",
+        "Issue 16's targets (runtime speed) in this run:",
+        "",
+        tabulate(speed_targets(result), SPEED_HEADERS, tablefmt="github"),
         "",
         "Issue 6's targets, each primepar row against `dtensor tp` in this run:",
         "",
@@ -543,6 +589,7 @@ def main() -> None:
     print(tabulate(table(result), HEADERS))
     print(tabulate(breakdown(result), BREAKDOWN_HEADERS))
     print(tabulate(predictions(result), PRED_HEADERS))
+    print(tabulate(speed_targets(result), SPEED_HEADERS))
     print("first loss:", result["first_loss"], "load:", result["load"])
     unknown = {r["system"]: r["unknown_ops"] for r in result["rows"] if r["unknown_ops"]}
     if unknown:

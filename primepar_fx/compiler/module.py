@@ -152,6 +152,7 @@ class PrimeParModule(nn.Module):
             else:
                 raise NotImplementedError(f"input {spec.target} of kind {spec.kind.name} is not supported")
         self._ranges = size_ranges(captured)
+        self.grad_reductions = dict(rank_graph.grad_reductions)
         self.grad_buckets = GradientBuckets(
             [
                 (self._param_of[n], self.shards[self._key_of[self._param_of[n]]], r)  # type: ignore[index]

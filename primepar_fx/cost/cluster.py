@@ -177,10 +177,11 @@ class LinearLatency(_Data):
     def __call__(self, nbytes: float) -> float:
         return self.bytes_coeff * _real("nbytes", nbytes, "bytes") + self.fixed
 
-    def collective(self, kind: str, group_size: int, nbytes: float) -> float:
-        """Seconds for a ``kind`` collective of ``nbytes`` per device over ``group_size`` devices."""
+    def collective(self, kind: str, group_size: int, nbytes: float, *, bucketed: bool = False) -> float:
+        """Seconds for a ``kind`` collective of ``nbytes`` per device over ``group_size`` devices; ``bucketed``: it
+        travels in a bucket with others (a parameter gradient), so its per-step latency is the bucket's, not its."""
         bus, steps = ring_factors(kind, group_size)
-        return self.bytes_coeff * bus * _real("nbytes", nbytes, "bytes") + self.fixed * steps
+        return self.bytes_coeff * bus * _real("nbytes", nbytes, "bytes") + (0.0 if bucketed else self.fixed * steps)
 
     @classmethod
     def from_dict(cls, data: Any) -> LinearLatency:
@@ -265,10 +266,10 @@ class LinkLevel(_Data):
             lat[kind] = LinearLatency(float(f"{1 / bus_bw:.6g}"), fixed)
         return cls(name, bw, lat)
 
-    def collective_time(self, kind: str, group_size: int, nbytes: float) -> float:
+    def collective_time(self, kind: str, group_size: int, nbytes: float, *, bucketed: bool = False) -> float:
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(COLLECTIVES)}")
-        return self.collectives[kind].collective(kind, group_size, nbytes)
+        return self.collectives[kind].collective(kind, group_size, nbytes, bucketed=bucketed)
 
     @classmethod
     def from_dict(cls, data: Any) -> LinkLevel:
@@ -441,11 +442,14 @@ class ClusterSpec(_Data):
             raise ValueError(f"groups over digits {positions} span nodes but {self.name!r} has no inter-node level")
         return level
 
-    def collective_time(self, kind: str, nbytes_per_device: float, mesh: DeviceMesh, digits: Iterable[int]) -> float:
-        """Seconds for a ``kind`` collective over the groups that differ only in ``digits`` (module docstring)."""
+    def collective_time(
+        self, kind: str, nbytes_per_device: float, mesh: DeviceMesh, digits: Iterable[int], *, bucketed: bool = False
+    ) -> float:
+        """Seconds for a ``kind`` collective over the groups that differ only in ``digits`` (module docstring);
+        ``bucketed``: without the per-step latency, which the gradient bucket it travels in pays once."""
         digits = tuple(digits)
         level = self.levels[self.group_level(mesh, digits)]
-        return level.collective_time(kind, self.group_size(mesh, digits), nbytes_per_device)
+        return level.collective_time(kind, self.group_size(mesh, digits), nbytes_per_device, bucketed=bucketed)
 
     def shift_time(self, nbytes: float, senders: Iterable[int]) -> float:
         """Seconds for a ring shift where rank ``k`` receives ``nbytes`` from ``senders[k]`` (all at once)."""

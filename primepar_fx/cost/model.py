@@ -12,7 +12,9 @@ Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition `
 * ``ring``: the transfers :func:`~primepar_fx.partition.transfers` derives for step ``t`` (the blocks that move
   overlap the compute of that step), priced as P2P shifts at the slowest link they cross.
 * ``collectives``: an all-reduce per :class:`~primepar_fx.partition.Collective` of the local result block over its
-  group indicator, priced at the slowest level the group touches.
+  group indicator, priced at the slowest level the group touches. The all-reduce of a parameter's gradient
+  (:func:`in_bucket`) travels in one of the runtime's gradient buckets, so it pays its bytes but not the per-step
+  latency, which the bucket pays once for many.
 * ``memory`` (bytes per device): parameters with their gradients and optimizer state, activations stashed for
   backward, and the ring's second (receive) buffer for every block that moves in a phase, in the phase that
   needs the most.
@@ -57,7 +59,7 @@ from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
 from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, clear_redistribution_caches, edge_pairs
 from primepar_fx.cost.scatter import SCATTERS
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
-from primepar_fx.partition.comm import Transfer
+from primepar_fx.partition.comm import Collective, Transfer
 from primepar_fx.partition.enumerate import ValuesKey, values_key
 from primepar_fx.rules.spec import OpDims
 
@@ -175,7 +177,7 @@ def node_cost(
     coll_s = 0.0
     for c in collectives(part):
         block = c.count * block_bytes(part, c.block if c.block is not None else tensor_map(op, c.tensor), vkey, item)
-        coll_s += cluster.collective_time(c.kind, block, part.mesh, c.digits)
+        coll_s += cluster.collective_time(c.kind, block, part.mesh, c.digits, bucketed=in_bucket(op, c))
         bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
         comm[c.kind] = comm.get(c.kind, 0) + int(round(bus * block))
     params = sum(block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None)
@@ -188,6 +190,19 @@ def node_cost(
         default=0,
     )
     return NodeCost(tuple(phase_s), compute_total, ring_total, coll_s, params, stash, buffers, comm)  # type: ignore[arg-type]
+
+
+def in_bucket(op: OpDims, c: Collective) -> bool:
+    """Whether the runtime sums ``c`` in a gradient bucket (:mod:`primepar_fx.runtime.gradsync`): the all-reduce of a
+    parameter's gradient. Its bytes cost as any all-reduce's; its latency is the bucket's, shared by many (a
+    parameter the runtime keeps in the graph, a tied one used twice, still pays its own: priced a little low)."""
+    return (
+        c.phase is Phase.GRADIENT
+        and c.kind == "all-reduce"
+        and c.block is None
+        and c.tensor.startswith("d_in")
+        and int(c.tensor[4:]) in op.weights
+    )
 
 
 def edge_cost_matrix(

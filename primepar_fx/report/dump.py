@@ -105,6 +105,16 @@ def rank_code(rank_graph: Any, rank: int, plan: Plan) -> str:
     for name, module in modules:
         text = f"{name} = {type(module).__name__}({' '.join(module.extra_repr().split())})"
         head += "".join(f"# {line}\n" for line in textwrap.wrap(text, 116, subsequent_indent="    "))
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for placeholder, reduction in getattr(rank_graph, "grad_reductions", {}).items():
+        by_ranks.setdefault(reduction.ranks, []).append(placeholder)
+    if by_ranks:
+        head += (
+            "# parameter gradients summed over their replicas outside the graph, in gradient buckets during backward:\n"
+        )
+    for ranks, names in by_ranks.items():
+        text = f"over ranks {ranks}: {', '.join(names)}"
+        head += "".join(f"# {line}\n" for line in textwrap.wrap(text, 116, subsequent_indent="    "))
     return head + gm.print_readable(print_output=False)
 
 

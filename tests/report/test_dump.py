@@ -45,7 +45,7 @@ def searched() -> Plan:
 def megatron_dir(tmp_path_factory) -> Path:
     """The dump written by the command line, as a user would."""
     out = tmp_path_factory.mktemp("megatron")
-    argv = ["dump", "gpt2-tiny", "--world-size", "4", "--plan", "megatron", "--batch", "8", "--seq", "64"]
+    argv = ["dump", "gpt2-tiny", "--world-size", "4", "--plan", "megatron-sp", "--batch", "8", "--seq", "64"]
     assert main([*argv, "-o", str(out)]) == 0
     return out
 
@@ -67,14 +67,14 @@ def test_dump_of_gpt2_tiny_megatron_writes_every_file(megatron_dir: Path) -> Non
     for name in FILES:
         assert (megatron_dir / name).stat().st_size > 0, name
     assert (megatron_dir / "graph.svg").exists() or not dump_mod.shutil.which("dot")
-    assert Plan.load(megatron_dir / "plan.json").nodes == forced("megatron").nodes
+    assert Plan.load(megatron_dir / "plan.json").nodes == forced("megatron-sp").nodes
     assert "class GraphModule" in (megatron_dir / "captured.txt").read_text()
 
 
 def test_nodes_table_has_one_row_per_node_with_its_partition(megatron_dir: Path) -> None:
     rows = table_rows((megatron_dir / "nodes.md").read_text())
     assert [r[0] for r in rows] == list(graph().nodes)
-    plan = forced("megatron")
+    plan = forced("megatron-sp")
     assert {r[0]: r[3] for r in rows} == {n.name: n.partition for n in plan.nodes}
     linear = next(r for r in rows if r[1] == "aten.linear.default")
     assert "B" in linear[2] and "S" in linear[2], "shapes are symbolic"
@@ -90,7 +90,7 @@ def test_megatron_rank_code_has_no_ring_and_prime_rank_code_does(megatron_dir: P
 
 
 def test_passes_table_totals_match_the_pass_counts(megatron_dir: Path) -> None:
-    counts = fake_rank_graphs(graph(), forced("megatron"), [0])[0].pass_counts
+    counts = fake_rank_graphs(graph(), forced("megatron-sp"), [0])[0].pass_counts
     rows = table_rows((megatron_dir / "passes.md").read_text())
     total = next(r for r in rows if r[0] == "**total**")
     assert [int(x) for x in total[1:-1]] == [sum(c.values()) for _, c in counts]
@@ -179,10 +179,10 @@ def test_explain_marks_the_choice_and_no_alternative_of_a_searched_plan_is_cheap
 
 
 def test_explain_of_a_forced_megatron_plan_names_the_cheaper_alternatives() -> None:
-    plan = forced("megatron")
+    plan = forced("megatron-sp")
     found = [why for why in (primepar_fx.explain_choice(plan, n, graph=graph()) for n in linear_names()) if why.cheaper]
     assert found, "Megatron is not locally optimal for every linear of gpt2-tiny on cpu-gloo"
-    assert "forced ('megatron')" in found[0].reason()
+    assert "forced ('megatron-sp')" in found[0].reason()
     assert found[0].cheaper[0] == found[0].alternatives[0]
 
 
