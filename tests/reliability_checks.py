@@ -56,7 +56,7 @@ def errors_on_ranks(rank: int, world: int, tmp: str) -> None:
     ref, args, kwargs = make(name)
     model, _, _ = make(name)
     graph = build_graph(capture(model, args, kwargs))
-    for plan in ("megatron", "data_parallel"):  # new B and S: the plan is reused, the numbers are one device's
+    for plan in ("megatron-sp", "data_parallel"):  # new B and S: the plan is reused, the numbers are one device's
         module = compile_graph(graph, plan=plan)
         for b, s in ((4, 16), (2, 8), (6, 12)):
             a, k = inputs(name, b, s)

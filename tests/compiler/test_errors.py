@@ -346,7 +346,7 @@ def test_on_two_gloo_ranks_new_sizes_reuse_the_plan_and_bad_plans_fail_on_every_
     spawn(errors_on_ranks, 2, str(tmp_path), timeout=600)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(reports):
-        for plan in ("megatron", "data_parallel"):
+        for plan in ("megatron-sp", "data_parallel"):
             for size in ("4x16", "2x8", "6x12"):
                 assert r[f"{plan} {size}"] == {"close": True, "bad_grads": []}, (rank, plan, size)
             assert sorted(map(tuple, r[f"{plan} graphs"])) == [(2, 8), (4, 16), (6, 12)]
@@ -354,7 +354,7 @@ def test_on_two_gloo_ranks_new_sizes_reuse_the_plan_and_bad_plans_fail_on_every_
                 kind, message = r[f"{plan} mismatch {label}"]
                 assert kind == "ValueError" and "the ranks got inputs of different sizes" in message, (plan, label)
             assert r[f"{plan} after mismatch"] is True
-        assert r["megatron odd batch"] is None  # megatron does not split the batch
+        assert r["megatron-sp odd batch"] is None  # megatron dp1 x mp2 does not split the batch
         kind, message = r["data_parallel odd batch"]
         assert kind == "PartitionError" and "'embedding'" in message and "dim 'B' of size 3" in message
         assert r["other world"][0] == "ValueError" and "plan is for 4 devices" in r["other world"][1]
