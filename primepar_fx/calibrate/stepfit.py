@@ -46,8 +46,10 @@ Every level gets the same numbers (samples from one node cannot tell levels apar
 
 What the spec does not reproduce: the model overlaps a P(S x S) ring shift with the compute of its step
 (``max(compute, ring)``, Eq. 7), where the fit adds them, so plans with ring operators are priced below the fit.
-``op_overhead`` is not used: it is the fixed term of the *default* (uncalibrated) compute models only, and every
-costed family gets an explicit model here.
+Nor the messages of the gradient buckets (:mod:`primepar_fx.runtime.gradsync`): the runtime counts one per bucket,
+the model prices a parameter's gradient all-reduce for its bytes only (a few buckets a step, against the hundreds
+of messages that set plans apart). ``op_overhead`` is not used: it is the fixed term of the *default*
+(uncalibrated) compute models only, and every costed family gets an explicit model here.
 """
 
 from __future__ import annotations

@@ -128,10 +128,13 @@ def test_step_fitted_spec_prices_compute_ops_messages_and_bytes_as_the_fit_does(
             + STEP_TRUTH.op_s * _linear_cost(op_counting_spec(base), seq).compute_s
         )
         assert _linear_cost(spec, seq).compute_s == pytest.approx(want, rel=1e-12), seq
-    # data parallel over 4 ranks: one all-reduce of dW, one message of its bus bytes
+    # row parallel over 4 ranks: one all-reduce of the output, one message of its bus bytes
+    row = _linear_cost(spec, "N,N")
+    want = STEP_TRUTH.message_s + STEP_TRUTH.byte_s * row.comm_bytes["all-reduce"]
+    assert row.collective_s == pytest.approx(want, rel=1e-12)
+    # data parallel: the all-reduce of dW travels in a gradient bucket, whose message it shares: its bytes only
     dp = _linear_cost(spec, "B,B")
-    want = STEP_TRUTH.message_s + STEP_TRUTH.byte_s * dp.comm_bytes["all-reduce"]
-    assert dp.collective_s == pytest.approx(want, rel=1e-12)
+    assert dp.collective_s == pytest.approx(STEP_TRUTH.byte_s * dp.comm_bytes["all-reduce"], rel=1e-12)
     # a ring shift: one message of the block; a re-layout sending n bytes per rank to each of the 3 peers
     assert spec.shift_time(4096, [1, 0, 3, 2]) == pytest.approx(STEP_TRUTH.message_s + 4096 * STEP_TRUTH.byte_s)
     a2a = spec.levels[0].collective_time("all-to-all", 4, 3e6)
@@ -143,9 +146,11 @@ def test_a_dearer_message_raises_the_communicating_plans_only():
     cheap = step_fitted_spec(base, STEP_TRUTH, world_size=4)
     dear = step_fitted_spec(base, dataclasses.replace(STEP_TRUTH, message_s=10 * STEP_TRUTH.message_s), world_size=4)
     assert _linear_cost(dear, "R,R").time_s == pytest.approx(_linear_cost(cheap, "R,R").time_s, rel=1e-12)
-    assert _linear_cost(dear, "B,B").time_s - _linear_cost(cheap, "B,B").time_s == pytest.approx(
+    assert _linear_cost(dear, "N,N").time_s - _linear_cost(cheap, "N,N").time_s == pytest.approx(
         9 * STEP_TRUTH.message_s, rel=1e-9
     )
+    # a gradient bucket's message is not any one parameter's
+    assert _linear_cost(dear, "B,B").time_s == pytest.approx(_linear_cost(cheap, "B,B").time_s, rel=1e-12)
     dearer_compute = step_fitted_spec(base, dataclasses.replace(STEP_TRUTH, compute=4.0), world_size=4)
     assert _linear_cost(dearer_compute, "R,R").compute_s > _linear_cost(cheap, "R,R").compute_s
 
