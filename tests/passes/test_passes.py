@@ -384,3 +384,23 @@ def test_compile_with_a_dump_dir_writes_the_pass_graphs_beside_the_graph_dump(tm
     first, final = module.pass_counts[0][1], module.pass_counts[-1][1]
     assert (rows["**total**"][0], rows["**total**"][-1]) == (str(sum(first.values())), str(sum(final.values())))
     assert torch.allclose(module(x), MLP()(x))
+
+
+def test_a_ring_product_whose_weight_gradient_goes_to_a_bucket_keeps_its_operands() -> None:
+    """``linear_1`` at ``P2x2,B`` on 8 devices: a P(S x S) ring whose weight is replicated over the batch digit, so
+    its gradient is summed in a bucket; the ring pass still finds the weight (the parameter, no longer the
+    all-reduce that ``defer_parameter_gradients`` removed) among the product's operands."""
+    graph = mlp_graph()
+    plan = forced_plan(graph, "random:64", world_size=8, cluster="cpu-gloo", batch=BATCH, seq=SEQ)
+    assert plan.node("linear_1").partition == "P2x2,B"
+    mesh = DeviceMesh(tuple(plan.digits))
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        got = localize(graph, plan.partitions(), mesh, 0, {B: BATCH, S: SEQ}, ProcessGroups(mesh, 0))
+    finally:
+        dist.destroy_process_group()
+    ring = next(n for n in got.gm.graph.nodes if n.op == "call_module" and n.target == "ring_1")
+    assert "p_down_weight" in [a.name for a in ring.all_input_nodes]
+    assert got.grad_reductions["p_down_weight"].digits == (2,)
