@@ -129,7 +129,20 @@ def test_plan_warns_when_it_does_not_fit_or_splits_nothing(capsys, tmp_path) -> 
     assert not list(out.parent.glob(".*.tmp"))
     rc, _, err = run(capsys, *argv, "-n", "3", "--no-baselines")  # the fused qkv (192) divides by 3
     assert rc == 0 and "warning" not in err
-    rc, _, err = run(capsys, "plan", "opt-6.7b", "--batch", "16", "--seq", "2048", "-n", "8", "--no-baselines")
+    rc, _, err = run(
+        capsys,
+        "plan",
+        "opt-6.7b",
+        "--batch",
+        "16",
+        "--seq",
+        "2048",
+        "-n",
+        "8",
+        "--no-baselines",
+        "--cluster",
+        "v100-paper",
+    )
     assert rc == 0 and re.search(r"warning: the plan needs [0-9.]+ GiB per device, more than the 32.0 GiB", err)
 
 
