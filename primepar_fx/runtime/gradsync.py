@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.runtime.collectives import all_reduce
 from primepar_fx.runtime.stats import CommStats
 
 #: DDP's default bucket size, and its smaller first bucket (the last gradients of backward: launched early)
@@ -151,10 +152,7 @@ class GradientBuckets:
 
     def _reduce_now(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         r = self.reductions[i]
-        out = grad.detach().clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=r.group[0])
-        self._count(i)
-        return out
+        return all_reduce(grad, r.group[0], len(r.ranks), self.stats, node=r.node)
 
     def _count(self, i: int, calls: int = 1) -> None:
         if self.stats is not None:
