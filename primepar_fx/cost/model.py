@@ -176,10 +176,9 @@ def node_cost(
         phase_s.append(total)
     coll_s = 0.0
     for c in collectives(part):
-        block = c.count * block_bytes(part, c.block if c.block is not None else tensor_map(op, c.tensor), vkey, item)
-        coll_s += cluster.collective_time(c.kind, block, part.mesh, c.digits, bucketed=in_bucket(op, c))
-        bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
-        comm[c.kind] = comm.get(c.kind, 0) + int(round(bus * block))
+        seconds, nbytes = collective_price(part, c, cluster, vkey, item, bucketed=in_bucket(op, c))
+        coll_s += seconds
+        comm[c.kind] = comm.get(c.kind, 0) + nbytes
     params = sum(block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None)
     stash = sum(block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
     buffers = max(  # one receive buffer per tensor that moves in a phase; phases run one after another
@@ -190,6 +189,18 @@ def node_cost(
         default=0,
     )
     return NodeCost(tuple(phase_s), compute_total, ring_total, coll_s, params, stash, buffers, comm)  # type: ignore[arg-type]
+
+
+def collective_price(
+    part: OpPartition, c: Collective, cluster: ClusterSpec, vkey: ValuesKey, itemsize: int, bucketed: bool = False
+) -> tuple[float, int]:
+    """Seconds and bus bytes one device spends on collective ``c`` of ``part`` (Eq. 7's collective term)."""
+    block = c.count * block_bytes(
+        part, c.block if c.block is not None else tensor_map(part.op, c.tensor), vkey, itemsize
+    )
+    seconds = cluster.collective_time(c.kind, block, part.mesh, c.digits, bucketed=bucketed)
+    bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
+    return seconds, int(round(bus * block))
 
 
 def in_bucket(op: OpDims, c: Collective) -> bool:

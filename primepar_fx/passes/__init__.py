@@ -7,9 +7,11 @@ In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of t
 3. :func:`~primepar_fx.passes.redistribute.insert_redistributions`: point-to-point layout changes on edges,
    input slicing, output gathering.
 4. :func:`~primepar_fx.passes.collectives.insert_collectives`: forward / backward all-reduces of each partition;
-   :func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`: an all-reduce and the slice after it become one
-   reduce-scatter; :func:`~primepar_fx.passes.gradsync.defer_parameter_gradients`: a parameter's gradient sum
-   leaves the graph for the compiled module's gradient buckets (asynchronous, overlapped with backward).
+   :func:`~primepar_fx.passes.share.share_relayouts`: consumers that need a tensor alike share one re-layout and
+   one gradient all-reduce; :func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`: an all-reduce and the
+   slice after it become one reduce-scatter; :func:`~primepar_fx.passes.gradsync.defer_parameter_gradients`: a
+   parameter's gradient sum leaves the graph for the compiled module's gradient buckets (asynchronous, overlapped
+   with backward).
 5. :func:`~primepar_fx.passes.ring.replace_ring_products`: one ring operator per P(S x S) product.
 6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block.
 
@@ -26,6 +28,7 @@ from primepar_fx.passes.redistribute import insert_redistributions
 from primepar_fx.passes.ring import replace_ring_products
 from primepar_fx.passes.runner import PassError, op_counts, run_passes
 from primepar_fx.passes.shard import shard_parameters
+from primepar_fx.passes.share import share_relayouts
 
 __all__ = [
     "PassError",
@@ -41,4 +44,5 @@ __all__ = [
     "rewrite_local_ops",
     "run_passes",
     "shard_parameters",
+    "share_relayouts",
 ]

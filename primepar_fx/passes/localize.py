@@ -13,8 +13,8 @@
 :func:`localize` runs the passes in order on a copy of the captured graph, with
 :func:`~primepar_fx.passes.runner.run_passes` (each pass checked, ``PRIMEPAR_DISABLE_PASSES``, per-pass dumps)::
 
-    annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> fuse_reduce_scatters
-      -> defer_parameter_gradients -> replace_ring_products -> rewrite_local_ops
+    annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> share_relayouts
+      -> fuse_reduce_scatters -> defer_parameter_gradients -> replace_ring_products -> rewrite_local_ops
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from primepar_fx.passes.redistribute import insert_redistributions, redistribute
 from primepar_fx.passes.ring import replace_ring_products
 from primepar_fx.passes.runner import run_passes
 from primepar_fx.passes.shard import shard_parameters
+from primepar_fx.passes.share import share_relayouts
 from primepar_fx.runtime.gradsync import GradReduction
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.lowered import ShardedCrossEntropy, ShardedLayerNorm, VocabEmbedding
@@ -231,6 +232,7 @@ def localize(
         shard_parameters,
         insert_redistributions,
         insert_collectives,
+        share_relayouts,
         fuse_reduce_scatters,
         defer_parameter_gradients,
         replace_ring_products,

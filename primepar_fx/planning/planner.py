@@ -74,7 +74,18 @@ def summarize(
     # it on the node that runs the collective, as seconds and bytes moved from all-reduce to reduce-scatter
     saved_s = {n: 0.0 for n in graph.nodes}
     saved, scattered = {n: 0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
+    # consumers that share the first consumer's re-layout (cost.share): their edge and input all-reduces do not run
+    unshared_s, unshared = {n: 0.0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
+    sharing = set()
+    for skip in priced.not_run(choice):
+        sharing.add((skip.u, skip.v))
+        unshared_s[skip.v] += skip.reduce_s
+        unshared[skip.v] += skip.reduce_bytes
+        redis_s[skip.v] -= skip.relayout_s
+        redis_bytes[skip.v] -= skip.relayout_bytes
     for (u, v), sav in priced.scatter.items():
+        if (u, v) in sharing:
+            continue
         i, j = choice[u], choice[v]
         for owner, sec, nbytes, rs in (
             (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
@@ -91,11 +102,11 @@ def summarize(
     plans, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
     for name, node in graph.nodes.items():
         c = priced.node_costs[name][choice[name]]
-        step_s = c.time_s - saved_s[name] + redis_s[name]
+        step_s = c.time_s - saved_s[name] - unshared_s[name] + redis_s[name]
         total_s += step_s
         static += c.param_bytes * (2 + opts.optimizer_states) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
-        comm += sum(c.comm_bytes.values()) - saved[name] + redis_bytes[name] / world
+        comm += sum(c.comm_bytes.values()) - saved[name] - unshared[name] + redis_bytes[name] / world
         if not nodes and 0.0 <= step_s < math.inf:
             continue  # (a node whose time is not a finite number of seconds gets CostBreakdown's error below)
         seq = priced.strategies[name][choice[name]]
@@ -103,13 +114,16 @@ def summarize(
         if scattered[name]:  # all-reduces that became reduce-scatters (plus a bias gradient's all-reduce)
             kinds["all-reduce"] = kinds.get("all-reduce", 0) - saved[name] - scattered[name]
             kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + scattered[name]
+        if unshared[name]:  # input-gradient all-reduces done once, by the first consumer of a shared re-layout
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) - unshared[name]
+        if scattered[name] or unshared[name]:
             kinds = {k: v for k, v in kinds.items() if v}
         if redis_bytes[name]:
             kinds["redistribution"] = redis_bytes[name] // world
         cost = CostBreakdown(
             compute_s=c.compute_s,
             ring_s=c.ring_s,
-            collective_s=c.collective_s - saved_s[name],
+            collective_s=c.collective_s - saved_s[name] - unshared_s[name],
             redistribution_s=redis_s[name],
             memory_bytes=c.memory_bytes(opts.optimizer_states),
             comm_bytes=kinds,

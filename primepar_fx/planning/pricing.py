@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from primepar_fx.cost.model import (
 )
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
+from primepar_fx.cost.share import input_all_reduce_price, signature
 from primepar_fx.frontend.symbols import META_DTYPES
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
@@ -59,6 +60,10 @@ class PricedGraph:
     #: edges where an all-reduce and the re-layout after it fuse into a reduce-scatter, for some strategy pairs;
     #: ``edge_cost`` already has the seconds saved subtracted (:mod:`primepar_fx.cost.scatter`)
     scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
+    #: every data-flow edge's own re-layout and its consumer's side of sharing it (:mod:`primepar_fx.cost.share`)
+    flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
+    #: producer -> its consumers in graph order, where they may share one re-layout (:func:`shared_consumers`)
+    fanout: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def subset(self, keep: Callable[[PartitionSeq], bool]) -> PricedGraph:
         """This pricing with every node's strategies narrowed to those ``keep`` accepts, in their order.
@@ -103,6 +108,17 @@ class PricedGraph:
             (u, v): ScatterSaving(*(take(getattr(sav, f.name), rows[u], rows[v]) for f in dataclasses.fields(sav)))
             for (u, v), sav in self.scatter.items()
         }
+        flows = {
+            (u, v): ShareFlow(
+                f.k_in,
+                take(f.seconds, rows[u], rows[v]),
+                take(f.nbytes, rows[u], rows[v]),
+                take(f.signature, rows[v]),
+                take(f.reduce_s, rows[v]),
+                take(f.reduce_bytes, rows[v]),
+            )
+            for (u, v), f in self.flows.items()
+        }
         return PricedGraph(
             sub,
             self.mesh,
@@ -111,7 +127,61 @@ class PricedGraph:
             {(u, v): take(b, rows[u], rows[v]) for (u, v), b in self.edge_bytes.items()},
             self.seconds,
             scatter,
+            flows,
+            self.fanout,
         )
+
+    def shared_consumers(self, choice: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
+        """Producer -> the consumers whose edges and input all-reduces do not run under ``choice`` because every
+        consumer of the producer shares the first one's re-layout (:mod:`primepar_fx.cost.share`)."""
+        out = {}
+        for u, group in self.fanout.items():
+            signatures = {int(self.flows[(u, v)].signature[choice[v]]) for v in group}
+            if len(signatures) == 1:
+                out[u] = group[1:]
+        return out
+
+    def not_run(self, choice: Mapping[str, int]) -> list[NotRun]:
+        """What :meth:`shared_consumers` leaves out under ``choice``, one :class:`NotRun` per consumer left out."""
+        out = []
+        for u, vs in self.shared_consumers(choice).items():
+            for v in vs:
+                f, i, j = self.flows[(u, v)], choice[u], choice[v]
+                out.append(
+                    NotRun(
+                        u, v, float(f.seconds[i, j]), int(f.nbytes[i, j]), float(f.reduce_s[j]), int(f.reduce_bytes[j])
+                    )
+                )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class NotRun:
+    """An edge ``u -> v`` whose re-layout (``relayout_s``, ``relayout_bytes`` summed over devices) and whose
+    consumer's input-gradient all-reduce (``reduce_s``, ``reduce_bytes`` per device) do not run: ``v`` shares
+    another consumer's (:mod:`primepar_fx.cost.share`)."""
+
+    u: str
+    v: str
+    relayout_s: float
+    relayout_bytes: int
+    reduce_s: float
+    reduce_bytes: int
+
+
+@dataclass(frozen=True)
+class ShareFlow:
+    """One data-flow edge as :mod:`primepar_fx.cost.share` needs it: its own re-layout's seconds (net of a
+    reduce-scatter saving) and bytes per strategy pair, and per consumer strategy the number of its
+    :func:`~primepar_fx.cost.share.signature` (equal numbers: equal signatures, across the edges of one pricing) and
+    the seconds and bytes of its input-gradient all-reduces."""
+
+    k_in: int
+    seconds: np.ndarray
+    nbytes: np.ndarray
+    signature: np.ndarray
+    reduce_s: np.ndarray
+    reduce_bytes: np.ndarray
 
 
 def default_workers() -> int:
@@ -124,8 +194,8 @@ def default_workers() -> int:
     return max(1, min(2, cores))
 
 
-def _frozen(values: list[float]) -> np.ndarray:
-    out = np.array(values)
+def _frozen(values: list, dtype: type = np.float64) -> np.ndarray:
+    out = np.array(values, dtype=dtype)
     out.flags.writeable = False
     return out
 
@@ -222,7 +292,17 @@ def price_graph(
         len(pricing.edge_cache),
         seconds,
     )
-    return PricedGraph(cg, mesh, pricing.strategies, pricing.costs, pricing.edge_bytes, seconds, pricing.scatter)
+    return PricedGraph(
+        cg,
+        mesh,
+        pricing.strategies,
+        pricing.costs,
+        pricing.edge_bytes,
+        seconds,
+        pricing.scatter,
+        pricing.share_flows,
+        pricing.fanout(),
+    )
 
 
 @dataclass(frozen=True)
@@ -278,6 +358,9 @@ class _Pricing:
     edge_bytes: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
+    share_flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
+    signatures: dict[Hashable, int] = field(default_factory=dict)  # a consumer signature -> its number
+    consumer_share: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.vkey = values_key(self.values)
@@ -415,6 +498,45 @@ class _Pricing:
             if skey is not None and self.scatter_cache[skey] is not None:
                 saving = self.scatter[(u, v)] = self.scatter_cache[skey]
                 self.edge_cost[(u, v)] = self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s
+            self.share_flows[(u, v)] = ShareFlow(
+                k_in, self.edge_cost[(u, v)], self.edge_bytes[(u, v)], *self._consumer_share(v, k_in, key[-1])
+            )
+
+    def _consumer_share(self, v: str, k_in: int, item: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per strategy of ``v``: the number of its :func:`~primepar_fx.cost.share.signature` on input ``k_in``,
+        and the seconds and bytes of that input's gradient all-reduces (once per node cache entry)."""
+        key = (self.entry[v], k_in, item)
+        if key not in self.consumer_share:
+            target = self.graph.nodes[v].target
+            numbers, seconds, nbytes = [], [], []
+            for part in self.partitions[v]:
+                sig = signature(part, target, k_in, self.vkey)
+                numbers.append(self.signatures.setdefault(sig, len(self.signatures)))
+                s, b = input_all_reduce_price(part, target, k_in, self.cluster, self.vkey, self.opts.itemsize)
+                seconds.append(s)
+                nbytes.append(b)
+            self.consumer_share[key] = (
+                _frozen(numbers, np.int64),
+                _frozen(seconds),
+                _frozen(nbytes, np.int64),
+            )
+        return self.consumer_share[key]
+
+    def fanout(self) -> dict[str, tuple[str, ...]]:
+        """Producer -> its consumers in graph order, where at least two consumers read one output of it once each
+        (the tensors :mod:`primepar_fx.cost.share` may re-lay out once for all of them)."""
+        position = {n: i for i, n in enumerate(self.graph.nodes)}
+        groups: dict[tuple[str, int], list[str]] = {}
+        for u, v, _, k_out, _, _ in self.flows:
+            groups.setdefault((u, k_out), []).append(v)
+        out: dict[str, tuple[str, ...]] = {}
+        for (u, _), vs in groups.items():
+            if len(self.graph.nodes[u].dims.outputs) > 1:
+                continue  # only getitems read a multi-output node, one output each
+            if len(vs) < 2 or any(self.graph.input_names(v).count(u) > 1 for v in vs):
+                continue
+            out[u] = tuple(sorted(vs, key=position.__getitem__))
+        return out
 
     def add_shared_parameters(self) -> None:
         """Step 5: a parameter several nodes read is stored in its first reader's layout; each later reader pays

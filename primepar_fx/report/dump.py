@@ -213,7 +213,8 @@ def _quote(text: str) -> str:
 def edge_redistribution_bytes(graph: OpGraph, plan: Plan, cluster: Any = None) -> dict[tuple[str, str], int]:
     """Per priced edge ``(u, v)``, the plan's redistribution bytes: Forward plus Backward, mean per device.
 
-    Tied parameters appear as edges from their first reader to each later one.
+    Tied parameters appear as edges from their first reader to each later one. An edge whose consumer shares another
+    consumer's re-layout (:mod:`primepar_fx.cost.share`) moves nothing of its own.
     """
     if cluster is None:
         try:
@@ -222,7 +223,10 @@ def edge_redistribution_bytes(graph: OpGraph, plan: Plan, cluster: Any = None) -
             log.warning("pricing the edges on %s: %s", CPU_CLUSTER, e)
             cluster = resolve_cluster(CPU_CLUSTER)
     priced = price_plan(graph, plan, cluster=cluster)
-    return {e: int(m[0, 0]) // plan.world_size for e, m in priced.edge_bytes.items()}
+    out = {e: int(m[0, 0]) for e, m in priced.edge_bytes.items()}
+    for skip in priced.not_run(dict.fromkeys(priced.strategies, 0)):  # it reads another consumer's re-layout
+        out[(skip.u, skip.v)] -= skip.relayout_bytes
+    return {e: b // plan.world_size for e, b in out.items()}
 
 
 def graph_dot(graph: OpGraph, plan: Plan, edge_bytes: Mapping[tuple[str, str], int]) -> str:

@@ -342,19 +342,35 @@ class _EdgeParts:
 def _edge_parts(priced: PricedGraph, node_name: str, count: int, world: int) -> _EdgeParts:
     """The :class:`_EdgeParts` of ``node_name`` (``count`` partitions) from a pricing that pins its neighbours."""
     parts = _EdgeParts([0.0] * count, [0.0] * count, [0.0] * count, [0] * count, [0.0] * count)
+    pinned = dict.fromkeys(priced.strategies, 0)  # the neighbours are pinned: their only strategy is number 0
+    for i in range(count):  # consumers that share another's re-layout (cost.share) skip their edge and all-reduce
+        for skip in priced.not_run({**pinned, node_name: i}):
+            parts.edge_s[i] -= skip.relayout_s + skip.reduce_s
+            parts.redis_b[i] -= skip.relayout_bytes / world
+            if skip.v == node_name:
+                parts.own_s[i] += skip.reduce_s
+                parts.own_b[i] += skip.reduce_bytes
+            else:
+                parts.others_s[i] += skip.reduce_s
     for (u, v), mat in priced.cost_graph.edge_cost.items():
         if node_name not in (u, v):
             continue
         nbytes = priced.edge_bytes[(u, v)]
-        incoming = v == node_name  # the neighbours are pinned: their only strategy is number 0
+        incoming = v == node_name
         sec, byt = (mat[0, :], nbytes[0, :]) if incoming else (mat[:, 0], nbytes[:, 0])
         sav = priced.scatter.get((u, v))
         for i in range(count):
             parts.edge_s[i] += float(sec[i])
             parts.redis_b[i] += float(byt[i]) / world
-            if sav is not None:
+            if sav is not None and not _skipped(priced, (u, v), pinned, node_name, i):
                 _attribute_saving(parts, i, sav, (0, i) if incoming else (i, 0), (u, v), node_name)
     return parts
+
+
+def _skipped(priced: PricedGraph, edge: tuple[str, str], pinned: dict[str, int], node_name: str, i: int) -> bool:
+    """Whether ``edge`` does not run when ``node_name`` takes partition ``i`` (it shares another's re-layout)."""
+    u, v = edge
+    return v in priced.shared_consumers({**pinned, node_name: i}).get(u, ())
 
 
 def _attribute_saving(

@@ -38,6 +38,7 @@ from primepar_fx.passes import (
     rewrite_local_ops,
     run_passes,
     shard_parameters,
+    share_relayouts,
 )
 from primepar_fx.passes.common import RankContext
 from primepar_fx.planning.planner import forced_plan
@@ -51,6 +52,7 @@ LOCALIZE_COUNTS = [
     "shard_parameters",
     "insert_redistributions",
     "insert_collectives",
+    "share_relayouts",
     "fuse_reduce_scatters",
     "defer_parameter_gradients",
     "replace_ring_products",
@@ -302,6 +304,7 @@ def inline(plan_name: str, rank: int = 0) -> tuple[fx.GraphModule, list]:
             shard_parameters,
             insert_redistributions,
             insert_collectives,
+            share_relayouts,
             fuse_reduce_scatters,
             defer_parameter_gradients,
             replace_ring_products,
@@ -366,7 +369,7 @@ def test_localize_with_a_dump_dir_writes_every_pass_of_the_rank(tmp_path: Path, 
     folder = tmp_path / "passes" / "rank2"
     names = ["captured", "annotate_plan", *LOCALIZE_COUNTS[1:]]
     assert sorted(p.name for p in folder.glob("*.txt")) == [f"{i:02d}_{n}.txt" for i, n in enumerate(names)]
-    assert (folder / "08_rewrite_local_ops.txt").read_text().endswith(got.gm.print_readable(print_output=False))
+    assert (folder / "09_rewrite_local_ops.txt").read_text().endswith(got.gm.print_readable(print_output=False))
     assert "RingMatmul" in table((folder / "changes.md").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["passes"]  # nothing the graph dump writes
 
@@ -378,7 +381,7 @@ def test_compile_with_a_dump_dir_writes_the_pass_graphs_beside_the_graph_dump(tm
     x = torch.randn(BATCH, SEQ, 16)
     module = primepar_fx.compile(MLP(), (x,), plan="megatron", world_size=1)  # one process
     assert {"captured.txt", "plan.json", "passes.md", "rank0.py", "passes"} <= {p.name for p in tmp_path.iterdir()}
-    assert (tmp_path / "passes" / "rank0" / "08_rewrite_local_ops.txt").exists()
+    assert (tmp_path / "passes" / "rank0" / "09_rewrite_local_ops.txt").exists()
     rows = table((tmp_path / "passes" / "rank0" / "changes.md").read_text())
     assert rows["op"] == ["captured", "annotate_plan", *LOCALIZE_COUNTS[1:], "final"]
     first, final = module.pass_counts[0][1], module.pass_counts[-1][1]

@@ -1,0 +1,59 @@
+"""Shared re-layouts: one re-layout of a tensor for all of its consumers, when they all need it the same way.
+
+A tensor that several nodes read is re-laid out once per consumer (:mod:`primepar_fx.cost.redistribute`) and
+each consumer all-reduces its own partial input gradient (:func:`~primepar_fx.partition.collectives`). When every
+consumer needs the tensor in the same layout, holds its gradient in the same layout and all-reduces it over the
+same device digits -- q, k and v reading one normed, sequence-split input in Megatron's sequence parallelism;
+gate and up in a SwiGLU MLP -- the runtime re-lays it out once, sums the consumers' partial gradients locally
+(autograd does, at the shared node) and all-reduces the sum once: the sum of all-reduces is the all-reduce of the
+sum. This is what DTensor and Megatron-LM do: one all-gather of the sequence-split input, one reduce-scatter of the
+summed gradient.
+
+The rule, which the graph pass (:func:`primepar_fx.passes.share.share_relayouts`) applies and the plan's
+prediction (:func:`primepar_fx.planning.planner.summarize`) prices, is all or nothing per tensor: the consumers of
+a producer's output that the cost model prices (a data-flow edge each) share when there are at least two, none
+reads the tensor twice, and :func:`signature` is the same for all of them. The first consumer in graph order keeps
+its re-layout and all-reduce (and their fusion into a reduce-scatter, :mod:`primepar_fx.cost.scatter`); every other
+consumer's edge and input-gradient all-reduce are not run, so not priced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.model import collective_price, in_bucket
+from primepar_fx.cost.redistribute import backward_held, forward_needed
+from primepar_fx.cost.scatter import performed_inside
+from primepar_fx.partition import OpPartition, collectives
+from primepar_fx.partition.comm import Collective
+from primepar_fx.partition.enumerate import ValuesKey
+
+
+def input_all_reduces(part: OpPartition, target: object, k: int) -> list[Collective]:
+    """The all-reduces of input ``k``'s gradient that the passes emit as nodes of their own (not the statistics a
+    local form reduces itself): what a consumer runs on the gradient it holds before it leaves the node."""
+    tensor = f"d_in{k}"
+    return [c for c in collectives(part) if c.tensor == tensor and not performed_inside(target, part.op, c)]
+
+
+def signature(part: OpPartition, target: object, k: int, vkey: ValuesKey) -> Hashable:
+    """What a consumer does with input ``k`` at its boundary: the layout it needs, the layout its gradient is held
+    in, and the digits of that gradient's all-reduces. Consumers with equal signatures may share one re-layout and
+    one all-reduce (module docstring); the value is only compared for equality within one process."""
+    needed = forward_needed(part, k).layout_ids(vkey)
+    grad = backward_held(part, k)
+    held = None if grad is None else grad.layout_ids(vkey)
+    reduces = tuple((c.kind, c.digits) for c in input_all_reduces(part, target, k))
+    return (needed.shape, needed.tobytes(), None if held is None else (held.shape, held.tobytes()), reduces)
+
+
+def input_all_reduce_price(
+    part: OpPartition, target: object, k: int, cluster: ClusterSpec, vkey: ValuesKey, itemsize: int
+) -> tuple[float, int]:
+    """Seconds and bus bytes of :func:`input_all_reduces`: what a consumer that shares its input no longer runs."""
+    seconds, nbytes = 0.0, 0
+    for c in input_all_reduces(part, target, k):
+        s, b = collective_price(part, c, cluster, vkey, itemsize, bucketed=in_bucket(part.op, c))
+        seconds, nbytes = seconds + s, nbytes + b
+    return seconds, nbytes
