@@ -211,11 +211,16 @@ def solve_for_peak(
     must fit ``budget - C``. The best of these is optimal for the reported peak (up to 24 caps are tried; more
     distinct sizes are thinned to quantiles, and the solution is then not marked proven).
     """
-    graph = priced.cost_graph
+    graph = priced.search_graph
     if memory_budget is None or alpha > 0:
         return solve(graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
     start = time.perf_counter()
-    buffers = {n: np.array([c.buffer_bytes for c in priced.node_costs[n]], dtype=float) for n in graph.nodes}
+    buffers = {  # a virtual node of the search graph (planning.sharing) holds no memory
+        n: np.array([c.buffer_bytes for c in priced.node_costs.get(n, ())], dtype=float)
+        if n in priced.node_costs
+        else np.zeros(graph.strategies(n))
+        for n in graph.nodes
+    }
     caps = sorted({float(b) for arr in buffers.values() for b in arr})
     exhaustive = len(caps) <= 24
     if not exhaustive:

@@ -11,6 +11,7 @@ shape, not L times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -41,6 +42,7 @@ from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
+from primepar_fx.planning.sharing import add_share_nodes
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
 
@@ -49,7 +51,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PricedGraph:
-    """The search problem plus what is needed to read its answer back."""
+    """The priced graph (:attr:`cost_graph`: node and edge costs, Eq. 7-9), the search problem
+    (:attr:`search_graph`) and what is needed to read its answer back."""
 
     cost_graph: CostGraph
     mesh: DeviceMesh
@@ -64,6 +67,14 @@ class PricedGraph:
     flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
     #: producer -> its consumers in graph order, where they may share one re-layout (:func:`shared_consumers`)
     fanout: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def search_graph(self) -> CostGraph:
+        """What the search solves: :attr:`cost_graph` with a virtual node per tensor whose consumers may share one
+        re-layout (:mod:`primepar_fx.planning.sharing`), so that the objective of a choice is its predicted step
+        time. A solution's choice names these nodes too; :func:`~primepar_fx.planning.planner.summarize` ignores
+        them."""
+        return add_share_nodes(self.cost_graph, self.flows, self.fanout)
 
     def subset(self, keep: Callable[[PartitionSeq], bool]) -> PricedGraph:
         """This pricing with every node's strategies narrowed to those ``keep`` accepts, in their order.

@@ -7,7 +7,7 @@ and device, exactly ``(3 - 1) + (2 - 1) = 3`` of each (and, with sequence parall
 the embedding output's gradient): with sequence parallelism 3 all-gathers and 3
 reduce-scatters of ``B*S*h`` (``(t-1)/t`` of it each), without it 3 all-reduces (``2(t-1)/t`` each). With the
 sharing the layer's volume is then Megatron's closed form for split projections, as it is for GPT-2's fused one
-(``tests/cost/test_megatron_volume.py``). The graph pass that runs it: ``tests/passes/test_share.py``.
+(``tests/cost/test_megatron_volume.py``). The graph pass that runs it: ``tests/passes/test_share_relayouts.py``.
 """
 
 from __future__ import annotations

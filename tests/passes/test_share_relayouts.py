@@ -1,6 +1,6 @@
 """The share_relayouts pass: consumers that need a tensor alike read one re-layout and one gradient all-reduce.
 
-The plan's side (what it stops pricing, against Megatron-LM's counts) is ``tests/cost/test_share.py``; that the
+The plan's side (what it stops pricing, against Megatron-LM's counts) is ``tests/cost/test_share_volume.py``; that the
 ranks then send the predicted bytes and train like one device is ``tests/compiler/test_distributed.py``
 (llama-tiny, ``megatron`` and ``megatron-sp``).
 """

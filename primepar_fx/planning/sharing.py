@@ -1,0 +1,99 @@
+"""The search's view of shared re-layouts: a virtual node per tensor whose consumers may share (Eq. 10 stays pairwise).
+
+Whether the consumers of a producer ``u`` share one re-layout (:mod:`primepar_fx.cost.share`) depends on all of
+their strategies at once, which no sum of pairwise edge costs can express. A virtual node ``u@share`` between ``u``
+and its consumers ``v_1 .. v_n`` (graph order) makes it pairwise again. Its states are:
+
+* one *pass-through* state per strategy ``p`` of ``u``: the edge ``u -> u@share`` is 0 when ``u`` takes ``p`` and
+  forbidden otherwise, and the edge ``u@share -> v_i`` is the original edge ``u -> v_i`` in row ``p``: nothing is
+  shared, every consumer pays its own re-layout, exactly as without the node;
+* one *shared* state per consumer signature ``s`` that every consumer can take: the edge ``u -> u@share`` is the
+  first consumer's own edge (its re-layout, net of a reduce-scatter fusion) for any of its strategies of signature
+  ``s``; the edge ``u@share -> v_1`` is 0 for its strategies of signature ``s`` and forbidden for the others; the
+  edge ``u@share -> v_i`` (``i >= 2``) is minus the input-gradient all-reduce that ``v_i``'s node cost holds and no
+  longer runs, and forbidden where its signature is not ``s``.
+
+For any strategies of ``u`` and the consumers, the cheapest state of the virtual node is the pass-through one unless
+all consumers have one signature, and then the shared one, which costs what
+:func:`~primepar_fx.planning.planner.summarize` charges: the objective of every choice is its plan's predicted step
+time, and the search's optimum is the best plan under sharing. The shared states are added only where the first
+consumer's edge is the same for all its strategies of the signature (it is, unless two strategies with one
+signature fuse their all-reduce differently) and where sharing saves something; a producer with none gets no node.
+An edge that also carries a shared parameter's re-layout (tied weights) keeps its producer out, as the runtime does
+not share it either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from primepar_fx.search import CostGraph
+
+#: the suffix of a virtual node's name (``"@"`` cannot occur in an FX node name)
+SUFFIX = "@share"
+
+
+def virtual(name: str) -> bool:
+    """Whether ``name`` is a virtual share node of :func:`add_share_nodes`, not an operator."""
+    return name.endswith(SUFFIX)
+
+
+def _shared_states(u: str, group: tuple[str, ...], flows: Mapping) -> list[tuple[int, np.ndarray]]:
+    """``(signature, u -> virtual column)`` of every signature all consumers can take and sharing saves on."""
+    first = flows[(u, group[0])]
+    common = set(first.signature.tolist())
+    for v in group[1:]:
+        common &= set(flows[(u, v)].signature.tolist())
+    out = []
+    for sig in sorted(common):
+        cols = first.seconds[:, first.signature == sig]
+        if not (cols == cols[:, :1]).all():
+            continue  # the first consumer's edge differs between strategies of one signature: not pairwise
+        saves = False
+        for v in group[1:]:
+            f = flows[(u, v)]
+            mask = f.signature == sig
+            saves = saves or bool(f.seconds[:, mask].any()) or bool(f.reduce_s[mask].any())
+        if saves:
+            out.append((sig, cols[:, 0]))
+    return out
+
+
+def add_share_nodes(cg: CostGraph, flows: Mapping, fanout: Mapping[str, tuple[str, ...]]) -> CostGraph:
+    """``cg`` with a virtual node (module docstring) between every fan-out producer and its consumers."""
+    nodes, node_cost = list(cg.nodes), dict(cg.node_cost)
+    node_memory = None if cg.node_memory is None else dict(cg.node_memory)
+    node_key = None if cg.node_key is None else dict(cg.node_key)
+    edges = dict(cg.edge_cost)
+    for u, group in fanout.items():
+        if any(edges.get((u, v)) is not flows[(u, v)].seconds for v in group):
+            continue  # an edge that also re-lays out a tied parameter (or is already routed)
+        states = _shared_states(u, group, flows)
+        if not states:
+            continue
+        name, pu = u + SUFFIX, len(cg.node_cost[u])
+        size = pu + len(states)
+        into = np.full((pu, size), np.inf)
+        into[np.arange(pu), np.arange(pu)] = 0.0
+        for s, (_, column) in enumerate(states):
+            into[:, pu + s] = column
+        edges[(u, name)] = into
+        for i, v in enumerate(group):
+            f = flows[(u, v)]
+            out = np.full((size, len(f.signature)), np.inf)
+            out[:pu] = edges.pop((u, v))
+            for s, (sig, _) in enumerate(states):
+                mask = f.signature == sig
+                out[pu + s, mask] = 0.0 if i == 0 else -f.reduce_s[mask]
+            edges[(name, v)] = out
+        nodes.insert(nodes.index(u) + 1, name)
+        node_cost[name] = np.zeros(size)
+        if node_memory is not None:
+            node_memory[name] = np.zeros(size)
+        if node_key is not None:
+            node_key[name] = ("share", node_key[u], tuple(node_key[v] for v in group), tuple(s for s, _ in states))
+    if len(nodes) == len(cg.nodes):
+        return cg
+    return CostGraph(tuple(nodes), node_cost, edges, node_memory, node_key)
