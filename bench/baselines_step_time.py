@@ -1,6 +1,7 @@
 """Benchmark: primepar's plans against PyTorch's own parallelisms on the same model, 4 gloo ranks, one run.
 
-Systems, all training the same reference decoder (:data:`CONFIG`, built from one seed) on the same global batch:
+Systems, all training the same reference decoder (:data:`CONFIG`, Llama style, or with ``--model gpt2``
+:data:`GPT2`, GPT-2 style with a fused qkv projection; built from one seed) on the same global batch:
 
 * ``primepar (no options)``: what ``primepar_fx.compile(model, args)`` does, a search on this machine as its ranks
   measured it (:mod:`primepar_fx.calibrate.machine`; measured on the first run, then read from the cache);
@@ -30,7 +31,7 @@ The attention heads are local: the reference ``Attention`` splits heads with ``v
 merges them with ``reshape(B, S, -1)``, so a rank's column shard of q/k/v holds whole heads (``heads`` is a
 multiple of the world size) and no reshape names the global head count.
 
-    python bench/baselines_step_time.py [--steps 15] [--spec calibrated.json] [--quick]
+    python bench/baselines_step_time.py [--model llama|gpt2] [--steps 15] [--spec calibrated.json] [--quick]
 """
 
 from __future__ import annotations
@@ -87,8 +88,32 @@ CONFIG = replace(
 )
 BATCH, SEQ = 8, 128
 QUICK = (replace(CONFIG, name="llama-h64", hidden=64, layers=2, ffn_hidden=176, vocab_size=256), 4, 32)
+#: GPT-2 style (LayerNorm with biases, GELU, learned positions, tied embeddings), one fused qkv projection
+GPT2 = replace(
+    get_config("gpt2-tiny"),
+    name="gpt2-h256",
+    hidden=256,
+    layers=4,
+    heads=8,
+    ffn_hidden=1024,
+    vocab_size=1024,
+    max_seq=128,
+    description="GPT-2 style, hidden 256, 4 layers, 8 heads (head dim 32), fused qkv, GELU 1024, vocab 1024, "
+    "learned positions, biases, tied embeddings",
+)
+#: --model -> (config, batch, seq, the --quick config, the page)
+MODELS = {
+    "llama": (CONFIG, BATCH, SEQ, QUICK, "docs/benchmarks/baselines.md"),
+    "gpt2": (
+        GPT2,
+        BATCH,
+        SEQ,
+        (replace(GPT2, name="gpt2-h64", hidden=64, layers=2, ffn_hidden=256, vocab_size=256), 4, 32),
+        "docs/benchmarks/baselines-gpt2.md",
+    ),
+}
 REFERENCE = "dtensor tp"
-PAGE = "docs/benchmarks/baselines.md"
+PAGE = MODELS["llama"][4]
 MEGATRON_TP = "primepar megatron dp1 x mp4 +SP"  # dtensor tp's layout, planned and run by primepar
 BUDGETED = "primepar searched (calibrated, budget)"  # within the predicted peak of MEGATRON_TP
 NO_OPTIONS = "primepar (no options)"  # compile(model, args): searched on this machine as measured (cached)
@@ -112,7 +137,14 @@ PARTS = ("wall", "compute", "queued", "blocked", "comm_cpu")  # measure.Timing
 
 # ------------------------------------------------------------------------------------------------ the systems
 def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> torch.nn.Module:
-    """torchtitan's column/row plan for a Llama ``Decoder`` (module docstring), in place."""
+    """torchtitan's column/row plan for a ``Decoder`` (module docstring), in place.
+
+    GPT-2 style models also get: the fused qkv projection column-parallel (its rows are per head, Megatron's
+    layout, so a rank's rows are whole heads, and the attention is told its local head count, as torchtitan does);
+    with sequence parallelism the learned position table row-parallel like the token table (its output split by
+    sequence, dim 0 of ``(S, h)``); and the tied LM head re-tied to the token table's sharded weight (both are split
+    by vocabulary rows).
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -122,6 +154,7 @@ def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> to
         parallelize_module,
     )
 
+    config, world = model.config, mesh.size()
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     if sequence_parallel:
         top = {
@@ -129,21 +162,28 @@ def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> to
             "final_norm": SequenceParallel(),
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         }
+        if config.position == "learned":
+            top["embed_positions"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
         parallelize_module(model, mesh, top)
+        if config.tied_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
     for block in model.blocks:
         plan = {
             "attn": PrepareModuleInput(
                 input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None)
             ),
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
             "attn.o_proj": RowwiseParallel(output_layouts=between),
             "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=between),
         }
+        if config.fused_qkv:
+            plan["attn.qkv_proj"] = ColwiseParallel()
+            block.attn.heads, block.attn.kv_heads = config.heads // world, config.kv_heads // world
+        else:
+            plan |= {name: ColwiseParallel() for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj")}
+        if config.mlp == "swiglu":
+            plan["mlp.gate_proj"] = ColwiseParallel()
         if sequence_parallel:
             plan |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()}
         parallelize_module(block, mesh, plan)
@@ -206,9 +246,17 @@ def train_step(run: dict) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ one run
-def bench_rank(rank: int, world: int, quick: bool, warmup: int, steps: int, labels: list[str], spec: str | None):
+def model_of(name: str, quick: bool):
+    """``(config, batch, seq)`` of ``--model name`` (and ``--quick``)."""
+    config, batch, seq, small, _ = MODELS[name]
+    return small if quick else (config, batch, seq)
+
+
+def bench_rank(
+    rank: int, world: int, model: str, quick: bool, warmup: int, steps: int, labels: list[str], spec: str | None
+):
     """On every rank: build every system, check they compute the same first loss, time them, probe them."""
-    config, batch, seq = QUICK if quick else (CONFIG, BATCH, SEQ)
+    config, batch, seq = model_of(model, quick)
     args, kwargs = example_inputs(config, batch, seq)
     graph = build_graph(capture(build(config), args, kwargs))
     runs = {label: make_system(label, graph, config, rank, world, spec) for label in labels}
@@ -426,7 +474,7 @@ SPEED_HEADERS = ["issue 16 target", "measured", "bound", "met"]
 def markdown(saved: dict, png: str | None) -> str:
     result, args, total_s = saved["result"], argparse.Namespace(**saved["args"]), saved["total_s"]
     load = result["load"]
-    config, batch, seq = QUICK if args.quick else (CONFIG, BATCH, SEQ)
+    config, batch, seq = model_of(getattr(args, "model", "llama"), args.quick)
     losses = ", ".join(f"{k} {v:.6f}" for k, v in result["first_loss"].items())
     lines = [
         "# primepar against PyTorch's tensor parallelism, FSDP2 and DDP (CPU, gloo)",
@@ -465,7 +513,7 @@ def markdown(saved: dict, png: str | None) -> str:
         "",
         f"    {shlex.join(['python', 'bench/baselines_step_time.py', *saved['argv']])}",
         "",
-        READING,
+        READING_GPT2 if getattr(args, "model", "llama") == "gpt2" else READING,
         MEASURED,
     ]
     return "\n".join(lines)
@@ -515,6 +563,11 @@ READING = """## Reading the results
   the Llama-style model only), and runs at other loads: one run, load average 2.8 before and 5.0 after.
 * **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 220-510 ms of a
   515-1490 ms step, so compute is visible, and all eleven systems run in under 5 minutes.
+"""
+
+READING_GPT2 = """## Reading the results
+
+(written after the run)
 """
 
 MEASURED = """## How each figure is measured
@@ -576,17 +629,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     p.add_argument("--spec", default=None, help="cluster spec from `primepar-fx calibrate` (else the row is skipped)")
-    run_options(p, steps=15, warmup=2, page=PAGE, timeout=1800.0)
+    p.add_argument("--model", choices=list(MODELS), default="llama", help="the decoder (default llama)")
+    run_options(p, steps=15, warmup=2, page=PAGE + " or, for gpt2, " + MODELS["gpt2"][4], timeout=1800.0)
     args = p.parse_args()
     if args.spec is None:
         args.systems = [s for s in args.systems if "(calibrated" not in s]
-    out = page_for(args, PAGE, markdown, chart)
+    out = page_for(args, MODELS[args.model][4], markdown, chart)
     if args.render:
         return
     t0 = time.perf_counter()
     spec = os.path.abspath(args.spec) if args.spec else None
     result = spawn(
-        bench_rank, args.world_size, args.quick, args.warmup, args.steps, args.systems, spec, timeout=args.timeout
+        bench_rank,
+        args.world_size,
+        args.model,
+        args.quick,
+        args.warmup,
+        args.steps,
+        args.systems,
+        spec,
+        timeout=args.timeout,
     )
     print(tabulate(table(result), HEADERS))
     print(tabulate(breakdown(result), BREAKDOWN_HEADERS))

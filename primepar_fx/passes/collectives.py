@@ -41,6 +41,13 @@ FUSABLE = "primepar_fusable"
 BIAS_ADD = "primepar_bias_add"
 
 
+def rename_operand(node: fx.Node, old: fx.Node, new: fx.Node) -> None:
+    """``node`` now reads ``new`` where it read ``old``: keep its recorded :data:`OPERANDS` in step."""
+    operands = node.meta.get(OPERANDS)
+    if operands is not None and old in operands:
+        node.meta[OPERANDS] = tuple(new if o is old else o for o in operands)
+
+
 def internal(me: NodeInfo, c: Collective) -> bool:
     """Collectives a local form performs itself (statistics, loss reductions)."""
     return performed_inside(me.target, me.part.op, c)

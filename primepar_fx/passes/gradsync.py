@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from primepar_fx.passes.collectives import OPERANDS
+from primepar_fx.passes.collectives import rename_operand
 from primepar_fx.passes.common import STORAGE, RankContext
 from primepar_fx.runtime.collectives import AllReduce
 from primepar_fx.runtime.gradsync import GradReduction
@@ -38,9 +38,7 @@ def defer_parameter_gradients(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphM
         ctx.grad_reductions[ph.name] = GradReduction(mod.digits, group, mod.node, first)  # type: ignore[arg-type]
         ar.replace_all_uses_with(ph)
         for user in ph.users:  # a product whose bias was split off names its operands (collectives.OPERANDS)
-            operands = user.meta.get(OPERANDS)
-            if operands is not None and ar in operands:
-                user.meta[OPERANDS] = tuple(ph if o is ar else o for o in operands)
+            rename_operand(user, ar, ph)
         gm.graph.erase_node(ar)
         delattr(gm, ar.target)  # type: ignore[arg-type]
     return gm

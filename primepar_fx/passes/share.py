@@ -22,6 +22,7 @@ from collections.abc import Hashable
 from torch import fx
 
 from primepar_fx.cost.share import signature
+from primepar_fx.passes.collectives import rename_operand
 from primepar_fx.passes.common import RankContext, info, is_getitem
 from primepar_fx.passes.redistribute import SOURCE
 from primepar_fx.runtime.collectives import AllReduce
@@ -89,6 +90,7 @@ def share_relayouts(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
                     "layouts and all-reduces but not on the modules that run them"
                 )
             c.replace_input_with(head, first)
+            rename_operand(c, head, first)
             for node in own:
                 target = node.target
                 gm.graph.erase_node(node)

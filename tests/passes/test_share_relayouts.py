@@ -21,11 +21,12 @@ from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.passes.runner import DISABLE_ENV
 from primepar_fx.planning.baselines import megatron_assignment
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.planner import make_plan, summarize
+from primepar_fx.planning.planner import forced_plan, make_plan, summarize
 from primepar_fx.planning.pricing import price_graph
 from primepar_fx.report.dump import fake_rank_graphs
 from primepar_fx.runtime.collectives import AllReduce, ReduceScatter
 from primepar_fx.runtime.exchange import Redistribute
+from primepar_fx.runtime.ring import RingMatmul
 
 MODEL, WORLD, BATCH, SEQ = "llama-tiny", 2, 4, 16
 
@@ -109,3 +110,17 @@ def test_without_the_pass_every_projection_has_its_own_chain():
         len(all_reduces)
         == sum(1 for m in without.gm.modules() if isinstance(m, AllReduce) and m.mode == "backward") - 3 * layers
     )
+
+
+def test_ring_products_with_a_bias_share_their_input():
+    """P(S x S) q/k/v of a model with biases: each product names its operands (split-off bias) and then reads the
+    shared chain; the ring pass must find them (a regression: OPT on 4 ranks, ``prime``)."""
+    args, kwargs = example_inputs(get_config("opt-tiny"), BATCH, SEQ)
+    opt = analyze(build("opt-tiny", device="meta"), args, kwargs, name="opt-tiny")
+    plan = forced_plan(opt, "prime", world_size=4, cluster="cpu-gloo", batch=BATCH, seq=SEQ)
+    gm = fake_rank_graphs(opt, plan, [1])[1].gm
+    rings = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), RingMatmul)]
+    inputs = {}
+    for ring in rings:
+        inputs.setdefault(ring.args[0], []).append(ring)
+    assert sorted(len(v) for v in inputs.values() if len(v) > 1) == [3] * get_config("opt-tiny").layers
