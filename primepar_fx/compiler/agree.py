@@ -123,11 +123,15 @@ def with_machine_cluster(options: PlanOptions, plan: Any, *, measure: bool) -> P
     """``options`` priced on this machine as measured (:func:`~primepar_fx.calibrate.machine.machine_spec`: cached,
     else measured once on every rank) where ``measure`` (the caller gave no cluster), ``PRIMEPAR_CLUSTER`` names
     none, the ranks share one host and rank 0 will price a plan (a search or a forced plan). Collective: every rank
-    calls it; only rank 0's options change (only rank 0 plans)."""
+    calls it, and rank 0's ``plan`` and ``measure`` decide for all (another rank may pass ``plan=None``, rank 0's
+    being broadcast); only rank 0's options change (only rank 0 plans)."""
     world, rank = world_rank()
-    if not measure or world < 2 or os.environ.get("PRIMEPAR_CLUSTER") or not one_host(world):
+    if world < 2 or os.environ.get("PRIMEPAR_CLUSTER") or not one_host(world):
         return options
-    if parse_plan(plan)[0] not in ("search", "forced"):
+    # rank 0's plan and cluster are the ones every rank runs (the others may pass plan=None), so its answer holds
+    wanted = torch.tensor([int(measure and parse_plan(plan)[0] in ("search", "forced"))], device=comm_device())
+    dist.broadcast(wanted, 0)
+    if not int(wanted.item()):
         return options
     spec = machine_spec(world, rank, options.cluster)
     return options if spec is None else options.replace(cluster=spec)

@@ -5,7 +5,9 @@ One spawn of 2 gloo ranks with an empty cache directory (``PRIMEPAR_CACHE_DIR``)
 1. the first ``compile`` measures and writes one spec file, and its plan is priced on it;
 2. the second reads the file (not rewritten) and makes the same plan;
 3. ``cluster="cpu-gloo"`` prices on the preset and leaves the cache alone;
-4. a corrupt cache file is measured again and replaced.
+4. a corrupt cache file is measured again and replaced;
+5. rank 0 gives a plan and rank 1 ``plan=None`` (rank 0's is broadcast): no rank measures (the ranks used to
+   disagree here and deadlock on mismatched broadcasts; found by the deep fuzz run, world 6, digits (2, 3)).
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.runtime.testing import spawn
 
 
-def _compile(cluster=None):
+def _compile(cluster=None, plan=None):
     torch.manual_seed(0)
     config = get_config("gpt2-tiny")
     args, kwargs = example_inputs(config, 4, 16)
-    return primepar_fx.compile(build(config), args, kwargs, cluster=cluster)
+    return primepar_fx.compile(build(config), args, kwargs, cluster=cluster, plan=plan)
 
 
 def _without_search_time(plan) -> dict:
@@ -63,6 +65,9 @@ def _run(rank: int, world: int, cache: str) -> dict:
     again = _compile()
     out["after_corruption"] = again.plan.cluster
     out["reloaded"] = load_cluster(path).name if rank == 0 else None
+    # rank 0 gives its plan, the others None (it is broadcast): nothing to price, so no rank measures
+    given = _compile(plan=again.plan if rank == 0 else None)
+    out["given_cluster"] = given.plan.cluster
     return out
 
 
@@ -76,3 +81,4 @@ def test_compile_without_a_cluster_measures_this_machine_once_and_reuses_it(tmp_
     assert r["calibrated"] and "measured 2 gloo ranks" in r["source"]
     assert r["kinds"] == sorted(COLLECTIVES) and r["positive"]
     assert r["after_corruption"] == "cpu-gloo-measured" and r["reloaded"] == "cpu-gloo-measured"
+    assert r["given_cluster"] == "cpu-gloo-measured"  # rank 0's plan, run as given on both ranks

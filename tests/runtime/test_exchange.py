@@ -237,8 +237,8 @@ def test_the_exchanges_of_a_forced_plan_receive_what_the_plan_predicts(name: str
     """Sum the Eq. 9 receipts of every edge (and of every later reader of a shared parameter) into each node, in
     bytes of the tensor's own dtype (fp32 for activations): per device they are the node's predicted
     ``redistribution`` bytes. An edge whose reader shares the first reader's re-layout (all readers of the tensor
-    alike, :mod:`primepar_fx.cost.share`) receives nothing of its own. Loading and gathering a parameter's storage layout are exchanges too (a load moves
-    nothing)."""
+    alike, :mod:`primepar_fx.cost.share`) receives nothing of its own. Loading and gathering a parameter's storage
+    layout are exchanges too (a load moves nothing)."""
     graph, world = gpt2_graph(), 4
     plan = forced_plan(graph, name, world_size=world, batch=VALUES[B], seq=VALUES[S])
     mesh = DeviceMesh(tuple(plan.digits))
