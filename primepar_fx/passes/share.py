@@ -12,6 +12,12 @@ node, and the all-reduce and the backward re-layout run once on the sum. The pla
 (:func:`primepar_fx.planning.planner.summarize`), so the bytes the ranks send stay the predicted bytes. The pass runs
 before :func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`, which then fuses the one shared all-reduce with
 the backward re-layout into a reduce-scatter, as it would for a single consumer.
+
+A parameter that several nodes read (tied embeddings) is stored in its first reader's layout
+(:mod:`~primepar_fx.passes.shard`); every later reader with the first's signature reads the first's all-reduce, so
+that the summed gradient is all-reduced once (and, a parameter's only use then, it goes to the gradient buckets,
+:mod:`~primepar_fx.passes.gradsync`). This one is pairwise, each later reader with the first, as the plan prices it
+(:class:`~primepar_fx.planning.pricing.TiedSaving`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch import fx
 
 from primepar_fx.cost.share import signature
 from primepar_fx.passes.collectives import rename_operand
-from primepar_fx.passes.common import RankContext, info, is_getitem
+from primepar_fx.passes.common import STORAGE, RankContext, info, is_getitem
 from primepar_fx.passes.redistribute import SOURCE
 from primepar_fx.runtime.collectives import AllReduce
 from primepar_fx.runtime.exchange import Redistribute
@@ -56,6 +62,11 @@ def _is_planned_value(node: fx.Node) -> bool:
     return me is None or not me.multi_output
 
 
+def _is_stored_parameter(node: fx.Node, ctx: RankContext) -> bool:
+    """A parameter this rank stores a slice of (not the ``torch.compile`` path's whole parameters)."""
+    return node.op == "placeholder" and STORAGE in node.meta and not ctx.whole_params
+
+
 def share_relayouts(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
     # value -> [(consumer, input head, chain, signature)] in graph order; value -> consumers reading it twice
     members: dict[fx.Node, list[tuple[fx.Node, fx.Node, list[fx.Node], Hashable]]] = {}
@@ -67,7 +78,7 @@ def share_relayouts(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
         seen: set[fx.Node] = set()
         for k, head in enumerate(c.all_input_nodes):
             value, chain = _own_chain(gm, head)
-            if not _is_planned_value(value):
+            if not (_is_planned_value(value) or _is_stored_parameter(value, ctx)):
                 continue
             if value in seen:
                 twice.add(value)
@@ -78,9 +89,13 @@ def share_relayouts(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
             members.setdefault(value, []).append((c, head, chain, sig))
     shared = 0
     for value, group in members.items():
-        if len(group) < 2 or value in twice or len({sig for *_, sig in group}) != 1:
+        if len(group) < 2 or value in twice:
             continue
-        _, first, chain, _ = group[0]
+        _, first, chain, first_sig = group[0]
+        if value.op == "placeholder":  # a tied parameter: each later reader like its first joins it
+            group = [group[0]] + [m for m in group[1:] if m[3] == first_sig]
+        elif len({sig for *_, sig in group}) != 1:
+            continue
         if not chain:
             continue  # nothing runs between the value and its consumers
         for c, head, own, _ in group[1:]:

@@ -78,9 +78,12 @@ def summarize(
     unshared_s, unshared = {n: 0.0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
     sharing = set()
     for skip in priced.not_run(choice):
-        sharing.add((skip.u, skip.v))
         unshared_s[skip.v] += skip.reduce_s
         unshared[skip.v] += skip.reduce_bytes
+        if skip.tied:  # a tied parameter's: the edge cost has the all-reduce's seconds off; report them here
+            redis_s[skip.v] += skip.reduce_s
+            continue
+        sharing.add((skip.u, skip.v))
         redis_s[skip.v] -= skip.relayout_s
         redis_bytes[skip.v] -= skip.relayout_bytes
     for (u, v), sav in priced.scatter.items():

@@ -67,6 +67,9 @@ class PricedGraph:
     flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
     #: producer -> its consumers in graph order, where they may share one re-layout (:func:`shared_consumers`)
     fanout: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: tied parameters: (first reader, later reader) -> where the later one's gradient all-reduce is the first's;
+    #: ``edge_cost`` already has its seconds subtracted (:func:`shared_parameter_gradients`)
+    tied: dict[tuple[str, str], TiedSaving] = field(default_factory=dict)
 
     @functools.cached_property
     def search_graph(self) -> CostGraph:
@@ -130,6 +133,12 @@ class PricedGraph:
             )
             for (u, v), f in self.flows.items()
         }
+        tied = {
+            (u, v): TiedSaving(
+                take(t.shared, rows[u], rows[v]), take(t.reduce_s, rows[v]), take(t.reduce_bytes, rows[v])
+            )
+            for (u, v), t in self.tied.items()
+        }
         return PricedGraph(
             sub,
             self.mesh,
@@ -140,6 +149,7 @@ class PricedGraph:
             scatter,
             flows,
             self.fanout,
+            tied,
         )
 
     def shared_consumers(self, choice: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
@@ -163,6 +173,10 @@ class PricedGraph:
                         u, v, float(f.seconds[i, j]), int(f.nbytes[i, j]), float(f.reduce_s[j]), int(f.reduce_bytes[j])
                     )
                 )
+        for (u, v), t in self.tied.items():
+            i, j = choice[u], choice[v]
+            if t.shared[i, j]:
+                out.append(NotRun(u, v, 0.0, 0, float(t.reduce_s[j]), int(t.reduce_bytes[j]), tied=True))
         return out
 
 
@@ -170,7 +184,8 @@ class PricedGraph:
 class NotRun:
     """An edge ``u -> v`` whose re-layout (``relayout_s``, ``relayout_bytes`` summed over devices) and whose
     consumer's input-gradient all-reduce (``reduce_s``, ``reduce_bytes`` per device) do not run: ``v`` shares
-    another consumer's (:mod:`primepar_fx.cost.share`)."""
+    another consumer's (:mod:`primepar_fx.cost.share`). ``tied``: ``u`` and ``v`` read one parameter and ``v``'s
+    gradient of it is all-reduced with ``u``'s (:class:`TiedSaving`); its seconds are already off the edge cost."""
 
     u: str
     v: str
@@ -178,6 +193,21 @@ class NotRun:
     relayout_bytes: int
     reduce_s: float
     reduce_bytes: int
+    tied: bool = False
+
+
+@dataclass(frozen=True)
+class TiedSaving:
+    """A parameter read by ``u`` first and by ``v`` later (tied embeddings), for the strategy pairs where both
+    need it in the layout ``u`` stores it in and all-reduce its gradient over the same digits
+    (:func:`~primepar_fx.cost.share.signature` equal): the runtime sums ``v``'s gradient into ``u``'s and
+    all-reduces the sum once (:func:`~primepar_fx.passes.share.share_relayouts`). ``shared[i, j]``: whether it does
+    for ``u``'s strategy ``i`` and ``v``'s ``j``; per strategy of ``v`` the seconds and bytes (per device) of the
+    all-reduce it no longer runs."""
+
+    shared: np.ndarray
+    reduce_s: np.ndarray
+    reduce_bytes: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -313,6 +343,7 @@ def price_graph(
         pricing.scatter,
         pricing.share_flows,
         pricing.fanout(),
+        pricing.tied,
     )
 
 
@@ -372,6 +403,7 @@ class _Pricing:
     share_flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
     signatures: dict[Hashable, int] = field(default_factory=dict)  # a consumer signature -> its number
     consumer_share: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    tied: dict[tuple[str, str], TiedSaving] = field(default_factory=dict)  # add_shared_parameters
 
     def __post_init__(self) -> None:
         self.vkey = values_key(self.values)
@@ -556,9 +588,28 @@ class _Pricing:
             sec, nbytes = edge_cost_matrix(
                 self.partitions[u], k_u, self.partitions[v], k_v, self.cluster, self.values, self.opts, shared=True
             )
+            saving = self._tied_saving(u, k_u, v, k_v)
+            if saving is not None:
+                self.tied[(u, v)] = saving
+                sec = sec - np.where(saving.shared, saving.reduce_s[None, :], 0.0)
             if (u, v) in self.edge_cost:
                 sec, nbytes = sec + self.edge_cost[(u, v)], nbytes + self.edge_bytes[(u, v)]
             self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = sec, nbytes
+
+    def _tied_saving(self, u: str, k_u: int, v: str, k_v: int) -> TiedSaving | None:
+        """Where ``v``'s all-reduce of the gradient of the parameter it shares with ``u`` is ``u``'s
+        (:class:`TiedSaving`); None when it never is. Not for a reader that reads the parameter twice."""
+        fqn = self.graph.nodes[u].params[sorted(self.graph.nodes[u].dims.weights).index(k_u)]
+        if self.graph.nodes[u].params.count(fqn) > 1 or self.graph.nodes[v].params.count(fqn) > 1:
+            return None
+        item = self.opts.itemsize
+        sig_u = self._consumer_share(u, k_u, item)[0]
+        sig_v, reduce_s, reduce_bytes = self._consumer_share(v, k_v, item)
+        shared = (sig_u[:, None] == sig_v[None, :]) & (reduce_bytes > 0)[None, :]
+        if not shared.any():
+            return None
+        shared.flags.writeable = False
+        return TiedSaving(shared, reduce_s, reduce_bytes)
 
     def cost_graph(self) -> CostGraph:
         """Step 6: the search's :class:`CostGraph`; the nodes of one cache entry share their (read-only) vectors."""

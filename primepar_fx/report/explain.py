@@ -345,7 +345,9 @@ def _edge_parts(priced: PricedGraph, node_name: str, count: int, world: int) -> 
     pinned = dict.fromkeys(priced.strategies, 0)  # the neighbours are pinned: their only strategy is number 0
     for i in range(count):  # consumers that share another's re-layout (cost.share) skip their edge and all-reduce
         for skip in priced.not_run({**pinned, node_name: i}):
-            parts.edge_s[i] -= skip.relayout_s + skip.reduce_s
+            if node_name not in (skip.u, skip.v, *priced.fanout.get(skip.u, ())):
+                continue  # sharing between other nodes, whatever this one takes
+            parts.edge_s[i] -= skip.relayout_s + (0.0 if skip.tied else skip.reduce_s)  # tied: already off the edge
             parts.redis_b[i] -= skip.relayout_bytes / world
             if skip.v == node_name:
                 parts.own_s[i] += skip.reduce_s

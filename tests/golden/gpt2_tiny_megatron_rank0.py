@@ -3,7 +3,6 @@
 # what each module of the code below does (which tensor, which ranks, which direction):
 # redistribute_1 = Redistribute(input_ids -> embedding: forward (8, 64)->(4, 64), sends to [], recvs from []; backward
 #     none)
-# all_reduce_1 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 0 of embedding)
 # vocab_embedding_1 = VocabEmbedding(rows [0, 128))
 # redistribute_2 = Redistribute(arange -> embedding_1: forward (64,)->(32,), sends to [], recvs from []; backward
 #     none)
@@ -36,7 +35,6 @@
 #     pieces)
 # redistribute_12 = Redistribute(layer_norm_4 -> linear_8: forward (4, 32, 64)->(4, 64, 64), sends to [1], recvs from
 #     [1]; backward (4, 64, 64)->(4, 32, 64), reduce-scatter over [0, 1])
-# all_reduce_40 = AllReduce(mode=backward, digits=(0,), ranks=(0, 2), for=gradient of input 1 of linear_8)
 # redistribute_13 = Redistribute(labels -> roll: forward (8, 64)->(4, 64), sends to [], recvs from []; backward none)
 # cross_entropy_1 = ShardedCrossEntropy(reduction=mean, classes from 0 over ranks (0, 1), rows over ranks (0, 2))
 # parameter gradients summed over their replicas outside the graph, in gradient buckets during backward:
@@ -49,12 +47,11 @@
 #     p_blocks_0_mlp_down_proj_weight, p_blocks_0_mlp_down_proj_bias, p_blocks_1_attn_qkv_proj_weight,
 #     p_blocks_1_attn_qkv_proj_bias, p_blocks_1_attn_o_proj_weight, p_blocks_1_attn_o_proj_bias,
 #     p_blocks_1_mlp_up_proj_weight, p_blocks_1_mlp_up_proj_bias, p_blocks_1_mlp_down_proj_weight,
-#     p_blocks_1_mlp_down_proj_bias
+#     p_blocks_1_mlp_down_proj_bias, p_lm_head_weight
 class PrimeParRank0(torch.nn.Module):
     def forward(self, p_embed_tokens_weight: "f32[256, 64]", p_embed_positions_weight: "f32[128, 64]", p_blocks_0_attn_norm_weight: "f32[64]", p_blocks_0_attn_norm_bias: "f32[64]", p_blocks_0_attn_qkv_proj_weight: "f32[192, 64]", p_blocks_0_attn_qkv_proj_bias: "f32[192]", p_blocks_0_attn_o_proj_weight: "f32[64, 64]", p_blocks_0_attn_o_proj_bias: "f32[64]", p_blocks_0_mlp_norm_weight: "f32[64]", p_blocks_0_mlp_norm_bias: "f32[64]", p_blocks_0_mlp_up_proj_weight: "f32[256, 64]", p_blocks_0_mlp_up_proj_bias: "f32[256]", p_blocks_0_mlp_down_proj_weight: "f32[64, 256]", p_blocks_0_mlp_down_proj_bias: "f32[64]", p_blocks_1_attn_norm_weight: "f32[64]", p_blocks_1_attn_norm_bias: "f32[64]", p_blocks_1_attn_qkv_proj_weight: "f32[192, 64]", p_blocks_1_attn_qkv_proj_bias: "f32[192]", p_blocks_1_attn_o_proj_weight: "f32[64, 64]", p_blocks_1_attn_o_proj_bias: "f32[64]", p_blocks_1_mlp_norm_weight: "f32[64]", p_blocks_1_mlp_norm_bias: "f32[64]", p_blocks_1_mlp_up_proj_weight: "f32[256, 64]", p_blocks_1_mlp_up_proj_bias: "f32[256]", p_blocks_1_mlp_down_proj_weight: "f32[64, 256]", p_blocks_1_mlp_down_proj_bias: "f32[64]", p_final_norm_weight: "f32[64]", p_final_norm_bias: "f32[64]", p_lm_head_weight: "f32[256, 64]", input_ids: "i64[8, 64]", labels: "i64[8, 64]"):
         redistribute_1 = self.redistribute_1(input_ids);  input_ids = None
-        all_reduce_1 = self.all_reduce_1(p_lm_head_weight)
-        vocab_embedding_1 = self.vocab_embedding_1(all_reduce_1, redistribute_1);  all_reduce_1 = redistribute_1 = None
+        vocab_embedding_1 = self.vocab_embedding_1(p_lm_head_weight, redistribute_1);  redistribute_1 = None
         arange: "i64[64]" = torch.ops.aten.arange.default(64, device = device(type='meta'), pin_memory = False)
         redistribute_2 = self.redistribute_2(arange);  arange = None
         embedding_1: "f32[64, 64]" = torch.ops.aten.embedding.default(p_embed_positions_weight, redistribute_2);  p_embed_positions_weight = redistribute_2 = None
@@ -119,8 +116,7 @@ class PrimeParRank0(torch.nn.Module):
         add_4: "f32[8, 64, 64]" = torch.ops.aten.add.Tensor(add_3, add_tensor_7);  add_3 = add_tensor_7 = None
         layer_norm_4: "f32[8, 64, 64]" = torch.ops.aten.layer_norm.default(add_4, [64], p_final_norm_weight, p_final_norm_bias, 1e-05, False);  add_4 = p_final_norm_weight = p_final_norm_bias = None
         redistribute_12 = self.redistribute_12(layer_norm_4);  layer_norm_4 = None
-        all_reduce_40 = self.all_reduce_40(p_lm_head_weight);  p_lm_head_weight = None
-        linear_8: "f32[8, 64, 256]" = torch.ops.aten.linear.default(redistribute_12, all_reduce_40);  redistribute_12 = all_reduce_40 = None
+        linear_8: "f32[8, 64, 256]" = torch.ops.aten.linear.default(redistribute_12, p_lm_head_weight);  redistribute_12 = p_lm_head_weight = None
         arange_1: "i64[64]" = torch.ops.aten.arange.default(64, device = device(type='meta'), pin_memory = False)
         eq: "b8[64]" = torch.ops.aten.eq.Scalar(arange_1, 63);  arange_1 = None
         redistribute_13 = self.redistribute_13(labels);  labels = None

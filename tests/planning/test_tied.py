@@ -1,0 +1,111 @@
+"""Tied parameters (GPT-2's token table, also its LM head): where both readers need the table in one layout and
+all-reduce its gradient over the same digits, the later reader's gradient is summed into the first's and
+all-reduced once (:class:`~primepar_fx.planning.pricing.TiedSaving`, :func:`~primepar_fx.passes.share.share_relayouts`).
+The search prices exactly that, the prediction counts it, and the rank graph runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+
+import pytest
+
+import primepar_fx
+from primepar_fx.cost.cluster import load_cluster, ring_factors
+from primepar_fx.cost.model import CostOptions
+from primepar_fx.frontend.symbols import B, S
+from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.planning.baselines import data_parallel_assignment
+from primepar_fx.planning.planner import forced_plan, summarize
+from primepar_fx.planning.pricing import price_graph
+from primepar_fx.planning.sharing import SUFFIX, virtual
+from primepar_fx.report.dump import fake_rank_graphs
+from primepar_fx.runtime.collectives import AllReduce
+from primepar_fx.search import solve
+from primepar_fx.search.problem import evaluate
+
+MODEL, BATCH, SEQ, WORLD = "gpt2-tiny", 4, 16, 4
+VALUES = {B: BATCH, S: SEQ}
+OPTS = CostOptions(dtype="fp32")
+TABLE = "lm_head.weight"  # export names the tied pair by the LM head; the token embedding reads it first
+
+
+@functools.cache
+def graph():
+    config = get_config(MODEL)
+    args, kwargs = example_inputs(config, BATCH, SEQ)
+    return primepar_fx.analyze(build(config), args, kwargs, name=MODEL)
+
+
+@functools.cache
+def priced(world: int = WORLD, cluster: str = "cpu-gloo"):
+    spec = load_cluster(cluster)
+    return price_graph(graph(), spec.mesh(world), spec, VALUES, OPTS)
+
+
+def readers() -> list[str]:
+    return [n for n, node in graph().nodes.items() if TABLE in node.params]
+
+
+def step_time(p, choice) -> float:
+    return summarize(graph(), p, choice, OPTS, nodes=False).predicted.step_time_s
+
+
+def test_the_table_has_two_readers_and_one_saving_between_them():
+    first, later = readers()
+    assert graph().tied  # the model does tie them
+    assert set(priced().tied) == {(first, later)}
+
+
+def test_data_parallel_all_reduces_the_tables_gradient_once():
+    """Data parallel: both readers hold the whole table and sum its gradient over all ranks; the prediction is
+    lower by exactly one ring all-reduce of the table, and the rank graph has none left for it (it goes to the
+    gradient buckets, once)."""
+    spec = load_cluster("cpu-gloo")
+    mesh = spec.mesh(WORLD)
+    p = price_graph(graph(), mesh, spec, VALUES, OPTS, fixed=data_parallel_assignment(graph(), mesh, values=VALUES))
+    first, later = readers()
+    choice = dict.fromkeys(p.strategies, 0)
+    assert p.tied[(first, later)].shared[choice[first], choice[later]]
+    with_saving = summarize(graph(), p, choice, OPTS).predicted.comm_bytes
+    untied = dataclasses.replace(p, tied={})  # (its edge still has the seconds off: bytes only)
+    without = summarize(graph(), untied, choice, OPTS, nodes=False).predicted.comm_bytes
+    rows, cols = graph().param_shapes[TABLE]
+    assert without - with_saving == round(ring_factors("all-reduce", WORLD)[0] * rows * cols * 4)
+
+    plan = forced_plan(graph(), "data_parallel", world_size=WORLD, batch=BATCH, seq=SEQ, cluster="cpu-gloo")
+    assert plan.predicted.comm_bytes == with_saving
+    rank = fake_rank_graphs(graph(), plan, [0])[0]
+    table = next(n for n in rank.gm.graph.nodes if n.op == "placeholder" and n.name == "p_lm_head_weight")
+    assert table.name in rank.grad_reductions
+    assert not any(isinstance(rank.gm.get_submodule(u.target), AllReduce) for u in table.users if u.op == "call_module")
+    assert len(table.users) == 2  # the embedding and the LM head read the stored slice itself
+
+
+def test_the_objective_of_any_choice_is_its_predicted_step_time():
+    p = priced()
+    sg = p.search_graph
+    rng = random.Random(7)
+    first, later = readers()
+    seen_shared = seen_apart = 0
+    for _ in range(12):
+        choice = {n: rng.randrange(len(p.strategies[n])) for n in p.strategies}
+        if rng.random() < 0.5:  # often enough, a pair that shares
+            i, j = map(int, next(iter(zip(*p.tied[(first, later)].shared.nonzero()))))
+            choice[first], choice[later] = i, j
+        shared = bool(p.tied[(first, later)].shared[choice[first], choice[later]])
+        seen_shared, seen_apart = seen_shared + shared, seen_apart + (not shared)
+        full = {**choice, **{n: choice[n.removesuffix(SUFFIX)] for n in sg.nodes if virtual(n)}}
+        for n in (n for n in sg.nodes if virtual(n)):
+            full[n] = min(range(sg.strategies(n)), key=lambda s, n=n: evaluate(sg, {**full, n: s}))
+        assert evaluate(sg, full) == pytest.approx(step_time(p, choice), rel=1e-12)
+    assert seen_shared and seen_apart
+
+
+@pytest.mark.parametrize(("world", "cluster"), [(2, "cpu-gloo"), (4, "v100-paper")])
+def test_dp_and_ilp_agree_and_are_the_predicted_step_time(world, cluster):
+    p = priced(world, cluster)
+    dp, ilp = solve(p.search_graph, method="dp"), solve(p.search_graph, method="ilp")
+    assert dp.cost == pytest.approx(ilp.cost, rel=1e-9)
+    assert dp.cost == pytest.approx(step_time(p, dp.choice), rel=1e-12)
