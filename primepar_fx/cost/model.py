@@ -205,8 +205,9 @@ def collective_price(
 
 def in_bucket(op: OpDims, c: Collective) -> bool:
     """Whether the runtime sums ``c`` in a gradient bucket (:mod:`primepar_fx.runtime.gradsync`): the all-reduce of a
-    parameter's gradient. Its bytes cost as any all-reduce's; its latency is the bucket's, shared by many (a
-    parameter the runtime keeps in the graph, a tied one used twice, still pays its own: priced a little low)."""
+    parameter's gradient. Its bytes cost as any all-reduce's; its latency is the bucket's, shared by many. A tied
+    parameter whose readers keep their own all-reduces in the graph pays theirs on its shared-parameter edge
+    (:func:`~primepar_fx.cost.share.input_all_reduce_latency`)."""
     return (
         c.phase is Phase.GRADIENT
         and c.kind == "all-reduce"

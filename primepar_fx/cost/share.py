@@ -57,3 +57,18 @@ def input_all_reduce_price(
         s, b = collective_price(part, c, cluster, vkey, itemsize, bucketed=in_bucket(part.op, c))
         seconds, nbytes = seconds + s, nbytes + b
     return seconds, nbytes
+
+
+def input_all_reduce_latency(
+    part: OpPartition, target: object, k: int, cluster: ClusterSpec, vkey: ValuesKey, itemsize: int
+) -> float:
+    """Seconds that the bucketed price of :func:`input_all_reduces` leaves out: the per-message latency of those the
+    runtime sums in a gradient bucket (:func:`~primepar_fx.cost.model.in_bucket`). A parameter read by several nodes
+    whose gradients are not summed once keeps its all-reduces in the graph, one message each, and pays this."""
+    extra = 0.0
+    for c in input_all_reduces(part, target, k):
+        if in_bucket(part.op, c):
+            alone, _ = collective_price(part, c, cluster, vkey, itemsize)
+            bucketed, _ = collective_price(part, c, cluster, vkey, itemsize, bucketed=True)
+            extra += alone - bucketed
+    return extra

@@ -36,7 +36,7 @@ from primepar_fx.cost.model import (
 )
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
-from primepar_fx.cost.share import input_all_reduce_price, signature
+from primepar_fx.cost.share import input_all_reduce_latency, input_all_reduce_price, signature
 from primepar_fx.frontend.symbols import META_DTYPES
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
@@ -404,6 +404,7 @@ class _Pricing:
     signatures: dict[Hashable, int] = field(default_factory=dict)  # a consumer signature -> its number
     consumer_share: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     tied: dict[tuple[str, str], TiedSaving] = field(default_factory=dict)  # add_shared_parameters
+    latency: dict[tuple, np.ndarray] = field(default_factory=dict)  # (node cache entry, input) -> _latency
 
     def __post_init__(self) -> None:
         self.vkey = values_key(self.values)
@@ -583,15 +584,23 @@ class _Pricing:
 
     def add_shared_parameters(self) -> None:
         """Step 5: a parameter several nodes read is stored in its first reader's layout; each later reader pays
-        for re-laying it out, added to the edge between the two (made if there is none)."""
+        for re-laying it out, added to the edge between the two (made if there is none). Where the later reader
+        sums its gradient into the first's all-reduce (:class:`TiedSaving`), the edge is that all-reduce's seconds
+        cheaper; where it does not, both readers' gradient all-reduces stay in the graph (the runtime buckets a
+        parameter's gradient only when it has one all-reduce) and the edge adds the latency their bucketed price
+        left out (with three or more readers that do not share, the first reader's is counted once per pair)."""
         for u, k_u, v, k_v in shared_parameters(self.graph):
             sec, nbytes = edge_cost_matrix(
                 self.partitions[u], k_u, self.partitions[v], k_v, self.cluster, self.values, self.opts, shared=True
             )
             saving = self._tied_saving(u, k_u, v, k_v)
+            # unless v sums into u's all-reduce, both stay in the graph: each pays its latency, not a bucket's
+            latency = self._latency(u, k_u)[:, None] + self._latency(v, k_v)[None, :]
             if saving is not None:
                 self.tied[(u, v)] = saving
-                sec = sec - np.where(saving.shared, saving.reduce_s[None, :], 0.0)
+                sec = sec - np.where(saving.shared, saving.reduce_s[None, :], -latency)
+            elif latency.any():
+                sec = sec + latency
             if (u, v) in self.edge_cost:
                 sec, nbytes = sec + self.edge_cost[(u, v)], nbytes + self.edge_bytes[(u, v)]
             self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = sec, nbytes
@@ -610,6 +619,19 @@ class _Pricing:
             return None
         shared.flags.writeable = False
         return TiedSaving(shared, reduce_s, reduce_bytes)
+
+    def _latency(self, v: str, k_in: int) -> np.ndarray:
+        """Per strategy of ``v``: :func:`~primepar_fx.cost.share.input_all_reduce_latency` of input ``k_in``."""
+        key = (self.entry[v], k_in)
+        if key not in self.latency:
+            target = self.graph.nodes[v].target
+            self.latency[key] = _frozen(
+                [
+                    input_all_reduce_latency(part, target, k_in, self.cluster, self.vkey, self.opts.itemsize)
+                    for part in self.partitions[v]
+                ]
+            )
+        return self.latency[key]
 
     def cost_graph(self) -> CostGraph:
         """Step 6: the search's :class:`CostGraph`; the nodes of one cache entry share their (read-only) vectors."""

@@ -17,7 +17,8 @@ do:
   its bucket's message and its ``.grad`` untouched: every rank runs the same graph, so it is the same on all), waits
   once for every bucket and writes each parameter's ``.grad``.
 
-Gradients stay exact: ``.grad`` ends as the group sum of this backward's gradient, plus whatever ``.grad`` held
+Gradients stay exact: ``.grad`` ends as the group sum of this backward's gradient (a view of its bucket's
+flat tensor, as DDP's ``gradient_as_bucket_view``: no copy back), plus whatever ``.grad`` held
 before (gradient accumulation over several backwards keeps working: the earlier value is set aside while autograd
 writes this backward's part, and added back at the end). ``torch.autograd.grad`` on the parameters gets the
 summed gradients too, synchronously (autograd then writes no ``.grad``, so there is nothing to overlap with).
@@ -192,10 +193,8 @@ class GradientBuckets:
         summed = summed.view(p.shape)
         if earlier is not None:
             p.grad = earlier.add_(summed)
-        elif p.grad is not None:
-            p.grad.copy_(summed)
-        else:  # autograd wrote nothing (it stole no tensor and the hook's gradient was dropped): take the sum
-            p.grad = summed.clone()
+        else:  # the bucket's own slice, no copy (what autograd wrote there is the local part, now summed)
+            p.grad = summed
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""

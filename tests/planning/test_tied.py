@@ -109,3 +109,31 @@ def test_dp_and_ilp_agree_and_are_the_predicted_step_time(world, cluster):
     dp, ilp = solve(p.search_graph, method="dp"), solve(p.search_graph, method="ilp")
     assert dp.cost == pytest.approx(ilp.cost, rel=1e-9)
     assert dp.cost == pytest.approx(step_time(p, dp.choice), rel=1e-12)
+
+
+def test_readers_that_do_not_share_pay_each_all_reduce_s_latency_on_their_edge():
+    """Apart, both readers keep their all-reduce in the graph (one message each, not a bucket's share): the edge
+    is the re-layout plus both latencies the bucketed node prices left out; shared, the re-layout less ``v``'s."""
+    from primepar_fx.cost.model import edge_cost_matrix
+    from primepar_fx.cost.share import input_all_reduce_latency
+    from primepar_fx.partition.enumerate import values_key
+    from primepar_fx.partition.layouts import bound_partition
+
+    p, spec = priced(), load_cluster("cpu-gloo")
+    first, later = readers()
+    (k_u,), (k_v,) = (sorted(graph().nodes[n].dims.weights) for n in (first, later))
+    parts = {n: [bound_partition((graph().nodes[n].dims, s, p.mesh)) for s in p.strategies[n]] for n in (first, later)}
+    relayout, _ = edge_cost_matrix(parts[first], k_u, parts[later], k_v, spec, VALUES, OPTS, shared=True)
+
+    def latency(n, k):
+        target = graph().nodes[n].target
+        return [input_all_reduce_latency(q, target, k, spec, values_key(VALUES), 4) for q in parts[n]]
+
+    lat_u, lat_v = latency(first, k_u), latency(later, k_v)
+    tied, edge = p.tied[(first, later)], p.cost_graph.edge_cost[(first, later)]
+    apart = [(i, j) for i in range(len(lat_u)) for j in range(len(lat_v)) if not tied.shared[i, j]]
+    assert any(lat_u[i] > 0 and lat_v[j] > 0 for i, j in apart)
+    for i, j in apart:
+        assert edge[i, j] == pytest.approx(relayout[i, j] + lat_u[i] + lat_v[j], rel=1e-12, abs=1e-15)
+    for i, j in zip(*tied.shared.nonzero()):
+        assert edge[i, j] == pytest.approx(relayout[i, j] - tied.reduce_s[j], rel=1e-12, abs=1e-15)
