@@ -527,74 +527,78 @@ def markdown(saved: dict, png: str | None) -> str:
 READING = """## Reading the results
 
 * **Issue 16 (runtime speed), measured in the run above:**
-  * `primepar data_parallel` takes 1.04x DDP's step time (425 against 407 ms), with the same bus bytes. Its
-    parameter gradients travel in DDP-style buckets, asynchronously during backward (`runtime/gradsync.py`): 3
-    messages a step (the loss's one all-reduce and two buckets) against DDP's 2. Where the time goes is the same
-    as DDP's (computing 191 against 174 ms, blocked 71 against 63).
+  * `primepar data_parallel` takes **1.00x** DDP's step time (432 against 432 ms), with the same bus bytes
+    (21902 KiB). Its parameter gradients travel in DDP-style buckets, asynchronously during backward
+    (`runtime/gradsync.py`), and `.grad` is a slice of its bucket as with DDP's `gradient_as_bucket_view` (no copy
+    back): 3 messages a step (the loss's one all-reduce and two buckets) against DDP's 2. Where the time goes is
+    DDP's (computing 188 against 186 ms, blocked 73 against 54: the loss all-reduce, which DDP does not do).
   * `primepar (no options)`, what `compile(model, args)` does, measures this machine on its ranks the first time
-    (cached after) and picks data parallelism with 18 nodes replicated, sending 3.5% fewer bytes than DDP (21134
-    against 21902 KiB) in 6 messages: 1.05x DDP, the fastest system here. Target (<= 1.0x) **missed**, by the
-    messages DDP does not send (the loss all-reduce: primepar returns the global loss on every rank, DDP each
-    rank's own; and three small in-graph all-reduces of the replicated nodes' gradients) and by noise of the same
-    order: the two data-parallel primepar rows differ by 0.5% here and by 6% in the previous run.
+    (cached after) and picks data parallelism with the token embedding replicated (18 nodes replicated): every
+    rank looks up the whole batch, so the table's gradient needs no all-reduce, and the first norm all-gathers
+    its input gradient instead (786 KiB, synchronously at the end of backward): 21134 KiB in 6 messages, 3.5%
+    fewer bytes than DDP, **1.06x** DDP's time (458 ms). Target (<= 1.0x) **missed**. The cost model predicts
+    this plan 0.15% faster than plain data parallelism (194.3 against 194.6 ms): a tie it cannot resolve, where
+    the measured difference (6% here, -1% in the run before) is the same order as the noise between runs.
   * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout, takes **0.69x** `dtensor tp`'s time and sends
-    **0.93x its bytes** (28.4 MiB in 75 messages against 30.0 MiB in 37). Before shared re-layouts (the previous
-    run of this page) it sent 1.58x: q, k and v (and gate and up) each all-gathered the same sequence-split input
-    and reduce-scattered their own gradient. Now the readers of one normed input share one all-gather and one
-    reduce-scatter of their summed gradient (`passes/share.py`), as DTensor does, and the plan prices exactly
-    that; it sends less than DTensor because its loss is vocabulary-parallel (DTensor gathers the whole logits).
+    **0.93x its bytes** (27.8 MiB in 75 messages against 30.0 MiB in 37). The readers of one normed input (q, k
+    and v; gate and up) share one all-gather and one reduce-scatter of their summed gradient (`passes/share.py`),
+    as DTensor does, and the plan prices exactly that; it sends less than DTensor because its loss is
+    vocabulary-parallel (DTensor gathers the whole logits).
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
-* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.62x `dtensor tp`'s time, 1.55x its bytes,
-  1.9x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
+* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.61x `dtensor tp`'s time, 1.55x its bytes,
+  1.7x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
   `no options`) and the step-fitted spec (`calibrated`) both pick data parallelism.
 * **Under Megatron dp1 x mp4 +SP's memory** (`calibrated, budget`: 62.1 MiB predicted) the step-fitted spec picks
-  a plan with 6.4 MiB of parameters a rank: 0.51x `dtensor tp`'s time, 0.69x its bytes and 0.90x its peak, all
+  a plan with 6.4 MiB of parameters a rank: 0.53x `dtensor tp`'s time, 0.69x its bytes and 0.82x its peak, all
   three of issue 6's targets.
 * **Breakdown** (ms per step and rank, table above): DTensor dispatches every op through Python and computes
-  397 ms on the main thread against primepar's 237 on the same layout; primepar is also blocked less (386
-  against 481 ms).
+  405 ms on the main thread against primepar's 233 on the same layout; primepar is also blocked less (387
+  against 483 ms).
 * **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.45x the ring volume
   (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31), while its all-reduce and point-to-point sends are
   within 0.5% of it.
 * **Memory.** Data parallelism holds every parameter, its gradient and AdamW's state on every rank (57 MiB of
-  the 85 MiB peak); `dtensor tp` holds the LM head's whole output (no loss parallelism: 4 MiB of logits, and
+  the 86 MiB peak); `dtensor tp` holds the LM head's whole output (no loss parallelism: 4 MiB of logits, and
   their gradient) and whole gradients of the vocabulary-sharded embedding (4.3 MiB of gradients for 3.6 MiB
   of parameters).
-* **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.33x, two bucket
-  all-reduces a step), then FSDP2 (0.49x, 14 calls) and tensor parallelism without sequence parallelism
-  (0.69x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
+* **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.35x, two bucket
+  all-reduces a step), then FSDP2 (0.50x, 14 calls) and tensor parallelism without sequence parallelism
+  (0.70x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
   These are not GPU numbers: with NVLink a message costs microseconds and the ranking may differ.
 * **The GPT-2-style model** (fused qkv, biases, tied embeddings) is on
-  [baselines-gpt2.md](baselines-gpt2.md). **Not measured here:** runs at other loads: one run, load average 2.7
+  [baselines-gpt2.md](baselines-gpt2.md). **Not measured here:** runs at other loads: one run, load average 3.9
   before and 4.3 after.
-* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 170-400 ms of a
-  400-1230 ms step, so compute is visible, and all eleven systems run in under 4 minutes.
+* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 186-405 ms of a
+  425-1229 ms step, so compute is visible, and all eleven systems run in under 4 minutes.
 """
 
 READING_GPT2 = """## Reading the results
 
 * **Issue 16 (runtime speed) on a GPT-2-style model**, measured in the run above:
   * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout (column-parallel fused qkv with whole heads per rank,
-    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.63x** `dtensor tp`'s
+    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.61x** `dtensor tp`'s
     time and sends **0.90x its bytes** (27.2 MiB against 30.2 MiB). The fused qkv projection has one reader, so
     the shared re-layouts matter here for the residual stream and the tied embedding's readers only.
-  * `primepar data_parallel` takes **1.11x** DDP's step time (423 against 382 ms), target (<= 1.10x) **missed**:
-    it sends 1.5 MiB more than DDP (21777 against 20241 KiB) in 6 messages against 2. The difference is the tied
-    embedding: its weight is read by the token lookup and by the LM head, each of which all-reduces its own part
-    of the gradient, in the graph and synchronously (the gradient buckets take a parameter read once only), where
-    DDP all-reduces the summed gradient once, in a bucket: one 1 MiB all-reduce (1.5 MiB of bus bytes) too many.
-    Summing a tied parameter's gradient once, in a bucket, is the next step.
-  * `primepar (no options)` picks data parallelism with 9 nodes replicated: 1.09x DDP (418 against 382 ms),
-    target (<= 1.0x) **missed**, for the same reason (20817 KiB in 7 messages).
+  * `primepar data_parallel` takes **1.05x** DDP's step time (424 against 404 ms) and sends DDP's bytes exactly
+    (20241 KiB), in 4 messages against 2. The tied embedding's weight, read by the token lookup and by the LM
+    head, now has its two gradient parts summed locally and all-reduced once, in a bucket, as DDP does (the run
+    before sent 1.5 MiB more, in 6 messages: 1.11x). The two messages left are the loss all-reduce (primepar
+    returns the global loss on every rank, DDP each rank's own) and the learned position table's gradient: its
+    lookup has no batch dimension and runs replicated, so the gradient of its output is summed over the batch
+    ranks in the graph, synchronously, before the lookup's backward. Computing 179 ms against DDP's 179,
+    blocked 81 against 56.
+  * `primepar (no options)` picks the same traffic (20241 KiB in 4 messages, 7 nodes replicated): **1.06x** DDP
+    (428 ms), target (<= 1.0x) **missed**, by those two messages and noise of the same order (the three primepar
+    rows with this traffic take 410 to 428 ms).
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
 * **DTensor TP on a tied, fused-qkv model** needs three things torchtitan's Llama plan does not: the attention
   told its local head count (4 heads of 8 per rank at 4 ranks, as torchtitan sets ``n_heads`` per rank), the
   learned position table row-parallel with its output split by sequence (dim 0 of its ``(S, h)`` output), and the
   LM head re-tied to the token table's sharded weight after `parallelize_module` (both are split by vocabulary
   rows). With them every system's first loss is the same (to 1e-6).
-* **Among PyTorch's systems** DDP is the fastest here (0.32x `dtensor tp`), then FSDP2 (0.47x) and tensor
-  parallelism without sequence parallelism (0.57x), as on the Llama-style model ([baselines.md](baselines.md)).
-* **Not measured here:** runs at other loads: one run, load average 3.9 before and 4.3 after.
+* **Among PyTorch's systems** DDP is the fastest here (0.30x `dtensor tp`), then FSDP2 (0.50x) and tensor
+  parallelism without sequence parallelism (0.58x), as on the Llama-style model ([baselines.md](baselines.md)).
+* **Not measured here:** runs at other loads: one run, load average 2.0 before and 4.8 after.
 """
 
 MEASURED = """## How each figure is measured
