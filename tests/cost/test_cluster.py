@@ -27,7 +27,7 @@ from primepar_fx.cost.cluster import (
 )
 from primepar_fx.partition.mesh import DeviceMesh
 
-PRESETS = ("a100-dgx", "cpu-gloo", "h100-dgx", "v100-paper")
+PRESETS = ("a100-dgx", "cpu-gloo", "h100-dgx", "v100-edr", "v100-paper")
 MiB = 1 << 20
 
 
@@ -277,8 +277,27 @@ def test_collective_time_is_the_ring_formula_at_the_group_level():
     assert spec.collective_time("all-reduce", 8 * MiB, mesh, ()) == 0.0
 
 
+def test_v100_edr_is_the_paper_cluster_with_100_gbit_infiniband():
+    """The same cluster but for the inter-node link: 12.5 GB/s a node where v100-paper reads 100 GB/s, so every
+    inter-node byte costs 8x; latencies, the node's links and the device are v100-paper's."""
+    paper, edr = load_cluster("v100-paper"), load_cluster("v100-edr")
+    assert (edr.num_devices, edr.devices_per_node, edr.device) == (
+        paper.num_devices,
+        paper.devices_per_node,
+        paper.device,
+    )
+    assert edr.levels[0] == paper.levels[0]
+    (inter_p, inter_e) = paper.levels[1], edr.levels[1]
+    assert inter_e.bandwidth == 12.5e9 / edr.devices_per_node == inter_p.bandwidth / 8
+    for kind in COLLECTIVES:
+        p, e = inter_p.collectives[kind], inter_e.collectives[kind]
+        assert e.fixed == p.fixed
+        assert e.bytes_coeff == pytest.approx(8 * p.bytes_coeff, rel=1e-5), kind
+    assert not edr.calibrated and "EDR" in edr.source
+
+
 def test_collective_time_grows_with_bytes_and_is_slower_across_nodes():
-    for name in ("v100-paper", "a100-dgx", "h100-dgx"):
+    for name in ("v100-paper", "v100-edr", "a100-dgx", "h100-dgx"):
         spec = load_cluster(name)
         mesh = spec.mesh()
         node_digit, intra_digit = (0,), (len(mesh) - 1,)
