@@ -14,7 +14,9 @@
   each kv head with its query group; a split of ``G`` reads ``k``/``v`` whole (their gradient is summed over
   ``G``). ``Hk == 1`` (multi-query) simply broadcasts ``k``/``v`` over ``H``.
 
-FLOPs: ``2 * b * H * S * T * (E + Ev)`` (Q.K^T plus P.V), as ``torch.utils.flop_counter`` counts them.
+FLOPs: ``2 * b * H * S * T * (E + Ev)`` (Q.K^T plus P.V), as ``torch.utils.flop_counter`` counts them; with
+``is_causal=True`` and ``S == T``, ``(S + 1) / (2 S)`` of that: query ``i`` sees keys ``0..i``, and flash kernels
+skip the blocks above the diagonal (``flop_counter`` still counts them whole).
 """
 
 from __future__ import annotations
@@ -91,5 +93,7 @@ def sdpa_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     causal = bool(arg(node, "is_causal", False))
     no_split = {*t, e, ev} | (set(s) if causal else set())
     flops = 2 * sympy.Mul(*sq[:-1]) * sk[-2] * (sq[-1] + sv[-1])
+    if causal and sympy.simplify(sq[-2] - sk[-2]) == 0:  # query i sees keys 0..i: S(S+1)/2 of the S^2 scores
+        flops = sympy.expand(flops * (sk[-2] + 1) / (2 * sk[-2]))
     extra = {"is_causal": causal, "gqa_groups": int(groups)}
     return nm.build("attention", align_inputs(node, maps), outs, no_split=frozenset(no_split), flops=flops, extra=extra)

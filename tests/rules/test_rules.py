@@ -337,7 +337,7 @@ def test_sdpa_dims_flops_and_mask():
         is_causal=True,
         out=(B, 4, S, 16),
     )
-    assert "S" in causal.no_split and sympy.expand(causal.flops - 4 * B * 4 * S * S * 16) == 0
+    assert "S" in causal.no_split and sympy.expand(causal.flops - 2 * B * 4 * S * (S + 1) * 16) == 0  # S(S+1)/2 scores
 
 
 def test_sdpa_with_grouped_kv_heads_maps_query_heads_onto_kv_heads_and_groups():
