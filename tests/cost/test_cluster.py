@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -368,3 +369,48 @@ def test_with_calibration_merges_measurements():
 
 def test_no_pickle_in_the_cluster_module():
     assert "pickle" not in Path(cluster_mod.__file__).read_text("utf-8")
+
+
+# ------------------------------------------------------------------------------------------- gradient overlap
+def test_gradient_overlap_hides_that_fraction_of_a_bucketed_all_reduce_only():
+    spec = load_cluster("v100-paper")
+    half = dataclasses.replace(spec, gradient_overlap=0.5)
+    mesh = spec.mesh(8)
+    for digits in ((0,), (len(mesh) - 1,)):
+        bucketed = spec.collective_time("all-reduce", 8 * MiB, mesh, digits, bucketed=True)
+        assert half.collective_time("all-reduce", 8 * MiB, mesh, digits, bucketed=True) == pytest.approx(bucketed / 2)
+        alone = spec.collective_time("all-reduce", 8 * MiB, mesh, digits)
+        assert half.collective_time("all-reduce", 8 * MiB, mesh, digits) == alone  # in the graph: not hidden
+    assert spec.gradient_overlap == 0.0
+
+
+def test_gradient_overlap_is_a_fraction_written_only_when_set():
+    spec = load_cluster("v100-paper")
+    assert "gradient_overlap" not in spec.to_dict()  # the default keeps older spec files canonical
+    set_ = dataclasses.replace(spec, gradient_overlap=0.75)
+    assert set_.to_dict()["gradient_overlap"] == 0.75
+    assert ClusterSpec.from_json(set_.to_json()) == set_
+    assert ClusterSpec.from_toml(set_.to_toml()) == set_
+    for bad in (-0.1, 1.5, "half", True):
+        with pytest.raises(ValueError, match="gradient_overlap"):
+            ClusterSpec.from_dict({**spec.to_dict(), "gradient_overlap": bad})
+
+
+def test_a_data_parallel_plan_is_faster_with_overlap_and_sends_the_same_bytes():
+    from primepar_fx.api import analyze
+    from primepar_fx.models import build, example_inputs, get_config
+    from primepar_fx.planning.planner import forced_plan
+
+    args, kwargs = example_inputs(get_config("llama-tiny"), 4, 16)
+    graph = analyze(build("llama-tiny", device="meta"), args, kwargs, name="llama-tiny")
+    spec = load_cluster("v100-paper")
+    plans = [
+        forced_plan(
+            graph, "data_parallel", world_size=8, batch=4, seq=16, cluster=dataclasses.replace(spec, gradient_overlap=o)
+        )
+        for o in (0.0, 0.5, 1.0)
+    ]
+    times = [p.predicted.step_time_s for p in plans]
+    assert times[0] > times[1] > times[2]
+    assert times[0] - times[1] == pytest.approx(times[1] - times[2], rel=1e-9)  # linear in the fraction
+    assert len({p.predicted.comm_bytes for p in plans}) == 1
