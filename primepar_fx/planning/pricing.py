@@ -607,9 +607,10 @@ class _Pricing:
 
     def _tied_saving(self, u: str, k_u: int, v: str, k_v: int) -> TiedSaving | None:
         """Where ``v``'s all-reduce of the gradient of the parameter it shares with ``u`` is ``u``'s
-        (:class:`TiedSaving`); None when it never is. Not for a reader that reads the parameter twice."""
+        (:class:`TiedSaving`); None when it never is. Not when any reader reads the parameter twice (the runtime
+        then keeps every reader's own chain, :func:`~primepar_fx.passes.share.share_relayouts`)."""
         fqn = self.graph.nodes[u].params[sorted(self.graph.nodes[u].dims.weights).index(k_u)]
-        if self.graph.nodes[u].params.count(fqn) > 1 or self.graph.nodes[v].params.count(fqn) > 1:
+        if any(node.params.count(fqn) > 1 for node in self.graph.nodes.values()):
             return None
         item = self.opts.itemsize
         sig_u = self._consumer_share(u, k_u, item)[0]
