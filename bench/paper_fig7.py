@@ -1,11 +1,15 @@
 """Benchmark: predicted throughput and peak memory of our plan against the best Megatron plan (paper Fig. 7, 8).
 
-For the paper's six models on the ``v100-paper`` cluster (8 nodes x 4 V100, NVLink inside a node, InfiniBand
-between nodes), every world size given, the plan is searched with our cost model and the Megatron baseline (the
-best data-parallel x model-parallel split, with and without sequence parallelism) is priced by the same model.
-The paper does not state B, S, dtype or alpha; we use B = 16 (global), S = 2048, fp16, alpha = 0, no memory budget.
+For the paper's six models on three readings of its cluster (8 nodes x 4 V100, NVLink inside a node, InfiniBand
+between nodes: ``v100-paper`` takes the text's "100 GB/s" literally, ``v100-edr`` has the 100 Gb/s EDR such
+clusters had, ``v100-fig9`` is read off the paper's Fig. 9 by ``bench/fig9_preset.py``), every world size given,
+the plan is searched with our cost model and the Megatron baseline (the best data-parallel x model-parallel split,
+with and without sequence parallelism) is priced by the same model. The paper does not state B, S, dtype or alpha;
+we use B = 16 (global), S = 2048, alpha = 0, no memory budget, and fp16 except on ``v100-fig9``, whose reading
+implies fp32 (its GEMMs run at 96% of the V100's fp32 peak). Fig. 7 and 8 are held out: no preset is fitted to them.
 
-    python bench/paper_fig7.py [--worlds 4 8 16 32] [--models ...] [--out docs/benchmarks/paper_fig7.md]
+    python bench/paper_fig7.py [--clusters v100-paper v100-edr v100-fig9] [--worlds 4 8 16 32] [--models ...]
+        [--out docs/benchmarks/paper_fig7.md]
 
 From 16 GPUs the planner searches its grouped mesh (the node digits merged into one, e.g. ``8x2x2`` for 32 GPUs;
 :func:`primepar_fx.planning.planner.search_mesh`); the Megatron baseline is priced on the full mesh.
@@ -32,6 +36,7 @@ PAPER_SPEEDUP = {  # Fig. 7, throughput over the best Megatron
     16: [1.16, 1.38, 1.20, 1.24, 1.18, 1.68],
     32: [1.20, 1.39, 1.21, 1.26, 1.19, 1.60],
 }
+CLUSTERS = {"v100-paper": "fp16", "v100-edr": "fp16", "v100-fig9": "fp32"}  # preset -> the dtype planned at
 PAPER_MEMORY = {  # Fig. 8, peak memory as % of Megatron's
     4: [89, 92, 90, 91, 89, 92],
     8: [90, 80, 91, 88, 90, 78],
@@ -66,7 +71,7 @@ READING = """## Reading the results (where we fall short of the paper, and why)
 """
 
 
-def run(models: list[str], worlds: list[int], batch: int, seq: int, dtype: str) -> list[dict]:
+def run(models: list[str], worlds: list[int], batch: int, seq: int, clusters: dict[str, str]) -> list[dict]:
     rows = []
     for name in models:
         model = build(name, device="meta")
@@ -74,61 +79,94 @@ def run(models: list[str], worlds: list[int], batch: int, seq: int, dtype: str) 
         t0 = time.perf_counter()
         graph = analyze(model, args, kwargs, name=name)
         capture_s = time.perf_counter() - t0
-        for world in worlds:
-            t1 = time.perf_counter()
-            try:
-                plan = plan_graph(graph, world_size=world, cluster="v100-paper", batch=batch, seq=seq, dtype=dtype)
-            except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
-                rows.append({"model": name, "world": world, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-                print(f"{name:12s} N={world:3d}: {rows[-1]['error']}")
-                continue
-            mega = plan.baselines["megatron"].predicted
-            row = {
-                "model": name,
-                "world": world,
-                "speedup": mega.step_time_s / plan.predicted.step_time_s,
-                "memory": 100 * plan.predicted.peak_memory_bytes / mega.peak_memory_bytes,
-                "split_only": mega.step_time_s / plan.baselines["split_only"].predicted.step_time_s,
-                "megatron": plan.baselines["megatron"].config["name"],
-                "prime_nodes": sum("P" in n.partition for n in plan.nodes),
-                "digits": "x".join(map(str, plan.digits)) + (" (grouped)" if plan.search.get("grouped") else ""),
-                "seconds": time.perf_counter() - t1,
-                "capture_s": capture_s,
-            }
-            i = MODELS.index(name)
-            row["paper_speedup"] = PAPER_SPEEDUP.get(world, [math.nan] * 6)[i]
-            row["paper_memory"] = PAPER_MEMORY.get(world, [math.nan] * 6)[i]
-            rows.append(row)
-            print(
-                f"{name:12s} N={world:3d}: {row['speedup']:.2f}x (paper {row['paper_speedup']:.2f}x), memory "
-                f"{row['memory']:.0f}% (paper {row['paper_memory']:.0f}%), split-only {row['split_only']:.2f}x, "
-                f"best Megatron {row['megatron']}, {row['prime_nodes']} P nodes, {row['seconds']:.1f} s"
-            )
+        for cluster, dtype in clusters.items():
+            for world in worlds:
+                rows.append(one(graph, name, cluster, dtype, world, batch, seq, capture_s))
     return rows
 
 
-def write(rows: list[dict], out: str, batch: int, seq: int, dtype: str) -> None:
+def one(graph, name: str, cluster: str, dtype: str, world: int, batch: int, seq: int, capture_s: float) -> dict:
+    """One plan of ``graph`` against its best Megatron, as a row of the table."""
+    t1 = time.perf_counter()
+    try:
+        plan = plan_graph(graph, world_size=world, cluster=cluster, batch=batch, seq=seq, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
+        row = {"model": name, "cluster": cluster, "world": world, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+        print(f"{cluster:10s} {name:12s} N={world:3d}: {row['error']}")
+        return row
+    mega = plan.baselines["megatron"].predicted
+    row = {
+        "model": name,
+        "cluster": cluster,
+        "dtype": dtype,
+        "world": world,
+        "speedup": mega.step_time_s / plan.predicted.step_time_s,
+        "memory": 100 * plan.predicted.peak_memory_bytes / mega.peak_memory_bytes,
+        "split_only": mega.step_time_s / plan.baselines["split_only"].predicted.step_time_s,
+        "megatron": plan.baselines["megatron"].config["name"],
+        "prime_nodes": sum("P" in n.partition for n in plan.nodes),
+        "digits": "x".join(map(str, plan.digits)) + (" (grouped)" if plan.search.get("grouped") else ""),
+        "seconds": time.perf_counter() - t1,
+        "capture_s": capture_s,
+    }
+    i = MODELS.index(name)
+    row["paper_speedup"] = PAPER_SPEEDUP.get(world, [math.nan] * 6)[i]
+    row["paper_memory"] = PAPER_MEMORY.get(world, [math.nan] * 6)[i]
+    print(
+        f"{cluster:10s} {name:12s} N={world:3d}: {row['speedup']:.2f}x (paper {row['paper_speedup']:.2f}x), memory "
+        f"{row['memory']:.0f}% (paper {row['paper_memory']:.0f}%), split-only {row['split_only']:.2f}x, "
+        f"best Megatron {row['megatron']}, {row['prime_nodes']} P nodes, {row['seconds']:.1f} s"
+    )
+    return row
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else math.nan
+
+
+def write(rows: list[dict], out: str, batch: int, seq: int, clusters: dict[str, str]) -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    names = ", ".join(f"`{c}` ({d})" for c, d in clusters.items())
     lines = [
         "# Predicted speed-up and memory over the best Megatron plan (paper Fig. 7 and Fig. 8)",
         "",
-        f"Cluster `v100-paper` (preset, not calibrated on that hardware). Global batch B = {batch}, sequence "
-        f"S = {seq}, {dtype}, alpha = 0, no memory budget. Both plans are priced by our cost model; the paper's "
-        f"figures are measured on its cluster. Planned on {machine}.",
+        f"Clusters {names}: presets, none calibrated on that hardware and none fitted to Fig. 7 or 8. Global batch "
+        f"B = {batch}, sequence S = {seq}, alpha = 0, no memory budget. Both plans are priced by our cost model; "
+        f"the paper's figures are measured on its cluster. Planned on {machine}.",
         "",
-        "| model | GPUs | searched digits | ours vs Megatron | paper | split-only vs Megatron | peak memory vs "
-        "Megatron | paper | best Megatron | nodes with P(S×S) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "## Geometric mean of the speed-ups over the models",
+        "",
+        "| cluster | " + " | ".join(f"{w} GPUs" for w in sorted({r["world"] for r in rows})) + " |",
+        "|---|" + "---|" * len({r["world"] for r in rows}),
     ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['world']} | | not planned: {r['error']} | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['model']} | {r['world']} | {r['digits']} | {r['speedup']:.2f}x | {r['paper_speedup']:.2f}x | "
-            f"{r['split_only']:.2f}x | {r['memory']:.0f}% | {r['paper_memory']:.0f}% | {r['megatron']} | "
-            f"{r['prime_nodes']} |"
-        )
+    worlds = sorted({r["world"] for r in rows})
+    for cluster in clusters:
+        cells = []
+        for w in worlds:
+            ok = [r for r in rows if r["cluster"] == cluster and r["world"] == w and "error" not in r]
+            failed = sum(1 for r in rows if r["cluster"] == cluster and r["world"] == w and "error" in r)
+            cells.append(f"{geomean([r['speedup'] for r in ok]):.2f}x" + (f" ({failed} failed)" if failed else ""))
+        lines.append(f"| `{cluster}` | " + " | ".join(cells) + " |")
+    paper = [f"{geomean(PAPER_SPEEDUP[w]):.2f}x" if w in PAPER_SPEEDUP else "-" for w in worlds]
+    lines += ["| paper (Fig. 7, measured) | " + " | ".join(paper) + " |", ""]
+    for cluster, dtype in clusters.items():
+        lines += [
+            f"## `{cluster}` ({dtype})",
+            "",
+            "| model | GPUs | searched digits | ours vs Megatron | paper | split-only vs Megatron | peak memory vs "
+            "Megatron | paper | best Megatron | nodes with P(S×S) | plan s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in rows if r["cluster"] == cluster):
+            if "error" in r:
+                lines.append(f"| {r['model']} | {r['world']} | | not planned: {r['error']} | | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['model']} | {r['world']} | {r['digits']} | {r['speedup']:.2f}x | {r['paper_speedup']:.2f}x | "
+                f"{r['split_only']:.2f}x | {r['memory']:.0f}% | {r['paper_memory']:.0f}% | {r['megatron']} | "
+                f"{r['prime_nodes']} | {r['seconds']:.1f} |"
+            )
+        lines.append("")
     lines += ["", READING]
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
@@ -143,7 +181,7 @@ def write(rows: list[dict], out: str, batch: int, seq: int, dtype: str) -> None:
         print("matplotlib is not installed: no chart (pip install matplotlib)")
         return
     ok = [r for r in rows if "error" not in r]
-    labels = [f"{r['model']}\n{r['world']} GPUs" for r in ok]
+    labels = [f"{r['model']}\n{r['world']} GPUs\n{r['cluster']}" for r in ok]
     x = range(len(ok))
     fig, axes = plt.subplots(2, 1, figsize=(max(8, len(ok)), 7))
     axes[0].bar([i - 0.2 for i in x], [r["speedup"] for r in ok], 0.4, label="primepar_fx (predicted)")
@@ -169,11 +207,14 @@ def main() -> None:
     p.add_argument("--worlds", nargs="+", type=int, default=[4, 8, 16, 32])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--dtype", default="fp16")
+    p.add_argument(
+        "--clusters", nargs="+", default=list(CLUSTERS), help="presets (planned at fp16 unless listed in CLUSTERS)"
+    )
     p.add_argument("--out", default="docs/benchmarks/paper_fig7.md")
     args = p.parse_args()
-    rows = run(args.models, args.worlds, args.batch, args.seq, args.dtype)
-    write(rows, args.out, args.batch, args.seq, args.dtype)
+    clusters = {c: CLUSTERS.get(c, "fp16") for c in args.clusters}
+    rows = run(args.models, args.worlds, args.batch, args.seq, clusters)
+    write(rows, args.out, args.batch, args.seq, clusters)
 
 
 if __name__ == "__main__":

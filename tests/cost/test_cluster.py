@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -28,7 +29,7 @@ from primepar_fx.cost.cluster import (
 )
 from primepar_fx.partition.mesh import DeviceMesh
 
-PRESETS = ("a100-dgx", "cpu-gloo", "h100-dgx", "v100-edr", "v100-paper")
+PRESETS = ("a100-dgx", "cpu-gloo", "h100-dgx", "v100-edr", "v100-fig9", "v100-paper")
 MiB = 1 << 20
 
 
@@ -297,8 +298,41 @@ def test_v100_edr_is_the_paper_cluster_with_100_gbit_infiniband():
     assert not edr.calibrated and "EDR" in edr.source
 
 
+def _fig9_script():
+    path = Path(__file__).resolve().parents[2] / "bench" / "fig9_preset.py"
+    spec = importlib.util.spec_from_file_location("fig9_preset", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_v100_fig9_is_what_its_script_derives_and_reproduces_the_figure():
+    """The preset is bench/fig9_preset.py's output, and it prices Fig. 9's kernels and collectives near the times
+    the figure prints: within the spread of the figure's own samples of one size (the GEMM phases 162-169 ms,
+    the two intra-node all-reduces 24 and 41 ms, the inter-node ones 128-377 ms)."""
+    fig9 = _fig9_script()
+    derived, steps = fig9.derive()
+    assert derived == load_cluster("v100-fig9").to_dict() and len(steps) >= 10
+    spec = load_cluster("v100-fig9")
+    flops, nbytes = fig9.gemm_phase()
+    gemm_ms = 1e3 * spec.device.compute_time("matmul", flops, nbytes, "fp32")
+    for ms in [*fig9.MEGATRON_KERNELS.values(), *map(sum, fig9.PRIMEPAR_KERNELS.values())]:
+        assert gemm_ms == pytest.approx(ms, rel=0.03)
+    for level, samples, rel in ((0, fig9.INTRA_NODE, 0.36), (1, fig9.INTER_NODE, 0.25)):
+        model = spec.levels[level].collectives["all-reduce"]
+        priced = [1e3 * model.collective("all-reduce", g, n * fig9.ITEM) for _, g, n, _ in samples]
+        for (_, _, _, ms), got in zip(samples, priced):
+            assert got == pytest.approx(ms, rel=rel)
+    # the per-node rate it reads sits within EDR InfiniBand's 12.5 GB/s and far below the text's 100 GB/s
+    per_node = spec.devices_per_node / spec.levels[1].collectives["all-reduce"].bytes_coeff
+    assert 5e9 < per_node < 12.5e9
+    assert spec.device.compute_model("matmul", "fp16") == load_cluster("v100-paper").device.compute_model(
+        "matmul", "fp16"
+    )
+
+
 def test_collective_time_grows_with_bytes_and_is_slower_across_nodes():
-    for name in ("v100-paper", "v100-edr", "a100-dgx", "h100-dgx"):
+    for name in ("v100-paper", "v100-edr", "v100-fig9", "a100-dgx", "h100-dgx"):
         spec = load_cluster(name)
         mesh = spec.mesh()
         node_digit, intra_digit = (0,), (len(mesh) - 1,)
