@@ -65,7 +65,7 @@ def plan(
     allow_prime: bool = True,
     baselines: bool = True,
     fallback: str | None = None,
-    grouped: bool | None = None,
+    grouped: bool | str | None = None,
     progress: bool = False,
     replicate_layers: bool = True,
 ) -> Plan:
@@ -81,9 +81,11 @@ def plan(
     ``dtype``: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or a torch dtype. ``alpha``: seconds per byte of
     memory added to the objective. ``method``: ``"dp"``, ``"ilp"`` or ``"auto"``. ``allow_prime=False`` leaves
     P(S x S) out (the split-only space). ``baselines``: also price Megatron, data parallelism and split-only.
-    ``fallback="replicate"`` runs ops without a rule replicated. ``grouped`` merges the leading device
-    digits for the search (default: past three digits, e.g. 16 or more GPUs; see
-    :func:`~primepar_fx.planning.planner.search_mesh`). ``progress`` shows the pricing's progress bars on stderr.
+    ``fallback="replicate"`` runs ops without a rule replicated. ``grouped``: past three device digits
+    (16 or more GPUs on 4-GPU nodes) the search runs on the digits merged into three: every such grouping, the
+    cheapest plan kept (``None``, the default, or ``"all"``), only the leading digits merged (``True`` or
+    ``"leading"``), or the full mesh (``False``); see :func:`~primepar_fx.planning.planner.search_meshes`.
+    ``progress`` shows the pricing's progress bars on stderr.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the

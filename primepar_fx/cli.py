@@ -233,9 +233,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.save(args.output)
         print(f"wrote {args.output}")
     took = plan.search
+    if "groupings" in took:  # past three digits: each grouping priced and searched, the cheapest kept
+        kept = "x".join(map(str, plan.digits))
+        searched = (
+            f"{len(took['groupings'])} groupings of the digits priced and searched {took['groupings_s']:.2f} s "
+            f"({kept} kept: pricing {took['pricing_s']:.2f} s, search {took['search_s']:.2f} s)"
+        )
+    else:
+        searched = f"pricing {took['pricing_s']:.2f} s, search {took['search_s']:.2f} s"
     print(
-        f"planned in {time.perf_counter() - t0:.1f} s: capture {captured_s:.2f} s, pricing {took['pricing_s']:.2f} s, "
-        f"search {took['search_s']:.2f} s, baselines {took['baselines_s']:.2f} s",
+        f"planned in {time.perf_counter() - t0:.1f} s: capture {captured_s:.2f} s, {searched}, "
+        f"baselines {took['baselines_s']:.2f} s",
         file=sys.stderr,
     )
     return 0
@@ -385,11 +393,18 @@ def _add_plan_parser(sub: Any) -> None:
         help="auto (default: the DP, the ILP where the DP's tables would be too large), dp or ilp",
     )
     pl.add_argument("--canonical", action="store_true", help="search one split order per network level (faster)")
-    pl.add_argument(
+    grouping = pl.add_mutually_exclusive_group()
+    grouping.add_argument(
         "--grouped",
-        action=argparse.BooleanOptionalAction,
+        nargs="?",
+        const="leading",
+        choices=["leading", "all"],
         default=None,
-        help="merge the leading (inter-node) device digits for the search (default: with more than 3 digits)",
+        help="past 3 device digits, search the digits merged into 3: every grouping, the cheapest plan kept (all, "
+        "the default), or the leading (inter-node) digits merged only (leading, what --grouped alone means)",
+    )
+    grouping.add_argument(
+        "--no-grouped", dest="grouped", action="store_false", help="search the full mesh (slow past 3 digits)"
     )
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument("-o", "--output", help="write the plan JSON here")

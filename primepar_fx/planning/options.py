@@ -136,7 +136,10 @@ class PlanOptions:
         allow_prime: whether P(S x S) is in the space (``False``: the split-only space).
         baselines: also price Megatron-LM, data parallelism and split-only.
         digits: device digits overriding the cluster's (their product is ``world_size``).
-        grouped: search with the leading digits merged; ``None``: past three digits.
+        grouped: past three device digits, which meshes the search runs on
+            (:func:`~primepar_fx.planning.planner.search_meshes`): ``None`` or ``"all"`` every grouping of the digits
+            into three, the cheapest plan kept; ``True`` or ``"leading"`` only the leading digits merged; ``False``
+            the full mesh.
         canonical: search one sequence per class of equivalent ones.
         fallback: ``"replicate"`` runs ops without a dimension rule replicated; ``None`` raises.
         progress: show the pricing's progress bars on stderr.
@@ -153,7 +156,7 @@ class PlanOptions:
     allow_prime: bool = True
     baselines: bool = True
     digits: tuple[int, ...] | None = None
-    grouped: bool | None = None
+    grouped: bool | str | None = None
     canonical: bool = False
     fallback: str | None = None
     progress: bool = False
@@ -176,6 +179,8 @@ class PlanOptions:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
         check_fallback(self.fallback)
+        if self.grouped not in (None, True, False, "leading", "all"):
+            raise ValueError(f"grouped must be None, True, False, 'leading' or 'all', got {self.grouped!r}")
         if self.digits is not None:
             if not self.digits or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 for d in self.digits):
                 raise ValueError(f"digits must be radices >= 2, got {self.digits!r}")

@@ -23,6 +23,7 @@ device sends per step (collectives and ring shifts, plus the mean per-device red
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 import sympy
 import torch
+from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, clear_caches
@@ -300,17 +302,55 @@ def price_baselines(
 
 
 GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
+GROUPINGS = ("leading", "all")
 
 
-def search_mesh(mesh: DeviceMesh, grouped: bool | None) -> DeviceMesh:
-    """The mesh the free search runs on: ``mesh`` itself, or with its leading (inter-node) digits merged.
-
-    ``grouped=None`` merges only when ``mesh`` has more than :data:`GROUPED_DIGITS` digits, where the full
-    space grows past what the DP tables hold (:meth:`~primepar_fx.partition.DeviceMesh.grouped`).
-    """
-    if grouped is None:
+def search_mesh(mesh: DeviceMesh, grouped: bool | str | None) -> DeviceMesh:
+    """The first mesh :func:`search_meshes` gives: ``mesh`` itself, or with its leading (inter-node) digits merged."""
+    if grouped is None or grouped is True or grouped in GROUPINGS:
         grouped = len(mesh.digits) > GROUPED_DIGITS
     return mesh.grouped(GROUPED_DIGITS) if grouped else mesh
+
+
+def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: ClusterSpec) -> list[DeviceMesh]:
+    """The meshes the free search runs on, the plan kept being the cheapest of theirs.
+
+    With at most :data:`GROUPED_DIGITS` digits, or ``grouped=False``: ``mesh`` itself (the full space). Past that
+    the full space grows past what the DP tables hold, so the search runs on *groupings*: ``mesh`` with runs of
+    consecutive digits merged into one each, :data:`GROUPED_DIGITS` digits left. A plan on a grouping is a plan on
+    ``mesh`` whose merged digits split one dim together. ``"leading"`` (or ``True``) is the one grouping that merges
+    the leading (inter-node) digits (:meth:`~primepar_fx.partition.DeviceMesh.grouped`): every split across nodes
+    is of one dim. ``"all"`` (the default, ``None``) is every grouping, which also has mixed splits across nodes
+    (K across two groups of nodes, B across four) and P(S x S) across nodes; two groupings whose digits have the
+    same radices made of the same network levels relabel devices of each other, so one of them is searched. The
+    leading grouping comes first, so a tie keeps it.
+    """
+    if grouped is False or len(mesh.digits) <= GROUPED_DIGITS:
+        return [mesh]
+    if grouped is True or grouped == "leading":
+        return [mesh.grouped(GROUPED_DIGITS)]
+    if grouped is not None and grouped != "all":
+        raise ValueError(f"grouped must be None, True, False or one of {list(GROUPINGS)}, got {grouped!r}")
+    levels = [cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))]
+    n = len(mesh.digits)
+    leading = tuple(range(n - GROUPED_DIGITS + 1, n))  # the cuts between runs of mesh.grouped(GROUPED_DIGITS)
+    cuts = [leading, *(c for c in itertools.combinations(range(1, n), GROUPED_DIGITS - 1) if c != leading)]
+    out, seen = [], set()
+    for cut in cuts:
+        runs = list(zip((0, *cut), (*cut, n)))
+        key = tuple(sorted((math.prod(mesh.digits[a:b]), _level_parts(mesh, levels, a, b)) for a, b in runs))
+        if key not in seen:
+            seen.add(key)
+            out.append(DeviceMesh(tuple(math.prod(mesh.digits[a:b]) for a, b in runs)))
+    return out
+
+
+def _level_parts(mesh: DeviceMesh, levels: list[int], a: int, b: int) -> tuple[tuple[int, int], ...]:
+    """``(level, product of the radices of that level)`` of the run of digits ``a:b``."""
+    parts: dict[int, int] = {}
+    for p in range(a, b):
+        parts[levels[p]] = parts.get(levels[p], 1) * mesh.digits[p]
+    return tuple(sorted(parts.items()))
 
 
 def make_plan(
@@ -352,46 +392,65 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     """
     opts = _options(graph, options, kwargs)
     full = opts.mesh()
-    mesh = search_mesh(full, opts.grouped)
     values = {B: opts.batch, S: opts.seq}
     costs = CostOptions(dtype=opts.dtype, alpha=opts.alpha)
-    clear_caches()  # each plan numbers its own index sets, so the table of their overlaps holds this plan's
+    meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
-    priced = price_graph(
-        graph,
-        mesh,
-        opts.cluster,
-        values,
-        costs,
-        allow_prime=opts.allow_prime,
-        canonical=opts.canonical,
-        progress=opts.progress,
-    )
-    t1 = time.perf_counter()
-    sol = solve_for_peak(priced, memory_budget=opts.memory_budget, alpha=opts.alpha, method=opts.method)
+    best, tried, infeasible = None, [], []
+    for mesh in tqdm(meshes, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
+        clear_caches()  # each mesh numbers its own index sets, so the table of their overlaps holds this one's
+        start = time.perf_counter()
+        priced = price_graph(
+            graph,
+            mesh,
+            opts.cluster,
+            values,
+            costs,
+            allow_prime=opts.allow_prime,
+            canonical=opts.canonical,
+            progress=opts.progress,
+        )
+        priced_s = time.perf_counter() - start
+        try:
+            sol = solve_for_peak(priced, memory_budget=opts.memory_budget, alpha=opts.alpha, method=opts.method)
+        except InfeasibleBudget as exc:
+            if len(meshes) == 1:
+                raise
+            infeasible.append(exc)
+            tried.append(
+                {"digits": list(mesh.digits), "objective": None, "seconds": round(time.perf_counter() - start, 4)}
+            )
+            continue
+        tried.append(
+            {"digits": list(mesh.digits), "objective": sol.cost, "seconds": round(time.perf_counter() - start, 4)}
+        )
+        if best is None or sol.cost < best[2].cost:
+            best = (mesh, priced, sol, priced_s)
+        else:
+            del priced  # only the cheapest grouping's pricing is kept (its split-only baseline is read off it)
+    if best is None:
+        raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
+    mesh, priced, sol, priced_s = best
     ours = summarize(graph, priced, sol.choice, costs)
     t2 = time.perf_counter()
     base = _baselines(graph, priced, full, opts, costs) if opts.baselines else {}
-    return make_plan(
-        graph,
-        opts,
-        mesh,
-        ours,
-        baselines=base,
-        search={
-            "method": sol.method,
-            "proven_optimal": sol.proven_optimal,
-            "objective": sol.cost,
-            "pricing_s": round(t1 - t0, 4),
-            "search_s": round(sol.seconds, 4),
-            "baselines_s": round(time.perf_counter() - t2, 4),
-            "alpha": opts.alpha,
-            "memory_budget": opts.memory_budget,
-            "allow_prime": opts.allow_prime,
-            "canonical": opts.canonical,
-            "grouped": mesh != full,
-        },
-    )
+    search = {
+        "method": sol.method,
+        "proven_optimal": sol.proven_optimal,
+        "objective": sol.cost,
+        "pricing_s": round(priced_s, 4),
+        "search_s": round(sol.seconds, 4),
+        "baselines_s": round(time.perf_counter() - t2, 4),
+        "alpha": opts.alpha,
+        "memory_budget": opts.memory_budget,
+        "allow_prime": opts.allow_prime,
+        "canonical": opts.canonical,
+        "grouped": mesh != full,
+    }
+    if len(meshes) > 1:  # the proof of optimality is within the grouping; the others are listed with their optima
+        search["groupings"] = tried
+        search["groupings_s"] = round(t2 - t0, 4)
+    return make_plan(graph, opts, mesh, ours, baselines=base, search=search)
 
 
 def _options(graph: OpGraph, options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptions:

@@ -399,6 +399,7 @@ class _Pricing:
     edge_cost: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     edge_bytes: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    net_cache: dict[tuple, np.ndarray] = field(default_factory=dict)  # scatter key -> edge seconds net of saving
     scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
     share_flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
     signatures: dict[Hashable, int] = field(default_factory=dict)  # a consumer signature -> its number
@@ -541,7 +542,9 @@ class _Pricing:
             self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = self.edge_cache[key]
             if skey is not None and self.scatter_cache[skey] is not None:
                 saving = self.scatter[(u, v)] = self.scatter_cache[skey]
-                self.edge_cost[(u, v)] = self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s
+                if skey not in self.net_cache:  # one array per scatter key, shared like the edge cache's
+                    self.net_cache[skey] = _frozen(self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s)
+                self.edge_cost[(u, v)] = self.net_cache[skey]
             self.share_flows[(u, v)] = ShareFlow(
                 k_in, self.edge_cost[(u, v)], self.edge_bytes[(u, v)], *self._consumer_share(v, k_in, key[-1])
             )

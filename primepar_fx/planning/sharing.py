@@ -26,6 +26,7 @@ not share it either way.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -61,37 +62,66 @@ def _shared_states(u: str, group: tuple[str, ...], flows: Mapping) -> list[tuple
     return out
 
 
+def _share_arrays(pu: int, group: tuple[str, ...], u: str, flows: Mapping, edges: Mapping):
+    """The virtual node's states and its edges: ``(states, u -> virtual, [virtual -> v for v in group])``."""
+    states = _shared_states(u, group, flows)
+    if not states:
+        return None
+    size = pu + len(states)
+    into = np.full((pu, size), np.inf)
+    into[np.arange(pu), np.arange(pu)] = 0.0
+    for s, (_, column) in enumerate(states):
+        into[:, pu + s] = column
+    outs = []
+    for i, v in enumerate(group):
+        f = flows[(u, v)]
+        out = np.full((size, len(f.signature)), np.inf)
+        out[:pu] = edges[(u, v)]
+        for s, (sig, _) in enumerate(states):
+            mask = f.signature == sig
+            out[pu + s, mask] = 0.0 if i == 0 else -f.reduce_s[mask]
+        outs.append(out)
+    for arr in (into, *outs):
+        arr.flags.writeable = False
+    return states, into, outs
+
+
 def add_share_nodes(cg: CostGraph, flows: Mapping, fanout: Mapping[str, tuple[str, ...]]) -> CostGraph:
-    """``cg`` with a virtual node (module docstring) between every fan-out producer and its consumers."""
+    """``cg`` with a virtual node (module docstring) between every fan-out producer and its consumers.
+
+    Identical layers share their flows' arrays, so the virtual node of each is built once and its arrays are
+    shared too (which is also what lets the search see the layers as identical)."""
     nodes, node_cost = list(cg.nodes), dict(cg.node_cost)
     node_memory = None if cg.node_memory is None else dict(cg.node_memory)
     node_key = None if cg.node_key is None else dict(cg.node_key)
     edges = dict(cg.edge_cost)
+    memo: dict[tuple, Any] = {}  # ids of the arrays a virtual node is built from -> what it is built into
+    zeros: dict[int, np.ndarray] = {}
     for u, group in fanout.items():
         if any(edges.get((u, v)) is not flows[(u, v)].seconds for v in group):
             continue  # an edge that also re-lays out a tied parameter (or is already routed)
-        states = _shared_states(u, group, flows)
-        if not states:
+        pu = len(cg.node_cost[u])
+        key = (
+            pu,
+            *((id(flows[(u, v)].seconds), id(flows[(u, v)].signature), id(flows[(u, v)].reduce_s)) for v in group),
+        )
+        if key not in memo:  # (the ids stay valid: flows holds every array meanwhile)
+            memo[key] = _share_arrays(pu, group, u, flows, edges)
+        if memo[key] is None:
             continue
-        name, pu = u + SUFFIX, len(cg.node_cost[u])
-        size = pu + len(states)
-        into = np.full((pu, size), np.inf)
-        into[np.arange(pu), np.arange(pu)] = 0.0
-        for s, (_, column) in enumerate(states):
-            into[:, pu + s] = column
+        states, into, outs = memo[key]
+        name, size = u + SUFFIX, pu + len(states)
         edges[(u, name)] = into
-        for i, v in enumerate(group):
-            f = flows[(u, v)]
-            out = np.full((size, len(f.signature)), np.inf)
-            out[:pu] = edges.pop((u, v))
-            for s, (sig, _) in enumerate(states):
-                mask = f.signature == sig
-                out[pu + s, mask] = 0.0 if i == 0 else -f.reduce_s[mask]
+        for v, out in zip(group, outs):
+            del edges[(u, v)]
             edges[(name, v)] = out
         nodes.insert(nodes.index(u) + 1, name)
-        node_cost[name] = np.zeros(size)
+        if size not in zeros:
+            zeros[size] = np.zeros(size)
+            zeros[size].flags.writeable = False
+        node_cost[name] = zeros[size]
         if node_memory is not None:
-            node_memory[name] = np.zeros(size)
+            node_memory[name] = zeros[size]
         if node_key is not None:
             node_key[name] = ("share", node_key[u], tuple(node_key[v] for v in group), tuple(s for s, _ in states))
     if len(nodes) == len(cg.nodes):

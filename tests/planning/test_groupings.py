@@ -1,0 +1,117 @@
+"""Past three device digits the search runs on every grouping of the digits into three and keeps the cheapest
+plan (``planning.planner.search_meshes``): each grouping is a coarsening of the full mesh, priced as the full mesh
+prices the same plan; groupings that relabel devices of each other are searched once; the plan kept is the best
+of them, so it is never worse than the leading grouping the planner used to search alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pytest
+
+from primepar_fx import analyze
+from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.cost.model import CostOptions
+from primepar_fx.frontend.symbols import B, S
+from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime
+from primepar_fx.planning.options import PlanOptions
+from primepar_fx.planning.planner import _price_fixed, _random_assignment, plan_graph, search_meshes
+
+BATCH, SEQ = 16, 64
+VALUES = {B: BATCH, S: SEQ}
+
+
+@functools.cache
+def graph():
+    config = dataclasses.replace(get_config("llama-tiny"), layers=1)
+    args, kwargs = example_inputs(config, 2, 16)
+    return analyze(build(config, device="meta"), args, kwargs, name="llama-tiny")
+
+
+def runs_of(full: DeviceMesh, grouping: DeviceMesh) -> list[int]:
+    """How many digits of ``full`` each digit of ``grouping`` merges (consecutive, in order)."""
+    out, k = [], 0
+    for radix in grouping.digits:
+        n, prod = 0, 1
+        while prod < radix:
+            prod *= full.digits[k + n]
+            n += 1
+        assert prod == radix
+        out.append(n)
+        k += n
+    assert k == len(full.digits)
+    return out
+
+
+def test_groupings_of_32_devices_are_every_coarsening_into_three_less_relabelings():
+    spec = load_cluster("v100-paper")  # 8 nodes x 4: digits 2,2,2 across nodes, 2,2 inside
+    full = spec.mesh(32)
+    meshes = search_meshes(full, None, spec)
+    assert [m.digits for m in meshes] == [(8, 2, 2), (2, 2, 8), (2, 4, 4), (2, 8, 2), (4, 4, 2)]
+    assert meshes[0] == full.grouped(3) == search_meshes(full, "leading", spec)[0]
+    for mesh in meshes:
+        runs_of(full, mesh)
+    assert search_meshes(full, False, spec) == [full] and search_meshes(spec.mesh(8), None, spec) == [spec.mesh(8)]
+    with pytest.raises(ValueError, match="grouped must be"):
+        search_meshes(full, "some", spec)
+    with pytest.raises(ValueError, match="grouped must be"):
+        PlanOptions.make(cluster=spec, world_size=32, grouped="some")
+
+
+def test_two_groupings_that_relabel_devices_have_the_same_optimum():
+    """(2, 4, 4) and (4, 2, 4) at 32 devices: two inter-node digits and one intra-node digit of 4, in another
+    order; only one is searched, which is exact only if the other's optimum is the same."""
+    spec = load_cluster("v100-paper")
+    kw = dict(world_size=32, cluster=spec, batch=BATCH, seq=SEQ, baselines=False, grouped=False, method="dp")
+    a = plan_graph(graph(), digits=(2, 4, 4), **kw)
+    b = plan_graph(graph(), digits=(4, 2, 4), **kw)
+    assert a.search["objective"] == pytest.approx(b.search["objective"], rel=1e-12)
+
+
+def test_the_plan_is_the_best_grouping_and_each_grouping_is_its_own_search():
+    spec = load_cluster("v100-edr")
+    spec = dataclasses.replace(spec, num_devices=16)
+    kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, baselines=False, method="dp")
+    plan = plan_graph(graph(), **kw)
+    tried = plan.search["groupings"]
+    assert [tuple(t["digits"]) for t in tried] == [m.digits for m in search_meshes(spec.mesh(16), None, spec)]
+    best = min(t["objective"] for t in tried)
+    assert plan.search["objective"] == best and list(plan.digits) == next(
+        t["digits"] for t in tried if t["objective"] == best
+    )
+    worst = max(tried, key=lambda t: t["objective"])
+    for t in (tried[0], worst):  # a listed optimum is what searching that grouping alone gives
+        alone = plan_graph(graph(), digits=tuple(t["digits"]), grouped=False, **kw)
+        assert alone.search["objective"] == pytest.approx(t["objective"], rel=1e-12)
+    leading = plan_graph(graph(), grouped="leading", **kw)
+    assert leading.digits == (4, 2, 2) and "groupings" not in leading.search
+    assert plan.predicted.step_time_s <= leading.predicted.step_time_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("digits", [(2, 4, 2), (2, 2, 4)])
+def test_a_plan_on_any_grouping_costs_the_same_written_out_on_every_digit(digits):
+    """A grouping's digit that spans nodes and the devices inside one (4 = 2 nodes x 2 GPUs in (2, 4, 2)) is
+    priced as the full mesh prices the same split written out on each digit it merges."""
+    spec = load_cluster("v100-paper")
+    spec = dataclasses.replace(spec, num_devices=16)
+    full, mesh = spec.mesh(16), DeviceMesh(digits)
+    runs = runs_of(full, mesh)
+    opts = CostOptions(dtype="fp32")
+    split_only = 0
+    for seed in range(6):
+        assignment = _random_assignment(graph(), mesh, VALUES, seed)
+        if any(isinstance(e, Prime) for seq in assignment.values() for e in seq.elements):
+            continue  # P(S x S) on a merged digit has no written-out form
+        split_only += 1
+        written = {
+            n: PartitionSeq(tuple(e for e, k in zip(seq.elements, runs) for _ in range(k)))
+            for n, seq in assignment.items()
+        }
+        ours = _price_fixed(graph(), assignment, mesh, spec, VALUES, opts).predicted
+        theirs = _price_fixed(graph(), written, full, spec, VALUES, opts).predicted
+        assert theirs.step_time_s == pytest.approx(ours.step_time_s, rel=1e-9)
+        assert (theirs.comm_bytes, theirs.peak_memory_bytes) == (ours.comm_bytes, ours.peak_memory_bytes)
+    assert split_only >= 2 and math.prod(digits) == 16
