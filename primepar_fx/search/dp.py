@@ -75,8 +75,10 @@ class DPOptions:
     max_period: int = 256
     progress: bool = False
     #: route long edges with at most this many distinct rows (or columns) through a global proxy node
-    #: (:mod:`~primepar_fx.search.proxy`); 0 never does
-    max_proxy_states: int = 32
+    #: (:mod:`~primepar_fx.search.proxy`); 0 never does. A tied embedding's edge has a row per layout the table
+    #: is stored in and per way its gradient is reduced (64 of 125 for bloom-176b on 8 GPUs): left unproxied, it
+    #: holds the whole model in one segment, 17x slower there
+    max_proxy_states: int = 128
 
     def __post_init__(self) -> None:
         if self.layer_merge not in ("auto", "power", "none"):

@@ -137,3 +137,25 @@ def test_readers_that_do_not_share_pay_each_all_reduce_s_latency_on_their_edge()
         assert edge[i, j] == pytest.approx(relayout[i, j] + lat_u[i] + lat_v[j], rel=1e-12, abs=1e-15)
     for i, j in zip(*tied.shared.nonzero()):
         assert edge[i, j] == pytest.approx(relayout[i, j] - tied.reduce_s[j], rel=1e-12, abs=1e-15)
+
+
+def test_the_tied_edge_goes_through_a_proxy_so_the_layers_stay_separable():
+    """The tied edge jumps every layer. Its rows differ by the layout the first reader stores the table in and by
+    how it reduces the gradient (64 distinct of 125 on 8 devices): the DP routes it through a proxy with that many
+    states (:mod:`~primepar_fx.search.proxy`), the optimum unchanged; with too few states allowed it cannot, and
+    the whole model is one segment (17x slower on bloom-176b)."""
+    import numpy as np
+
+    from primepar_fx.partition import DeviceMesh
+    from primepar_fx.search.dp import DPOptions, DPSolver
+
+    priced = price_graph(graph(), DeviceMesh((2, 2, 2)), load_cluster("v100-paper"), VALUES, OPTS)
+    ((u, v),) = priced.tied
+    rows = len(np.unique(priced.cost_graph.edge_cost[(u, v)], axis=0))
+    assert 32 < rows <= DPOptions().max_proxy_states
+    proxies = DPSolver(priced.search_graph).proxied.proxies
+    assert [(n, len(np.unique(c))) for n, c in proxies.values()] == [(u, rows)]
+    assert not DPSolver(priced.search_graph, DPOptions(max_proxy_states=32)).proxied.proxies
+    free = solve(priced.search_graph, method="dp")
+    narrow = solve(priced.search_graph, method="dp", options=DPOptions(max_proxy_states=32))
+    assert free.cost == pytest.approx(narrow.cost, rel=1e-12)
