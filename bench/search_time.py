@@ -52,51 +52,33 @@ ILP_TIME_LIMIT = 120.0
 
 READING = """## Reading the results
 
-* **The DP takes 0.05-0.2 s at every size and for every model.** On the planner's default space, llama2-70b takes
-  0.18 s at 32 GPUs (paper 6.07 s) and 0.14-0.20 s at 4-128 GPUs. OPT-175B and BLOOM-176B take 0.05-0.12 s. At
-  4 GPUs OPT and BLOOM are faster than the paper (60 and 46 ms against 85 ms). llama2-70b at 4 and 8 GPUs
-  (0.18-0.20 s) and OPT and BLOOM at 8 (97-109 ms) are slower than its 80-89 ms, because our graph is the whole
-  ATen graph (1,400-4,300 nodes) where the paper's has 13 operators per layer.
-  * OPT and BLOOM tie the word embedding to the LM head. That edge goes through a proxy node that the DP
-    conditions on (`search/proxy.py`): 27 states, one per layout the embedding stores its weight in. So the layers
-    stay separable and are merged by squaring.
-* **Capture takes 0.5-0.7 s instead of 6-14 s.** The planner exports two layers and replicates them
-  (`primepar_fx/graph/replicate.py`, [planning.md](../planning.md#0-capture-two-layers-replicate-the-rest)). The bench
-  checks that the replicated graph has the full capture's nodes and names. `tests/graph/test_replicate.py` also checks
-  its edges, parameters and prices.
-  * The two-layer export runs without FakeTensor's dispatch cache, which nearly every op of a short symbolic
-    trace misses (0.7-0.9 s in the last run). A full capture keeps it: its 80 identical layers hit it, and
-    without it llama2-70b's full capture takes 21 s instead of 14.
-* **Pricing is 5-20% faster than in the last run, with bit-identical costs** (4,032 cost and byte arrays of four
-  models at 8, 32 and 128 GPUs, compared with the tree before).
-  * llama2-70b: 1.7 s at 32 GPUs (was 2.2), 2.2 s at 64 (was 2.4), 3.4 s at 128 (was 3.2: within this machine's
-    run-to-run spread).
-  * OpDims, PartitionSeq and DeviceMesh key the planner's memos a few hundred thousand times per plan; they now
-    compute their hash once (an OpDims hash took 1.2 us).
-  * Each world size is priced from empty caches, as a plan in a new process would be, and every timing starts
-    after a garbage collection.
-* **The 64- and 128-GPU targets are met; the 32-GPU target is not.**
-  * The issue asked for the whole llama2-70b plan under 0.5 s at 32 GPUs and under 5 s at 64 and 128.
-  * llama2-70b now takes 2.6 s, 3.0 s and 4.3 s (last run 3.4, 3.6 and 4.2 s; before replication 23-30 s).
-  * OPT-175B takes 1.8/2.1/2.5 s at 32/64/128, and BLOOM-176B 1.8/2.5/3.6 s.
-  * 0.5 s at 32 GPUs is out of reach with `torch.export` as the capture: exporting one decoder layer alone, on the
-    meta device with symbolic B and S, takes 0.41 s when torch has exported before in the process and 0.74 s in a
-    fresh one. Pricing the 193 strategies per node and their re-layouts takes 1.7 s more. The search itself,
-    which is what the paper's 6.07 s measures, takes 0.18 s.
-  * Timings on this machine vary by 10-20% from run to run (a shared 2-core VM).
-* **What `primepar-fx plan` adds.** The command also prices the baselines: every Megatron configuration and data
-  parallelism in one pass, and split-only read off the searched pricing. For llama2-70b at 32 GPUs that is 1.2 s
-  (9.5 s before this run); the command prints where its time went.
-* **Grouped space from 16 GPUs.** Past three device digits, the full space has 700-7,700 sequences per node,
-  and its DP tables pass 10^8 entries. The planner therefore merges the leading (node) digits into one:
-  `8x2x2` for 32 GPUs.
-  * That keeps P near 100-200 sequences per node, so P(S×S) stays possible inside a node and every split stays
-    possible across nodes.
-  * `tests/planning/test_planner.py` checks that a grouped plan, written out on the full mesh, is priced identically.
-  * `tests/search/test_search_real.py` checks that DP = ILP on the grouped 16-GPU mesh.
-* **DP vs ILP.** On two-layer models of the same shapes, the ILP (PuLP/CBC) reaches the DP's optimum exactly
-  where it fits: gap 0 at 4 and 128 GPUs for all three models. Elsewhere the edge matrices make the ILP
-  millions of variables, and it is not run.
+* **This run's machine was about 2.5x slower than the last one's.** Capture, whose code did not change, took
+  1.4-1.7 s here against 0.5-0.7 s then, and full capture 15-33 s against 6-14 s. Read the times below as
+  relative to each other; each was measured once, from empty caches, after a garbage collection.
+* **Past 8 GPUs every grouping of the digits into three is searched (the planner's new default), and that is
+  what costs the time.** 3 meshes at 16 GPUs, 5 at 32, 8 at 64 and 11 at 128, each priced afresh (3-8 s each
+  here) and searched (0.2-1 s each). llama2-70b's whole plan takes 15 s at 16 GPUs, 29 s at 32, 52 s at 64 and
+  96 s at 128; OPT-175B 8-41 s and BLOOM-176B 11-72 s. What it buys is in
+  [paper_fig7.md](paper_fig7.md): the kept mesh is `2x4x4` at 32 GPUs for all three (K across two groups of
+  nodes, B across four), a plan the single leading grouping (`8x2x2`) cannot express, predicted 20% faster for
+  llama2-70b on `v100-edr`. `--grouped` (the leading grouping only) is the fast answer, as before.
+* **The issue's targets are not met:** the whole llama2-70b plan at 32 GPUs in 6 s (29 s here), at 64 and 128
+  in 20 s (52 and 96 s). Nor is the space the paper's whole space: P full, the per-node count of the ungrouped
+  mesh, is 1,294 at 16 GPUs and 7,723 at 32, against 130-214 on a grouping.
+  * The exact DP on the full mesh fails at 16 GPUs already: the rotary embedding makes triangles of 624-sequence
+    nodes, whose elimination needs 2.4x10^8 entries (624^3); at 32 GPUs they have 3,124 (3x10^10). Pricing the
+    16-GPU full space of two llama2 layers took 19 s (1294 x 1294 edge matrices).
+  * Folding a node through per-layout minima does not shrink these: their edge matrices have as many distinct
+    rows and columns as strategies (measured on every edge of two llama2 layers at 16 GPUs: 20.76 million
+    entries, 21.39 million as layout tables), and identical rows (exact dominance) cover 341 of 31,766 strategies.
+* **DP time is the search graph's.** The DP column now times what the planner solves, the priced graph with the
+  virtual nodes that share a fan-out re-layout (`planning/sharing.py`), where the last run timed the graph
+  without them: 0.1-1.0 s at 4-8 GPUs (last run 0.05-0.2 s). A tied embedding (OPT, BLOOM) had made it 2-3 s:
+  its edge to the LM head had 64 distinct rows, past the 32 states a proxy could have, so the DP held the whole
+  model in one segment; proxies now have up to 128 states (`search/dp.py`), 0.2-0.3 s.
+* **DP vs ILP.** On two-layer models of the same shapes, the ILP (PuLP/CBC) reaches the DP's optimum exactly where
+  it fits (4 GPUs, gap 0 for all three models). Elsewhere the edge matrices make the ILP half a million to two
+  million variables, and it is not run.
 """
 
 
