@@ -56,7 +56,7 @@ READING = """## Reading the results
   1.4-1.7 s here against 0.5-0.7 s then, and full capture 15-33 s against 6-14 s. Read the times below as
   relative to each other; each was measured once, from empty caches, after a garbage collection.
 * **Past 8 GPUs every grouping of the digits into three is searched (the planner's new default), and that is
-  what costs the time.** 3 meshes at 16 GPUs, 5 at 32, 8 at 64 and 11 at 128, each priced afresh (3-8 s each
+  what costs the time.** 3 meshes at 16 GPUs, 5 at 32, 8 at 64 and 11 at 128, each priced afresh (2-8 s each
   here) and searched (0.2-1 s each). llama2-70b's whole plan takes 15 s at 16 GPUs, 29 s at 32, 52 s at 64 and
   96 s at 128; OPT-175B 8-41 s and BLOOM-176B 11-72 s. What it buys is in
   [paper_fig7.md](paper_fig7.md): the kept mesh is `2x4x4` at 32 GPUs for all three (K across two groups of
