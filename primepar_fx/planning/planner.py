@@ -386,9 +386,10 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     ``options`` (a :class:`PlanOptions`), or its fields as keywords for :meth:`PlanOptions.make` (``cluster``,
     ``world_size``, ``batch``, ``seq``, ``dtype``, ``memory_budget``, ``alpha``, ``method``, ``allow_prime``,
     ``baselines``, ``digits``, ``grouped``, ``canonical``, ``progress``); ``batch`` and ``seq`` default to the
-    example's. The search runs on :func:`search_mesh` (the leading digits merged past :data:`GROUPED_DIGITS`
-    unless ``grouped`` says otherwise); the baselines are priced on the ungrouped mesh either way, so Megatron
-    keeps all of its data x model splits.
+    example's. The search runs on each mesh of :func:`search_meshes` (past :data:`GROUPED_DIGITS` digits, every
+    grouping of them into three unless ``grouped`` says otherwise) and the cheapest plan is kept; the baselines are
+    priced on the ungrouped mesh either way, so Megatron keeps all of its data x model splits. A budget no grouping
+    can meet raises :class:`~primepar_fx.search.InfeasibleBudget` with the smallest budget any of them needs.
     """
     opts = _options(graph, options, kwargs)
     full = opts.mesh()
