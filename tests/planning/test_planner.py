@@ -124,7 +124,9 @@ def test_a_grouped_plan_costs_the_same_written_out_on_every_digit():
 
     g = graph("llama-tiny")
     values, opts = {B: 16, S: 64}, CostOptions(dtype="fp32")
-    plan = plan_graph(g, world_size=16, cluster="v100-paper", batch=16, seq=64, baselines=False, method="dp")
+    plan = plan_graph(
+        g, world_size=16, cluster="v100-paper", batch=16, seq=64, baselines=False, method="dp", grouped="leading"
+    )
     assert plan.digits == (4, 2, 2) and plan.search["grouped"] is True
     spec = load_cluster("v100-paper")
     full = spec.mesh(16)
