@@ -142,7 +142,9 @@ def derive(paper_path: str = "v100-paper") -> tuple[dict, list[str]]:
         "other collectives are not in the figure: all-gather and reduce-scatter move ring bus bytes on the same "
         "links, so they get the all-reduce's coefficient; all-to-all and p2p keep v100-paper's efficiency relative "
         "to it (0.6 and 0.9 against 0.8). The ring shifts of PrimePar's P(S x S) hide under its 80-88 ms ring steps "
-        "(the thin bars), which bounds them but does not give a rate"
+        "(the thin bars), which bounds them but does not give a rate; a message to one NVLink peer keeps "
+        f"v100-paper's share of the links ({paper.levels[0].peer_bandwidth / paper.levels[0].bandwidth:.3g} of "
+        "them, intra-node peer_bandwidth)"
     )
     levels = []
     for old, coeff in zip(paper.levels, (intra, inter)):
@@ -151,7 +153,9 @@ def derive(paper_path: str = "v100-paper") -> tuple[dict, list[str]]:
             kind: LinearLatency(float(f"{coeff * eff['all-reduce'] / eff[kind]:.6g}"), old.collectives[kind].fixed)
             for kind in old.collectives
         }
-        levels.append(LinkLevel(old.name, float(f"{eff['all-reduce'] / coeff:.6g}"), colls))
+        bandwidth = float(f"{eff['all-reduce'] / coeff:.6g}")
+        peer = None if old.peer_bandwidth is None else float(f"{bandwidth / old.peer_factor:.6g}")
+        levels.append(LinkLevel(old.name, bandwidth, colls, peer))
     device = dataclasses.replace(paper.device, compute=compute)
     description = (
         "The PrimePar paper's cluster (ASPLOS'24 §6: 8 nodes x 4 V100-SXM2 32 GB) with the coefficients read off "

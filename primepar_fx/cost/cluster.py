@@ -89,14 +89,17 @@ def _set(obj: object, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)
 
 
-def _plain(obj: Any) -> Any:
-    """Dataclasses, tuples and dicts as plain JSON data (field order kept)."""
+def _plain(obj: Any, top: bool = True) -> Any:
+    """Dataclasses, tuples and dicts as plain JSON data (field order kept); a nested spec object by its own
+    ``to_dict`` (which may leave out fields at their default)."""
+    if not top and isinstance(obj, _Data):
+        return obj.to_dict()
     if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _plain(getattr(obj, f.name), False) for f in dataclasses.fields(obj)}
     if isinstance(obj, (tuple, list)):
-        return [_plain(v) for v in obj]
+        return [_plain(v, False) for v in obj]
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: _plain(v, False) for k, v in obj.items()}
     return obj
 
 
@@ -233,15 +236,31 @@ def fit_collective(kind: str, group_size: int, samples: Iterable[tuple[float, fl
 # ---------------------------------------------------------------------------------------------------- link levels
 @dataclass(frozen=True, slots=True)
 class LinkLevel(_Data):
-    """One level of the network. ``bandwidth`` (bytes/s per device, one direction) is informational."""
+    """One level of the network. ``bandwidth`` (bytes/s per device, one direction) is informational.
+
+    ``peer_bandwidth`` (bytes/s, one direction) is what one device can send to *one* peer of this level, where that
+    is less than its whole ``bandwidth``: in a point-to-point NVLink mesh (a 4-GPU V100 board gives each pair of
+    GPUs 2 of a GPU's 6 links) a collective's rings use every link, but a message to one peer uses only the links to
+    it. ``None`` (the default): one peer can use all of it (a switch: NVSwitch, a NIC). Point-to-point transfers are
+    priced with it (:meth:`p2p_time`); collectives are not.
+    """
 
     name: str
     bandwidth: float
     collectives: dict[str, LinearLatency]
+    peer_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         _str("LinkLevel.name", self.name)
         _set(self, "bandwidth", _real("LinkLevel.bandwidth", self.bandwidth, "bytes/s per device", positive=True))
+        if self.peer_bandwidth is not None:
+            peer = _real("LinkLevel.peer_bandwidth", self.peer_bandwidth, "bytes/s to one peer", positive=True)
+            if peer > self.bandwidth:
+                raise ValueError(
+                    f"LinkLevel.peer_bandwidth ({peer:g} bytes/s to one peer) cannot exceed the level's bandwidth "
+                    f"({self.bandwidth:g} bytes/s per device); leave it out when one peer can use all of it"
+                )
+            _set(self, "peer_bandwidth", peer)
         _keys("LinkLevel.collectives", self.collectives, COLLECTIVES, COLLECTIVES, "collective kind(s)")
         for k, v in self.collectives.items():
             if not isinstance(v, LinearLatency):
@@ -271,9 +290,35 @@ class LinkLevel(_Data):
             raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(COLLECTIVES)}")
         return self.collectives[kind].collective(kind, group_size, nbytes, bucketed=bucketed)
 
+    @property
+    def peer_factor(self) -> float:
+        """How much slower one peer's link is than the device's whole bandwidth (1 without ``peer_bandwidth``)."""
+        return 1.0 if self.peer_bandwidth is None else self.bandwidth / self.peer_bandwidth
+
+    def p2p_coefficients(self, messages: float = 1) -> tuple[float, float]:
+        """``(fixed, seconds per byte)`` of receiving ``messages`` point-to-point messages from as many peers at once.
+
+        Each message pays the ``"p2p"`` intercept. The bytes arrive at the ``"p2p"`` rate of the whole bandwidth,
+        or at the rate of one peer's links if the busiest peer's share is the bottleneck: with ``m`` equal messages
+        the busiest peer carries ``1/m`` of the bytes, so the rate is ``bytes_coeff * max(1, peer_factor / m)``.
+        """
+        lat = self.collectives["p2p"]
+        return lat.fixed * messages, lat.bytes_coeff * max(1.0, self.peer_factor / max(messages, 1))
+
+    def p2p_time(self, nbytes: float, messages: int = 1) -> float:
+        """Seconds to receive ``nbytes`` in ``messages`` equal point-to-point messages from distinct peers at once."""
+        fixed, coeff = self.p2p_coefficients(messages)
+        return fixed + coeff * _real("nbytes", nbytes, "bytes")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = _plain(self)
+        if d["peer_bandwidth"] is None:
+            del d["peer_bandwidth"]  # the default: spec files that predate the field stay canonical
+        return d
+
     @classmethod
     def from_dict(cls, data: Any) -> LinkLevel:
-        d = _fields("LinkLevel", data, ("name", "bandwidth", "collectives"))
+        d = _fields("LinkLevel", data, ("name", "bandwidth", "collectives"), ("peer_bandwidth",))
         _keys("LinkLevel.collectives", d["collectives"], COLLECTIVES, (), "collective kind(s)")
         lat = {k: _within(f"collectives[{k!r}]", LinearLatency.from_dict, v) for k, v in d["collectives"].items()}
         return cls(**{**d, "collectives": lat})
@@ -474,7 +519,7 @@ class ClusterSpec(_Data):
         level = int(any(k // self.devices_per_node != s // self.devices_per_node for k, s in moves))
         if level >= len(self.levels):
             raise ValueError(f"the shift crosses nodes but {self.name!r} has no inter-node level")
-        return self.levels[level].collective_time("p2p", 2, nbytes)
+        return self.levels[level].p2p_time(nbytes)
 
     def with_calibration(
         self,
@@ -487,13 +532,18 @@ class ClusterSpec(_Data):
         """A copy with measured coefficients merged in and ``calibrated=True``.
 
         ``collectives`` is keyed by level index or name, then kind; ``compute`` by ``family`` or ``family:dtype``.
+        A measured ``"p2p"`` is a ring shift's, one peer's rate, so it replaces the level's ``peer_bandwidth`` too
+        (dropped: the measured rate then prices every point-to-point transfer of that level).
         """
         levels = list(self.levels)
         for key, kinds in (collectives or {}).items():
             idx = key if isinstance(key, int) else next((i for i, lv in enumerate(levels) if lv.name == key), None)
             if idx is None or not 0 <= idx < len(levels):
                 raise ValueError(f"collectives: no level {key!r}; levels are {[lv.name for lv in levels]}")
-            levels[idx] = dataclasses.replace(levels[idx], collectives={**levels[idx].collectives, **kinds})
+            peer = None if "p2p" in kinds else levels[idx].peer_bandwidth
+            levels[idx] = dataclasses.replace(
+                levels[idx], collectives={**levels[idx].collectives, **kinds}, peer_bandwidth=peer
+            )
         dev = self.device
         if compute or op_overhead is not None:
             over = dev.op_overhead if op_overhead is None else op_overhead

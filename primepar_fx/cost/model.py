@@ -10,7 +10,8 @@ Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition `
   Forward FLOPs are the rule's; a matrix product's Backward (dI) and Gradient (dW) each cost the same again when
   they exist; attention's backward costs twice its forward; other ops are priced by the bytes they move.
 * ``ring``: the transfers :func:`~primepar_fx.partition.transfers` derives for step ``t`` (the blocks that move
-  overlap the compute of that step), priced as P2P shifts at the slowest link they cross.
+  overlap the compute of that step), priced as P2P shifts at the slowest link they cross, to one peer each (at
+  the level's ``peer_bandwidth`` where it has one).
 * ``collectives``: an all-reduce per :class:`~primepar_fx.partition.Collective` of the local result block over its
   group indicator, priced at the slowest level the group touches. The all-reduce of a parameter's gradient
   (:func:`in_bucket`) travels in one of the runtime's gradient buckets, so it pays its bytes but not the per-step
@@ -27,11 +28,12 @@ Inter-operator cost (Eq. 8-9): the redistribution traffic of :mod:`primepar_fx.c
 * the point-to-point exchange the runtime runs (:class:`~primepar_fx.runtime.exchange.Exchange`,
   :func:`p2p_seconds`): device ``k`` receives its Eq. 9 term ``bytes_k`` in ``m_k`` messages, one from each rank
   that sends it something (the holder nearest in device-ID digits), at the ``"p2p"`` latency of the slowest level
-  one of them crosses, ``m_k * fixed + bytes_k * bytes_coeff``. All messages are posted at once, so the exchange
-  takes ``max_k`` of that. Only receives are priced: the nearest-holder rule spreads the sends (a replicated block
-  comes from the holder that shares the receiver's other digits, not from one rank to all), and in the gathers
-  and permutations that re-layouts mostly are a device sends as many messages and bytes as it receives. A Cannon
-  skew (P(S x S) to P(S x S)) is a permutation: one message per receiving device.
+  one of them crosses, ``m_k * fixed + bytes_k * bytes_coeff``, the rate lowered to one peer's links where a level
+  has ``peer_bandwidth`` and the ``m_k`` messages cannot use all of a device's links. All messages are posted at
+  once, so the exchange takes ``max_k`` of that. Only receives are priced: the nearest-holder rule spreads the
+  sends (a replicated block comes from the holder that shares the receiver's other digits, not from one rank to
+  all), and in the gathers and permutations that re-layouts mostly are a device sends as many messages and bytes
+  as it receives. A Cannon skew (P(S x S) to P(S x S)) is a permutation: one message per receiving device.
 
 The p2p price is the cheaper for gathers and small exchanges (a message costs one p2p intercept where an all-to-all
 of ``g`` devices pays ``g - 1`` ring steps, and p2p moves bytes at a higher efficiency). Both directions are priced
@@ -343,8 +345,10 @@ def p2p_seconds(
 
     Device ``k`` receives ``received[..., k]`` elements in ``m_k`` messages
     (:meth:`~primepar_fx.cost.redistribute.LayoutPairs.messages`), priced with the ``"p2p"`` latency of the slowest
-    level one of them crosses: ``m_k * fixed + bytes_k * bytes_coeff``, one p2p intercept per message. Every
-    message is posted at once, so the exchange takes the time of the busiest receiver: ``max_k``.
+    level one of them crosses: ``m_k * fixed + bytes_k * bytes_coeff``, one p2p intercept per message, where a level
+    whose one peer gets less than the whole bandwidth raises ``bytes_coeff`` for few messages
+    (:meth:`~primepar_fx.cost.cluster.LinkLevel.p2p_coefficients`, the messages taken as equal). Every message is
+    posted at once, so the exchange takes the time of the busiest receiver: ``max_k``.
     """
     return _p2p_distinct(pairs, received, mesh, cluster, itemsize)[pairs.held_of][:, pairs.needed_of]
 
@@ -358,9 +362,10 @@ def _p2p_distinct(
         mask = cross if level else ~cross
         if not mask.any():
             continue
-        price = cluster.levels[level].collective_time
-        fixed = price("p2p", 2, 0.0)
-        unit = price("p2p", 2, 1.0) - fixed
+        link = cluster.levels[level]
+        fixed, unit = link.collectives["p2p"].fixed, link.collectives["p2p"].bytes_coeff
+        if link.peer_factor > 1:  # few messages: the busiest peer's links bind (LinkLevel.p2p_coefficients)
+            unit = unit * np.maximum(1.0, link.peer_factor / np.maximum(count, 1))
         out = np.maximum(out, np.where(mask, count * fixed + received * (itemsize * unit), 0.0).max(axis=-1))
     return out
 

@@ -352,8 +352,46 @@ def test_shift_time_uses_the_slowest_link_a_sender_crosses():
     inside = [k ^ 1 for k in range(32)]  # swap neighbours within a node
     across = [(k + 4) % 32 for k in range(32)]  # every rank receives from the next node
     assert spec.shift_time(MiB, range(32)) == 0.0
-    assert spec.shift_time(MiB, inside) == spec.levels[0].collectives["p2p"](MiB)
+    # inside a node a shift goes to one NVLink peer: 2 of the 6 links, a third of the p2p rate
+    p2p = spec.levels[0].collectives["p2p"]
+    assert spec.shift_time(MiB, inside) == pytest.approx(p2p.fixed + 3 * p2p.bytes_coeff * MiB, rel=1e-12)
     assert spec.shift_time(MiB, across) == spec.levels[1].collectives["p2p"](MiB)
+
+
+def test_peer_bandwidth_prices_few_messages_at_one_peers_links():
+    """v100-paper's board: 150 GB/s over 6 links, 50 GB/s to one peer. One message moves at the peer's rate, three
+    equal messages from three peers at the device's; the collectives keep the whole bandwidth."""
+    intra = load_cluster("v100-paper").levels[0]
+    assert (intra.bandwidth, intra.peer_bandwidth, intra.peer_factor) == (150e9, 50e9, 3.0)
+    p2p = intra.collectives["p2p"]
+    assert intra.p2p_time(MiB) == pytest.approx(p2p.fixed + 3 * p2p.bytes_coeff * MiB, rel=1e-12)
+    assert intra.p2p_time(MiB, 2) == pytest.approx(2 * p2p.fixed + 1.5 * p2p.bytes_coeff * MiB, rel=1e-12)
+    assert intra.p2p_time(MiB, 3) == pytest.approx(3 * p2p.fixed + p2p.bytes_coeff * MiB, rel=1e-12)
+    assert intra.p2p_time(MiB, 6) == pytest.approx(6 * p2p.fixed + p2p.bytes_coeff * MiB, rel=1e-12)
+    assert intra.collective_time("all-gather", 4, MiB) == intra.collectives["all-gather"].collective(
+        "all-gather", 4, MiB
+    )
+    # a switch (NVSwitch) gives one peer the whole bandwidth: no peer_bandwidth, no factor, not written
+    nvswitch = load_cluster("h100-dgx").levels[0]
+    assert (
+        nvswitch.peer_bandwidth is None and nvswitch.peer_factor == 1.0 and "peer_bandwidth" not in nvswitch.to_dict()
+    )
+    assert nvswitch.p2p_time(MiB) == nvswitch.collectives["p2p"](MiB)
+    assert LinkLevel.from_dict(intra.to_dict()) == intra and intra.to_dict()["peer_bandwidth"] == 50e9
+    with pytest.raises(ValueError, match="peer_bandwidth .* cannot exceed"):
+        dataclasses.replace(intra, peer_bandwidth=200e9)
+    with pytest.raises(ValueError, match="peer_bandwidth must be > 0"):
+        dataclasses.replace(intra, peer_bandwidth=0.0)
+
+
+def test_a_measured_p2p_rate_replaces_the_peer_bandwidth():
+    """Calibration measures p2p as a ring shift, one peer's rate: it prices every p2p of the level from then on."""
+    spec = load_cluster("v100-paper")
+    measured = LinearLatency(2e-11, 3e-6)
+    cal = spec.with_calibration(source="test", collectives={0: {"p2p": measured}})
+    assert cal.levels[0].peer_bandwidth is None and cal.levels[0].p2p_time(MiB) == measured(MiB)
+    kept = spec.with_calibration(source="test", collectives={0: {"all-reduce": measured}})
+    assert kept.levels[0].peer_bandwidth == 50e9
 
 
 def test_fit_collective_recovers_per_step_coefficients():

@@ -6,6 +6,7 @@ expected byte count below is written out from the sizes; nothing is read back fr
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -38,9 +39,17 @@ SB, SM, SN, SK = 8, 16, 32, 64
 I_ELEMS, W_ELEMS, O_ELEMS = SB * SM * SN, SN * SK, SB * SM * SK  # 4096, 2048, 8192
 
 
-def cost(op: OpDims, seq: str, dtype: str = "fp32", mesh: DeviceMesh = MESH) -> NodeCost:
+def cost(
+    op: OpDims, seq: str, dtype: str = "fp32", mesh: DeviceMesh = MESH, cluster: ClusterSpec = CLUSTER
+) -> NodeCost:
     part = OpPartition(op, PartitionSeq.parse(seq), mesh)
-    return node_cost(part, None, CLUSTER, NO_VALUES, CostOptions(dtype=dtype))
+    return node_cost(part, None, cluster, NO_VALUES, CostOptions(dtype=dtype))
+
+
+def switched(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` with a switch inside the node: one peer can use a device's whole NVLink bandwidth."""
+    levels = (dataclasses.replace(cluster.levels[0], peer_bandwidth=None), *cluster.levels[1:])
+    return dataclasses.replace(cluster, name=f"{cluster.name}-switched", levels=levels)
 
 
 def all_reduce_bytes(elems: int, itemsize: int, group: int) -> int:
@@ -209,14 +218,34 @@ def test_every_partition_of_a_large_linear_obeys_the_bounds_of_eq_7_and_beats_re
             assert c.time_s < replicated, seq
 
 
-def test_p2x2_hides_its_ring_and_beats_megatron_column_and_row_splits() -> None:
+def p2x2_rings(cluster: ClusterSpec) -> list[float]:
+    """The ring shifts of LARGE's P2x2 steps that move something (P2_MOVES): F0 I+W, B0 dO+W, B1 W (return),
+    G0 I+dO+dW; nothing at F1 and G1. Each device sends its quarter block to one peer."""
+    shift = {n: cluster.shift_time(b / 4, [1, 0, 3, 2]) for n, b in (("I", LARGE_I), ("W", LARGE_W), ("O", LARGE_O))}
+    return [shift["I"] + shift["W"], shift["O"] + shift["W"], shift["W"], shift["I"] + shift["O"] + shift["W"]]
+
+
+def test_p2x2_on_one_nvlink_peer_shows_its_ring_and_loses_to_data_parallelism() -> None:
+    """On v100-paper's board one peer gets 2 of the 6 NVLinks: the first Gradient step's ring outlasts its compute,
+    each step costs its max(compute, ring), and P2x2 no longer beats data parallelism (it does on a switch,
+    below), though it still beats Megatron's column and row splits."""
     prime = cost(LARGE, "P2x2", "fp16", LARGE_MESH)
+    step = compute(FLOPS / 8, (LARGE_I + LARGE_W + LARGE_O) / 4)
+    rings = p2x2_rings(CLUSTER)
+    assert rings[3] > step and max(rings[:3]) < step  # G0 moves three blocks: I, dO and dW
+    assert prime.ring_s == pytest.approx(sum(rings), rel=1e-12)
+    assert prime.time_s == pytest.approx(sum(max(step, r) for r in rings) + 2 * step, rel=1e-12)
+    assert prime.time_s < min(cost(LARGE, s, "fp16", LARGE_MESH).time_s for s in ("K,K", "N,N"))
+    assert prime.time_s > cost(LARGE, "B,B", "fp16", LARGE_MESH).time_s
+
+
+def test_p2x2_hides_its_ring_and_beats_megatron_column_and_row_splits() -> None:
+    """With a switch in the node (one peer can use all of a device's NVLink bandwidth)."""
+    cluster = switched(CLUSTER)
+    prime = cost(LARGE, "P2x2", "fp16", LARGE_MESH, cluster)
     # per step: 1/8 of the FLOPs (M, N, K each halved), quarter blocks of I, W and O (or dO, W, dI / dO, I, dW)
     step = compute(FLOPS / 8, (LARGE_I + LARGE_W + LARGE_O) / 4)
-    shift = {name: CLUSTER.shift_time(nbytes / 4, [1, 0, 3, 2]) for name, nbytes in (("I", LARGE_I), ("W", LARGE_W))}
-    shift["O"] = CLUSTER.shift_time(LARGE_O / 4, [1, 0, 3, 2])
-    # rings per step (P2_MOVES): F0 I+W, B0 dO+W, B1 W (return), G0 I+dO+dW; nothing at F1 and G1
-    rings = [shift["I"] + shift["W"], shift["O"] + shift["W"], shift["W"], shift["I"] + shift["O"] + shift["W"]]
+    rings = p2x2_rings(cluster)
     assert max(rings) < step  # every ring hides behind its step's compute
     assert prime.ring_s == pytest.approx(sum(rings), rel=1e-12)
     assert prime.time_s == pytest.approx(6 * step, rel=1e-12)
@@ -258,15 +287,18 @@ def runtime_p2p_seconds(cluster: ClusterSpec, held: Layout, needed: Layout, mesh
         senders = [peer for peer, _ in plan.recvs]
         if not senders:
             continue
-        level = cluster.levels[int(any(s // node != k // node for s in senders))]
-        p2p = level.collectives["p2p"]
-        worst = max(worst, len(senders) * p2p.fixed + plan.received[k] * item * p2p.bytes_coeff)
+        level = int(any(s // node != k // node for s in senders))
+        worst = max(worst, p2p_seconds(level, len(senders), plan.received[k], item, cluster))
     return worst
 
 
 def p2p_seconds(level: int, messages: int, elems: int, item: int, cluster: ClusterSpec = CLUSTER) -> float:
-    p2p = cluster.levels[level].collectives["p2p"]
-    return messages * p2p.fixed + elems * item * p2p.bytes_coeff
+    """``messages`` equal messages from as many peers: each pays the intercept; the bytes move at the device's
+    p2p rate, or at one peer's (``peer_bandwidth``) if the busiest peer's ``1/messages`` share binds."""
+    link = cluster.levels[level]
+    p2p = link.collectives["p2p"]
+    peer = link.bandwidth / (link.peer_bandwidth or link.bandwidth)
+    return messages * p2p.fixed + elems * item * p2p.bytes_coeff * max(1.0, peer / messages)
 
 
 @pytest.mark.parametrize(("dtype", "item"), DTYPES)
