@@ -68,6 +68,9 @@ def plan(
     grouped: bool | str | None = None,
     progress: bool = False,
     replicate_layers: bool = True,
+    grad_dtype: Any = None,
+    master_weights: bool | None = None,
+    state_dtype: Any = "fp32",
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
@@ -86,6 +89,9 @@ def plan(
     cheapest plan kept (``None``, the default, or ``"all"``), only the leading digits merged (``True`` or
     ``"leading"``), or the full mesh (``False``); see :func:`~primepar_fx.planning.planner.search_meshes`.
     ``progress`` shows the pricing's progress bars on stderr.
+    ``grad_dtype`` (default: ``dtype``), ``master_weights`` (an fp32 copy of every parameter; default: when
+    ``dtype`` is 16 bits) and ``state_dtype`` (the optimizer's two moments, default fp32) say what a device keeps
+    per parameter besides it: by default 16 bytes a parameter in every dtype, as mixed-precision Adam keeps.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the
@@ -105,6 +111,9 @@ def plan(
         fallback=fallback,
         grouped=grouped,
         progress=progress,
+        grad_dtype=grad_dtype,
+        master_weights=master_weights,
+        state_dtype=state_dtype,
     )
     limit = config_seq_max(model)
     if seq is not None and limit is not None and seq > limit:

@@ -199,6 +199,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch=args.batch,
         seq=args.seq,
         dtype=args.dtype,
+        grad_dtype=args.grad_dtype,
+        master_weights=args.master_weights,
+        state_dtype=args.state_dtype,
         memory_budget=args.memory_budget,
         alpha=args.alpha,
         method=args.method,
@@ -381,6 +384,22 @@ def _add_plan_parser(sub: Any) -> None:
         default="fp32",
         choices=["fp32", "bf16", "fp16"],
         help="dtype of parameters and activations (default fp32)",
+    )
+    pl.add_argument(
+        "--grad-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of parameter gradients (default: --dtype)",
+    )
+    pl.add_argument(
+        "--master-weights",
+        action=argparse.BooleanOptionalAction,
+        help="keep an fp32 master copy of every parameter (default: when --dtype is bf16 or fp16)",
+    )
+    pl.add_argument(
+        "--state-dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of the optimizer's two moments (default fp32)",
     )
     pl.add_argument("--memory-budget", type=parse_bytes, help="hard per-device budget, e.g. 30GiB")
     pl.add_argument(

@@ -23,21 +23,93 @@ ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True, slots=True)
 class CostOptions:
-    """What the cost model assumes about training: dtype, optimizer state and the memory weight ``alpha``."""
+    """What the cost model assumes about training: dtype, what a parameter keeps, and the memory weight ``alpha``.
+
+    Parameters and activations are in ``dtype``. Per parameter element a device also keeps its gradient in
+    ``grad_dtype`` (``None``: ``dtype``), an fp32 master copy if ``master_weights`` (``None``: when ``dtype`` is 16
+    bits, as mixed-precision training does), and ``optimizer_states`` moments in ``state_dtype`` (Adam: two, fp32).
+    The default is the standard 16 bytes a parameter in every dtype: fp32 4 + 4 + 4 + 4; bf16 or fp16 2 (parameter)
+    + 2 (gradient) + 4 (master) + 4 + 4 (moments).
+    """
 
     dtype: str = "fp32"
     optimizer_states: int = 2  # Adam keeps two moments per parameter
     alpha: float = 0.0
+    grad_dtype: str | None = None
+    master_weights: bool | None = None
+    state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        if dtype_key(self.dtype) not in ITEMSIZE:
-            raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {self.dtype!r}")
+        for name in ("dtype", "grad_dtype", "state_dtype"):
+            value = getattr(self, name)
+            if value is not None and dtype_key(value) not in ITEMSIZE:
+                raise ValueError(f"{name} must be one of {sorted(ITEMSIZE)}, got {value!r}")
+        if self.master_weights not in (None, True, False):
+            raise ValueError(f"master_weights must be True, False or None (auto), got {self.master_weights!r}")
+        if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int):
+            raise ValueError(f"optimizer_states must be a whole number of moments, got {self.optimizer_states!r}")
         if self.optimizer_states < 0 or self.alpha < 0:
             raise ValueError("optimizer_states and alpha must be non-negative")
 
     @property
     def itemsize(self) -> int:
         return ITEMSIZE[dtype_key(self.dtype)]
+
+    @property
+    def keeps_master(self) -> bool:
+        """Whether an fp32 master copy of each parameter is kept (``master_weights``, or auto: a 16-bit dtype)."""
+        return self.itemsize < 4 if self.master_weights is None else self.master_weights
+
+    @property
+    def param_state_bytes(self) -> int:
+        """Bytes a device keeps per element of its parameter blocks: parameter, gradient, master copy, moments."""
+        grad = ITEMSIZE[dtype_key(self.grad_dtype or self.dtype)]
+        master = 4 if self.keeps_master else 0
+        return self.itemsize + grad + master + self.optimizer_states * ITEMSIZE[dtype_key(self.state_dtype)]
+
+    def describe_state(self) -> str:
+        """``"16 B a parameter: bf16 parameter and gradient, fp32 master, 2 fp32 moments"`` and the like."""
+        grad = dtype_key(self.grad_dtype or self.dtype)
+        kept = (
+            f"{self.dtype} parameter and gradient" if grad == self.dtype else f"{self.dtype} parameter, {grad} gradient"
+        )
+        if self.keeps_master:
+            kept += ", fp32 master"
+        n = self.optimizer_states
+        if n:
+            kept += f", {n} {dtype_key(self.state_dtype)} moment{'s' if n > 1 else ''}"
+        return f"{self.param_state_bytes} B a parameter: {kept}"
+
+    def training_state(self) -> dict[str, object]:
+        """What a plan records of these (``plan.search["training_state"]``; :meth:`from_training_state`)."""
+        return {
+            "grad_dtype": dtype_key(self.grad_dtype or self.dtype),
+            "master_weights": self.keeps_master,
+            "optimizer_states": self.optimizer_states,
+            "state_dtype": dtype_key(self.state_dtype),
+            "bytes_per_parameter": self.param_state_bytes,
+        }
+
+    @classmethod
+    def from_training_state(cls, dtype: str, alpha: float, state: object) -> CostOptions:
+        """The options a plan was priced with, from its ``dtype``, ``alpha`` and recorded training state (a plan
+        without one: the defaults)."""
+        if state is None:
+            return cls(dtype=dtype, alpha=alpha)
+        if not isinstance(state, dict):
+            raise ValueError(f"plan.search.training_state must be a mapping, got {type(state).__name__}")
+        known = ("grad_dtype", "master_weights", "optimizer_states", "state_dtype", "bytes_per_parameter")
+        unknown = sorted(set(state) - set(known))
+        if unknown:
+            raise ValueError(f"plan.search.training_state has unknown field(s) {unknown}; use {list(known)}")
+        kept = {k: state[k] for k in known[:4] if k in state}
+        opts = cls(dtype=dtype, alpha=alpha, **kept)
+        if "bytes_per_parameter" in state and state["bytes_per_parameter"] != opts.param_state_bytes:
+            raise ValueError(
+                f"plan.search.training_state.bytes_per_parameter is {state['bytes_per_parameter']!r} but its other "
+                f"fields make {opts.param_state_bytes}"
+            )
+        return opts
 
 
 @lru_cache(maxsize=1 << 16)

@@ -16,7 +16,8 @@ Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition `
   group indicator, priced at the slowest level the group touches. The all-reduce of a parameter's gradient
   (:func:`in_bucket`) travels in one of the runtime's gradient buckets, so it pays its bytes but not the per-step
   latency, which the bucket pays once for many.
-* ``memory`` (bytes per device): parameters with their gradients and optimizer state, activations stashed for
+* ``memory`` (bytes per device): parameters with their gradients, master copies and optimizer moments
+  (:attr:`~primepar_fx.cost.blocks.CostOptions.param_state_bytes` per element: 16 by default), activations stashed for
   backward, and the ring's second (receive) buffer for every block that moves in a phase, in the phase that
   needs the most.
 
@@ -95,7 +96,7 @@ class NodeCost:
     compute_s: float
     ring_s: float
     collective_s: float
-    param_bytes: int  # this device's parameter blocks (gradients and optimizer state scale with it)
+    param_bytes: int  # this device's parameter blocks in the plan's dtype (gradients and optimizer state scale)
     stash_bytes: int
     buffer_bytes: int
     comm_bytes: dict[str, int] = field(default_factory=dict)  # bytes this device sends, by kind
@@ -104,11 +105,15 @@ class NodeCost:
     def time_s(self) -> float:
         return sum(self.phase_s) + self.collective_s
 
-    def memory_bytes(self, optimizer_states: int) -> int:
-        return self.param_bytes * (2 + optimizer_states) + self.stash_bytes + self.buffer_bytes
+    def state_bytes(self, opts: CostOptions) -> int:
+        """This device's parameter blocks with their gradients, master copies and optimizer moments (``opts``)."""
+        return self.param_bytes // opts.itemsize * opts.param_state_bytes
+
+    def memory_bytes(self, opts: CostOptions) -> int:
+        return self.state_bytes(opts) + self.stash_bytes + self.buffer_bytes
 
     def objective(self, opts: CostOptions) -> float:
-        return self.time_s + opts.alpha * self.memory_bytes(opts.optimizer_states)
+        return self.time_s + opts.alpha * self.memory_bytes(opts)
 
 
 @lru_cache(maxsize=1 << 14)

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
 from primepar_fx.graph import check_fallback
 from primepar_fx.partition import DeviceMesh
@@ -132,6 +133,9 @@ class PlanOptions:
         dtype: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``; ``None``: the model's first parameter's.
         memory_budget: a hard limit on each device's predicted peak, in bytes; ``None``: no limit.
         alpha: seconds per byte of memory added to the objective.
+        grad_dtype, master_weights, state_dtype: what a device keeps per parameter element besides the parameter
+            (:class:`~primepar_fx.cost.blocks.CostOptions`): gradients in ``grad_dtype`` (``None``: ``dtype``), an
+            fp32 master copy (``None``: when ``dtype`` is 16 bits), optimizer moments in ``state_dtype``.
         method: ``"dp"``, ``"ilp"`` or ``"auto"``.
         allow_prime: whether P(S x S) is in the space (``False``: the split-only space).
         baselines: also price Megatron-LM, data parallelism and split-only.
@@ -152,6 +156,9 @@ class PlanOptions:
     dtype: str | None = "fp32"
     memory_budget: float | None = None
     alpha: float = 0.0
+    grad_dtype: str | None = None
+    master_weights: bool | None = None
+    state_dtype: str = "fp32"
     method: str = "auto"
     allow_prime: bool = True
     baselines: bool = True
@@ -168,8 +175,12 @@ class PlanOptions:
         if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
             raise ValueError(f"world_size must be a positive integer, got {ws!r}")
         check_sizes(self.batch, self.seq)
-        if self.dtype is not None and self.dtype != dtype_key(self.dtype):
-            raise ValueError(f"dtype must be a key such as 'bf16' here (use PlanOptions.make), got {self.dtype!r}")
+        for name in ("dtype", "grad_dtype", "state_dtype"):
+            value = getattr(self, name)
+            if value is not None and value != dtype_key(value):
+                raise ValueError(f"{name} must be a key such as 'bf16' here (use PlanOptions.make), got {value!r}")
+        if self.master_weights not in (None, True, False):
+            raise ValueError(f"master_weights must be True, False or None (auto), got {self.master_weights!r}")
         if memory_budget_bytes(self.memory_budget) != self.memory_budget:
             raise ValueError(f"memory_budget must be bytes here (use PlanOptions.make), got {self.memory_budget!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
@@ -197,6 +208,8 @@ class PlanOptions:
         running: bool = False,
         memory_budget: object = None,
         dtype: object = "fp32",
+        grad_dtype: object = None,
+        state_dtype: object = "fp32",
         digits: Any = None,
         **fields: Any,
     ) -> PlanOptions:
@@ -207,8 +220,22 @@ class PlanOptions:
             cluster=resolve_cluster(cluster, running=running),
             memory_budget=memory_budget_bytes(memory_budget),
             dtype=None if dtype is None else dtype_key(dtype),
+            grad_dtype=None if grad_dtype is None else dtype_key(grad_dtype),
+            state_dtype=dtype_key(state_dtype),
             digits=None if digits is None else tuple(digits),
             **fields,
+        )
+
+    def cost_options(self) -> CostOptions:
+        """What the cost model assumes about training under these options (the dtype must be known)."""
+        if self.dtype is None:
+            raise ValueError("the dtype is not known yet: PlanOptions needs dtype for the cost model's options")
+        return CostOptions(
+            dtype=self.dtype,
+            alpha=self.alpha,
+            grad_dtype=self.grad_dtype,
+            master_weights=self.master_weights,
+            state_dtype=self.state_dtype,
         )
 
     def replace(self, **changes: Any) -> PlanOptions:

@@ -37,6 +37,7 @@ from math import prod
 from pathlib import Path
 from typing import Any, NoReturn
 
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.partition.seq import PartitionSeq
 
 PLAN_FORMAT = "primepar-plan/1"
@@ -397,6 +398,18 @@ class Plan:
         self._check_baselines()
         _mapping("plan.search", self.search, "search settings and results")
         _set(self, "search", _json_plain("plan.search", self.search))
+        try:
+            self.cost_options()
+        except ValueError as e:
+            _fail("plan.search", str(e).removeprefix("plan.search."))
+
+    def cost_options(self) -> CostOptions:
+        """What the plan was priced with: its dtype, ``search["alpha"]`` and ``search["training_state"]`` (what a
+        device keeps per parameter; a plan without it: the defaults)."""
+        alpha = self.search.get("alpha") or 0.0
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise ValueError(f"plan.search.alpha must be a number of seconds per byte, got {alpha!r}")
+        return CostOptions.from_training_state(self.dtype, float(alpha), self.search.get("training_state"))
 
     def _check_digits(self) -> None:
         if not isinstance(self.digits, (tuple, list)):
@@ -532,8 +545,8 @@ class Plan:
         table = tabulate(totals, head, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
         title = (
             f"{self.model} on {self.world_size} devices {list(self.digits)} of {self.cluster} "
-            f"(B={self.batch}, S={self.seq}, {self.dtype}); per node: step = forward + backward + gradient + "
-            "collectives + redistribution"
+            f"(B={self.batch}, S={self.seq}, {self.dtype}; {self.cost_options().describe_state()}); per node: "
+            "step = forward + backward + gradient + collectives + redistribution"
         )
         return f"{title}\n{nodes}\n\n{table}"
 

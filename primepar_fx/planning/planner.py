@@ -23,6 +23,7 @@ device sends per step (collectives and ring shifts, plus the mean per-device red
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -109,7 +110,7 @@ def summarize(
         c = priced.node_costs[name][choice[name]]
         step_s = c.time_s - saved_s[name] - unshared_s[name] + redis_s[name]
         total_s += step_s
-        static += c.param_bytes * (2 + opts.optimizer_states) + c.stash_bytes
+        static += c.state_bytes(opts) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
         comm += sum(c.comm_bytes.values()) - saved[name] - unshared[name] + redis_bytes[name] / world
         if not nodes and 0.0 <= step_s < math.inf:
@@ -130,7 +131,7 @@ def summarize(
             ring_s=c.ring_s,
             collective_s=c.collective_s - saved_s[name] - unshared_s[name],
             redistribution_s=redis_s[name],
-            memory_bytes=c.memory_bytes(opts.optimizer_states),
+            memory_bytes=c.memory_bytes(opts),
             comm_bytes=kinds,
             step_s=step_s,
             phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
@@ -375,7 +376,7 @@ def make_plan(
         nodes=summary.nodes,
         predicted=summary.predicted,
         baselines=baselines,
-        search=search,
+        search={**search, "training_state": opts.cost_options().training_state()},
     )
 
 
@@ -394,7 +395,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     opts = _options(graph, options, kwargs)
     full = opts.mesh()
     values = {B: opts.batch, S: opts.seq}
-    costs = CostOptions(dtype=opts.dtype, alpha=opts.alpha)
+    costs = opts.cost_options()
     meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
     best, tried, infeasible = None, [], []
@@ -521,7 +522,7 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
     opts = _options(graph, options, kwargs)
     spec, mesh, budget = opts.cluster, opts.mesh(), opts.memory_budget
     values = {B: opts.batch, S: opts.seq}
-    costs = CostOptions(dtype=opts.dtype)
+    costs = dataclasses.replace(opts.cost_options(), alpha=0.0)
     search: dict[str, Any] = {"forced": name, "memory_budget": budget}
     t0 = time.perf_counter()
     if name in ("megatron", "megatron-sp"):

@@ -642,7 +642,7 @@ class _Pricing:
         vectors = {  # per node cache entry: (seconds, memory bytes) of every strategy
             entry: (
                 _frozen([c.time_s for c in priced]),
-                _frozen([float(c.memory_bytes(self.opts.optimizer_states)) for c in priced]),
+                _frozen([float(c.memory_bytes(self.opts)) for c in priced]),
             )
             for entry, _, priced, _ in self.node_cache.values()
         }

@@ -155,7 +155,7 @@ def price_plan(
     mesh = DeviceMesh(tuple(plan.digits))
     chosen = plan.partitions()
     fixed = {n: s for n, s in chosen.items() if n != free}
-    opts = CostOptions(dtype=plan.dtype, alpha=float(plan.search.get("alpha") or 0.0))
+    opts = plan.cost_options()
 
     def keep_chosen(_: str, seqs: list[PartitionSeq]) -> list[PartitionSeq]:
         return seqs if free is None or chosen[free] in seqs else [*seqs, chosen[free]]
@@ -293,7 +293,7 @@ def explain_choice(
     _check_request(plan, node_name, graph)
     priced = price_plan(graph, plan, free=node_name, cluster=cluster)
     seqs, costs = priced.strategies[node_name], priced.node_costs[node_name]
-    opts = CostOptions(dtype=plan.dtype, alpha=float(plan.search.get("alpha") or 0.0))
+    opts = plan.cost_options()
     parts = _edge_parts(priced, node_name, len(seqs), plan.world_size)
     options = _options(seqs, costs, parts, opts, plan.partitions()[node_name])
     chosen = next(o for o in options if o.chosen)
@@ -400,7 +400,7 @@ def _options(
     """One :class:`Option` per partition, in the pricing's order; ``chosen`` is the plan's."""
     options = []
     for i, (seq, c) in enumerate(zip(seqs, costs)):
-        memory = c.memory_bytes(opts.optimizer_states)
+        memory = c.memory_bytes(opts)
         own_s = parts.own_s[i]
         options.append(
             Option(

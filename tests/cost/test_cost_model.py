@@ -148,16 +148,21 @@ def test_p2x2_sends_the_moving_blocks_point_to_point_and_needs_no_all_reduce(dty
         ("B,B", W_ELEMS, I_ELEMS // 4),
     ],
 )
-def test_memory_is_weight_block_times_four_plus_the_stashed_input_block(
+def test_memory_is_weight_block_times_sixteen_bytes_plus_the_stashed_input_block(
     seq: str, w_block: int, i_block: int, dtype: str, item: int
 ) -> None:
     c = cost(SMALL, seq, dtype)
     assert c.param_bytes == w_block * item
     assert c.stash_bytes == i_block * item  # a linear keeps its (local) input for the Gradient phase
     assert c.buffer_bytes == 0  # one step: nothing moves, no ring buffers
-    # weights + their gradients + two Adam moments, the stash, the buffers
-    assert c.memory_bytes(optimizer_states=2) == 4 * w_block * item + i_block * item
-    assert c.memory_bytes(optimizer_states=0) == 2 * w_block * item + i_block * item
+    # weight, gradient, (at 16 bits) an fp32 master copy and two fp32 Adam moments: 16 bytes an element; the stash
+    assert c.memory_bytes(CostOptions(dtype=dtype)) == 16 * w_block + i_block * item
+    # without moments, a 16-bit weight keeps its master copy: 2 + 2 + 4; fp32: 4 + 4
+    no_moments = CostOptions(dtype=dtype, optimizer_states=0)
+    assert c.memory_bytes(no_moments) == 8 * w_block + i_block * item
+    assert c.memory_bytes(CostOptions(dtype=dtype, optimizer_states=0, master_weights=False)) == (
+        2 * item * w_block + i_block * item
+    )
 
 
 @pytest.mark.parametrize(("dtype", "item"), DTYPES)
@@ -171,9 +176,9 @@ def test_p2x2_memory_adds_one_receive_buffer_per_moving_block_of_the_busiest_pha
     c = cost(SMALL, "P2x2", dtype)
     w_block, i_block, buffers = P2_BLOCK["in1"] * item, P2_BLOCK["in0"] * item, 3584 * item
     assert (c.param_bytes, c.stash_bytes, c.buffer_bytes) == (w_block, i_block, buffers)
-    assert c.memory_bytes(2) == 4 * w_block + i_block + buffers
     opts = CostOptions(dtype=dtype, alpha=1e-9)
-    assert c.objective(opts) == pytest.approx(c.time_s + 1e-9 * c.memory_bytes(2), rel=1e-12)
+    assert c.memory_bytes(opts) == 16 * P2_BLOCK["in1"] + i_block + buffers
+    assert c.objective(opts) == pytest.approx(c.time_s + 1e-9 * c.memory_bytes(opts), rel=1e-12)
 
 
 # --------------------------------------------------------------------------------------- time of a large linear

@@ -1,0 +1,101 @@
+"""Mixed-precision bytes: what a device keeps per parameter (issue 18 item 2), in the cost model and the plan."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from primepar_fx.api import analyze
+from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.planning.plan import Plan, PlanError
+from primepar_fx.planning.planner import forced_plan
+
+
+@pytest.mark.parametrize(
+    ("options", "nbytes"),
+    [
+        (CostOptions(), 16),  # fp32: parameter, gradient, two moments
+        (CostOptions(dtype="bf16"), 16),  # 2 + 2 + fp32 master 4 + 4 + 4
+        (CostOptions(dtype="fp16"), 16),
+        (CostOptions(dtype="bf16", grad_dtype="fp32"), 18),  # Megatron's fp32 gradient accumulation
+        (CostOptions(dtype="bf16", master_weights=False), 12),
+        (CostOptions(dtype="fp32", master_weights=True), 20),
+        (CostOptions(dtype="bf16", state_dtype="bf16"), 12),
+        (CostOptions(optimizer_states=0), 8),  # SGD without momentum
+    ],
+)
+def test_bytes_a_parameter_keeps(options: CostOptions, nbytes: int) -> None:
+    assert options.param_state_bytes == nbytes
+    again = CostOptions.from_training_state(options.dtype, 0.0, options.training_state())
+    assert again.param_state_bytes == nbytes and again.keeps_master == options.keeps_master
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"grad_dtype": "int8"}, "unknown dtype"),
+        ({"state_dtype": "fp64"}, "unknown dtype"),
+        ({"master_weights": "yes"}, "master_weights must be"),
+        ({"optimizer_states": 1.5}, "optimizer_states must be a whole number"),
+        ({"optimizer_states": -1}, "non-negative"),
+    ],
+)
+def test_bad_training_state_options_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CostOptions(**kwargs)
+
+
+@functools.cache
+def graph():
+    args, kwargs = example_inputs(get_config("llama-tiny"), 4, 16)
+    return analyze(build("llama-tiny"), args, kwargs, name="llama-tiny")
+
+
+@functools.cache
+def data_parallel(dtype: str, **state) -> Plan:
+    return forced_plan(
+        graph(), "data_parallel", world_size=4, cluster="cpu-gloo", batch=8, seq=64, dtype=dtype, **state
+    )
+
+
+def test_a_data_parallel_plan_counts_every_parameter_at_its_bytes() -> None:
+    """Data parallelism holds every parameter on every device, so the peak moves by exactly the parameter count
+    times the bytes per parameter that change; the activations do not move."""
+    params = sum(p.numel() for p in build("llama-tiny").parameters())
+    peak = {
+        key: data_parallel(dtype, **dict(state)).predicted.peak_memory_bytes
+        for key, dtype, state in [
+            ("bf16", "bf16", ()),
+            ("bf16 no master", "bf16", (("master_weights", False),)),
+            ("bf16 fp32 grads", "bf16", (("grad_dtype", "fp32"),)),
+        ]
+    }
+    assert peak["bf16"] - peak["bf16 no master"] == 4 * params
+    assert peak["bf16 fp32 grads"] - peak["bf16"] == 2 * params
+    plan = data_parallel("bf16")
+    assert plan.search["training_state"] == {
+        "grad_dtype": "bf16",
+        "master_weights": True,
+        "optimizer_states": 2,
+        "state_dtype": "fp32",
+        "bytes_per_parameter": 16,
+    }
+    assert "16 B a parameter: bf16 parameter and gradient, fp32 master, 2 fp32 moments" in plan.summary_table()
+
+
+def test_the_plan_json_keeps_the_training_state_and_rejects_a_bad_one() -> None:
+    plan = data_parallel("bf16", grad_dtype="fp32")
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.cost_options().param_state_bytes == 18
+    data = json.loads(plan.to_json())
+    data["search"]["training_state"]["bytes_per_parameter"] = 16
+    with pytest.raises(PlanError, match="bytes_per_parameter is 16 but its other fields make 18"):
+        Plan.from_dict(data)
+    data["search"]["training_state"] = {"gradient_dtype": "fp32"}
+    with pytest.raises(PlanError, match=r"plan.search.*unknown field\(s\) \['gradient_dtype'\]"):
+        Plan.from_dict(data)
+    del data["search"]["training_state"]  # a plan from before: the defaults
+    assert Plan.from_dict(data).cost_options().param_state_bytes == 16
