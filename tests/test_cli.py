@@ -229,3 +229,17 @@ def test_explain_and_plan_fold_identical_layers_unless_asked_for_every_node(caps
     assert len(whole.splitlines()) - len(folded.splitlines()) == copies * period - 1 - 2  # less the note and gap
     rc, text, _ = run(capsys, "plan", "gpt2", "-n", "4", "--batch", "8", "--seq", "128", "--no-baselines")
     assert rc == 0 and re.search(r"^\.\.\. +x\d+ the \d+ rows above", text, re.M)
+
+
+def test_plan_for_more_devices_than_a_preset_names_adds_its_nodes(capsys, tmp_path) -> None:
+    """h100-dgx names 4 DGX nodes (32 GPUs); -n 64 plans for 8 of them, -n 36 is not a whole number of nodes."""
+    from primepar_fx.planning.plan import Plan
+
+    base = ["plan", "gpt2-tiny", "--batch", "64", "--seq", "16", "--no-baselines", "--cluster", "h100-dgx"]
+    out = tmp_path / "plan.json"
+    rc, _, err = run(capsys, *base, "-n", "64", "--grouped", "-o", str(out))
+    assert rc == 0, err
+    plan = Plan.load(out)
+    assert plan.world_size == 64 and plan.cluster == "h100-dgx"
+    rc, _, err = run(capsys, *base, "-n", "36")
+    assert rc == 2 and "not a whole number of its 8-device nodes" in err, err

@@ -469,18 +469,38 @@ class ClusterSpec(_Data):
     def num_nodes(self) -> int:
         return self.num_devices // self.devices_per_node
 
+    def check_world(self, world_size: int) -> None:
+        """Whether ``world_size`` devices fit: up to ``num_devices``, or any whole number of nodes when the spec has
+        an inter-node level (a spec describes its nodes and their network; ``num_devices`` is only the size of the
+        cluster it names, so ``-n 64`` of an 8-GPU-node preset is 8 such nodes)."""
+        world = _int("world_size", world_size, "devices")
+        if world <= self.num_devices:
+            return
+        if len(self.levels) < 2:
+            raise ValueError(
+                f"world_size {world} exceeds cluster {self.name!r}: one node of {self.num_devices} devices, and the "
+                "spec has no inter-node level to add nodes with"
+            )
+        if world % self.devices_per_node:
+            raise ValueError(
+                f"world_size {world} exceeds cluster {self.name!r} of {self.num_devices} devices and is not a whole "
+                f"number of its {self.devices_per_node}-device nodes"
+            )
+
     def mesh(self, world_size: int | None = None) -> DeviceMesh:
-        """The device digits of ``world_size`` devices (default: all), node digits first."""
+        """The device digits of ``world_size`` devices (default: ``num_devices``), node digits first; more devices
+        than ``num_devices`` are more nodes of the same kind (:meth:`check_world`)."""
         world = self.num_devices if world_size is None else _int("world_size", world_size, "devices")
-        if world > self.num_devices:
-            raise ValueError(f"world_size {world} exceeds cluster {self.name!r} of {self.num_devices} devices")
+        self.check_world(world)
         return DeviceMesh.for_world_size(world, self.devices_per_node)
 
     def _check_mesh(self, mesh: DeviceMesh, digits: Iterable[int]) -> tuple[int, ...]:
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-        if mesh.size > self.num_devices:
-            raise ValueError(f"a mesh of {mesh.size} devices does not fit cluster {self.name!r} ({self.num_devices})")
+        try:
+            self.check_world(mesh.size)
+        except ValueError as e:
+            raise ValueError(f"a mesh of {mesh.size} devices does not fit: {e}") from None
         positions = tuple(sorted(set(digits)))
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(mesh) for i in positions):
             raise ValueError(f"digits {positions} must be positions 0..{len(mesh) - 1} of mesh digits {mesh.digits}")
@@ -511,11 +531,14 @@ class ClusterSpec(_Data):
 
     def shift_time(self, nbytes: float, senders: Iterable[int]) -> float:
         """Seconds for a ring shift where rank ``k`` receives ``nbytes`` from ``senders[k]`` (all at once)."""
+        senders = list(senders)
         moves = [(k, s) for k, s in enumerate(senders) if s != k]
         if not moves:
             return 0.0
-        if any(not 0 <= s < self.num_devices for _, s in moves):
-            raise ValueError(f"senders must be ranks 0..{self.num_devices - 1}")
+        world = len(senders)
+        self.check_world(world)
+        if any(not 0 <= s < world for _, s in moves):
+            raise ValueError(f"senders must be ranks 0..{world - 1}")
         level = int(any(k // self.devices_per_node != s // self.devices_per_node for k, s in moves))
         if level >= len(self.levels):
             raise ValueError(f"the shift crosses nodes but {self.name!r} has no inter-node level")

@@ -253,10 +253,27 @@ def test_group_level_rejects_bad_digits_and_oversized_meshes():
     spec = load_cluster("v100-paper")
     with pytest.raises(ValueError, match="digits"):
         spec.group_level(spec.mesh(), (5,))
-    with pytest.raises(ValueError, match="world_size"):
-        spec.mesh(64)
-    with pytest.raises(ValueError, match="does not fit"):
-        spec.group_level(DeviceMesh((2,) * 6), (0,))
+    with pytest.raises(ValueError, match="not a whole number of its 4-device nodes"):
+        spec.mesh(34)
+    with pytest.raises(ValueError, match="does not fit: world_size 16 exceeds cluster 'cpu-gloo': one node"):
+        load_cluster("cpu-gloo").group_level(DeviceMesh((2,) * 4), (0,))
+
+
+@pytest.mark.parametrize(("preset", "world"), [("h100-dgx", 64), ("v100-paper", 128)])
+def test_a_preset_grows_by_whole_nodes(preset: str, world: int):
+    """A preset describes its nodes and network; more devices than it names are more nodes of the same kind."""
+    spec = load_cluster(preset)
+    assert world > spec.num_devices
+    mesh = spec.mesh(world)
+    assert mesh.size == world
+    nodes = world // spec.devices_per_node
+    node_digits = next(n for n in range(len(mesh.digits) + 1) if math.prod(mesh.digits[:n]) == nodes)
+    assert spec.group_level(mesh, range(node_digits)) == 1  # across nodes
+    assert spec.group_level(mesh, range(node_digits, len(mesh.digits))) == 0  # inside one
+    inside = [k ^ 1 for k in range(world)]  # neighbours swap within a node
+    assert spec.shift_time(MiB, inside) == spec.levels[0].p2p_time(MiB)
+    across = [(k - spec.devices_per_node) % world for k in range(world)]  # the first node receives from the last
+    assert across[0] == world - spec.devices_per_node and spec.shift_time(MiB, across) == spec.levels[1].p2p_time(MiB)
 
 
 # ---------------------------------------------------------------------------------------------------- latency
