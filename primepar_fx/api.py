@@ -58,7 +58,7 @@ def plan(
     cluster: Any = None,
     batch: int | None = None,
     seq: int | None = None,
-    memory_budget: float | str | None = None,
+    memory_budget: float | str | None = "device",
     dtype: Any = "fp32",
     alpha: float = 0.0,
     method: str = "auto",
@@ -80,7 +80,9 @@ def plan(
     another). ``batch`` and ``seq`` (default: the example's sizes) are the sizes the plan is priced at; they may
     differ from the example's, since the graph is symbolic in ``B`` and ``S``. Works on meta-device models.
 
-    ``memory_budget``: a hard limit on each device's predicted peak (bytes, or a size such as ``"30GiB"``).
+    ``memory_budget``: a hard limit on each device's predicted peak (bytes, or a size such as ``"30GiB"``);
+    ``"device"`` (the default) is the cluster's device memory less a reserve
+    (:func:`~primepar_fx.planning.options.device_budget`), ``None`` no limit.
     ``dtype``: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or a torch dtype. ``alpha``: seconds per byte of
     memory added to the objective. ``method``: ``"dp"``, ``"ilp"`` or ``"auto"``. ``allow_prime=False`` leaves
     P(S x S) out (the split-only space). ``baselines``: also price Megatron, data parallelism and split-only.

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from primepar_fx.cost.cluster import ClusterSpec
-from primepar_fx.planning.options import PlanOptions, parse_plan
+from primepar_fx.planning.options import DEVICE_MEMORY_RESERVE, PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
+from primepar_fx.search import InfeasibleBudget
+from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger("primepar_fx")
 
@@ -185,6 +187,13 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_budget(text: str) -> int | str:
+    """An argparse type: :func:`parse_bytes`, or ``"none"`` (no budget) and ``"device"`` (the default) as such."""
+    if text.strip().lower() in ("none", "device"):
+        return text.strip().lower()
+    return parse_bytes(text)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from primepar_fx.api import analyze
     from primepar_fx.planning.planner import plan_graph
@@ -202,7 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         grad_dtype=args.grad_dtype,
         master_weights=args.master_weights,
         state_dtype=args.state_dtype,
-        memory_budget=args.memory_budget,
+        memory_budget="device" if args.memory_budget is None else args.memory_budget,
         alpha=args.alpha,
         method=args.method,
         allow_prime=not args.no_prime,
@@ -218,10 +227,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     replicate = not args.full_capture
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
     captured_s = time.perf_counter() - t0
-    plan = plan_graph(graph, options)
+    try:
+        plan = plan_graph(graph, options)
+    except InfeasibleBudget as e:
+        raise CliError(_infeasible(e, options, args.memory_budget is None)) from None
     print(plan.summary_table(tablefmt=args.format, fold=not args.all_nodes))
     mega = plan.baselines.get("megatron")
-    if mega is not None:
+    if mega is not None and mega.config.get("fits_budget") is False:
+        print(
+            f"\nno Megatron configuration fits the budget of {format_bytes(options.memory_budget)}: the fastest, "
+            f"{mega.config.get('name')}, needs {format_bytes(mega.predicted.peak_memory_bytes)} (not compared)"
+        )
+    elif mega is not None:
         speed = mega.predicted.step_time_s / plan.predicted.step_time_s
         mem = plan.predicted.peak_memory_bytes / max(1, mega.predicted.peak_memory_bytes)
         print(f"\nvs best Megatron ({mega.config.get('name')}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
@@ -230,7 +247,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"  ({mega.config['fallback_nodes']} of {len(plan.nodes)} nodes could not take that configuration's "
                 "split on some digit, which does not divide their dim, and are replicated there)"
             )
-    for warning in plan_warnings(plan, options.cluster, args.memory_budget, graph):
+    for warning in plan_warnings(plan, options.cluster, options.memory_budget, graph):
         print(f"warning: {warning}", file=sys.stderr)
     if args.output:
         plan.save(args.output)
@@ -252,6 +269,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str:
+    """What to tell a user whose budget no plan meets: the smallest one that would, and what lowers it."""
+    spec, budget = options.cluster, format_bytes(e.budget)
+    if default:
+        budget += (
+            f" (the default: {1 - DEVICE_MEMORY_RESERVE:.0%} of the {format_bytes(spec.device.memory_capacity)} of "
+            f"a {spec.device.name}; --memory-budget none lifts it)"
+        )
+    levers = ["more devices (-n)", "a smaller --batch"]
+    if options.dtype == "fp32":
+        levers.append("--dtype bf16 (half the activations)")
+    costs = options.cost_options()
+    if costs.optimizer_states and costs.state_dtype == "fp32":
+        levers.append("--state-dtype bf16 (half the optimizer state)")
+    if costs.keeps_master:
+        levers.append("--no-master-weights")
+    return (
+        f"no plan fits the memory budget of {budget}: the smallest needs {format_bytes(e.min_memory)} per device "
+        f"({math.ceil(e.min_memory):,} bytes). "
+        f"What would lower it: {', '.join(levers)} (recomputation and ZeRO sharding are not in the search yet)"
+    )
+
+
 def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None, graph: Any = None) -> list[str]:
     """What a plan's reader should know although it is a valid plan: it does not fit in the devices' memory, or
     no node of ``graph`` (the planned :class:`~primepar_fx.graph.OpGraph`) can split at the plan's sizes."""
@@ -260,8 +300,8 @@ def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None, grap
     if memory_budget is None and peak > capacity:
         out.append(
             f"the plan needs {peak / 2**30:.1f} GiB per device, more than the {capacity / 2**30:.1f} GiB of a "
-            f"{spec.device.name} in {spec.name!r}: pass --memory-budget to search within it, or use more devices "
-            f"or a smaller --batch{' or --dtype bf16' if plan.dtype == 'fp32' else ''}"
+            f"{spec.device.name} in {spec.name!r}: leave out --memory-budget none to search within it, or use "
+            f"more devices or a smaller --batch{' or --dtype bf16' if plan.dtype == 'fp32' else ''}"
         )
     replicated = all(set(n.partition.split(",")) <= {"R"} for n in plan.nodes)
     if graph is not None and plan.world_size > 1 and replicated and not _any_split(graph, plan):
@@ -401,7 +441,11 @@ def _add_plan_parser(sub: Any) -> None:
         choices=["fp32", "bf16", "fp16"],
         help="dtype of the optimizer's two moments (default fp32)",
     )
-    pl.add_argument("--memory-budget", type=parse_bytes, help="hard per-device budget, e.g. 30GiB")
+    pl.add_argument(
+        "--memory-budget",
+        type=parse_budget,
+        help="hard per-device budget, e.g. 30GiB; 'none' lifts it (default: the device's memory less 10%%)",
+    )
     pl.add_argument(
         "--alpha", type=non_negative_float, default=0.0, help="weight of memory (per byte) in the objective"
     )

@@ -142,8 +142,29 @@ def test_plan_warns_when_it_does_not_fit_or_splits_nothing(capsys, tmp_path) -> 
         "--no-baselines",
         "--cluster",
         "v100-paper",
+        "--memory-budget",
+        "none",
     )
     assert rc == 0 and re.search(r"warning: the plan needs [0-9.]+ GiB per device, more than the 32.0 GiB", err)
+
+
+def test_plan_searches_within_the_device_memory_by_default(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """No --memory-budget: 90% of the device's memory; a job no plan fits in says what it needs and what helps."""
+    from primepar_fx.planning.plan import Plan
+
+    argv = ["plan", "gpt2-tiny", "--batch", "4096", "--seq", "128", "-n", "2", "--cluster", "cpu-gloo"]
+    rc, _, err = run(capsys, *argv, "--no-baselines")
+    assert rc == 2, err
+    assert re.search(
+        r"no plan fits the memory budget of 1\.8 GiB \(the default: 90% of the 2 GiB of a [^;]+; --memory-budget none "
+        r"lifts it\): the smallest needs [0-9.]+ GiB per device \([0-9,]+ bytes\)\. What would lower it: more devices",
+        err,
+    ), err
+    out_file = tmp_path / "plan.json"
+    rc, _, err = run(capsys, *argv[:3], "512", *argv[4:], "--no-baselines", "-o", str(out_file))
+    assert rc == 0, err
+    plan = Plan.load(out_file)
+    assert plan.search["memory_budget"] == int(0.9 * 2**31) >= plan.predicted.peak_memory_bytes
 
 
 def test_explain_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,7 +236,7 @@ def test_plan_reports_an_infeasible_memory_budget(capsys) -> None:
         "1KiB",
         "--no-baselines",
     )
-    assert rc == 2 and "infeasible" in err and "smallest achievable memory" in err
+    assert rc == 2 and "no plan fits the memory budget of 1 KiB: the smallest needs" in err, err
 
 
 def test_explain_and_plan_fold_identical_layers_unless_asked_for_every_node(capsys) -> None:

@@ -122,6 +122,16 @@ def parse_plan(plan: Any) -> tuple[PlanKind, Any]:
     )
 
 
+#: The share of a device's memory the default budget leaves to what the cost model does not count: the CUDA
+#: context and NCCL's buffers (1-2 GiB), the caching allocator's fragmentation, GEMM and attention workspaces.
+DEVICE_MEMORY_RESERVE = 0.1
+
+
+def device_budget(cluster: ClusterSpec) -> int:
+    """The default memory budget: the device's memory less :data:`DEVICE_MEMORY_RESERVE` of it, in bytes."""
+    return int(cluster.device.memory_capacity * (1 - DEVICE_MEMORY_RESERVE))
+
+
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
     """Every option of a plan, validated (build one with :meth:`make`).
@@ -131,7 +141,8 @@ class PlanOptions:
         world_size: the number of devices; ``None`` until known (the backend learns it at the first call).
         batch, seq: the sizes the plan is priced at; ``None``: the example's.
         dtype: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``; ``None``: the model's first parameter's.
-        memory_budget: a hard limit on each device's predicted peak, in bytes; ``None``: no limit.
+        memory_budget: a hard limit on each device's predicted peak, in bytes; ``None``: no limit (:meth:`make`
+            defaults to the device's memory less :data:`DEVICE_MEMORY_RESERVE`, :func:`device_budget`).
         alpha: seconds per byte of memory added to the objective.
         grad_dtype, master_weights, state_dtype: what a device keeps per parameter element besides the parameter
             (:class:`~primepar_fx.cost.blocks.CostOptions`): gradients in ``grad_dtype`` (``None``: ``dtype``), an
@@ -206,7 +217,7 @@ class PlanOptions:
         *,
         cluster: ClusterSpec | str | os.PathLike[str] | None = None,
         running: bool = False,
-        memory_budget: object = None,
+        memory_budget: object = "device",
         dtype: object = "fp32",
         grad_dtype: object = None,
         state_dtype: object = "fp32",
@@ -214,10 +225,14 @@ class PlanOptions:
         **fields: Any,
     ) -> PlanOptions:
         """Options from user input: ``cluster`` a spec, preset name, spec file or ``None`` (:func:`default_cluster`,
-        ``running`` as there); ``memory_budget`` bytes or a size such as ``"30GiB"``; ``dtype`` a key or a torch
+        ``running`` as there); ``memory_budget`` bytes, a size such as ``"30GiB"``, ``"device"`` (the default:
+        :func:`device_budget` of the cluster) or ``None`` / ``"none"`` (no limit); ``dtype`` a key or a torch
         dtype (``None``: the model's); the other fields as the class has them."""
+        spec = resolve_cluster(cluster, running=running)
+        if isinstance(memory_budget, str) and memory_budget.strip().lower() in ("device", "none"):
+            memory_budget = device_budget(spec) if memory_budget.strip().lower() == "device" else None
         return cls(
-            cluster=resolve_cluster(cluster, running=running),
+            cluster=spec,
             memory_budget=memory_budget_bytes(memory_budget),
             dtype=None if dtype is None else dtype_key(dtype),
             grad_dtype=None if grad_dtype is None else dtype_key(grad_dtype),

@@ -535,7 +535,11 @@ class Plan:
             nodes += f"\n\n{note}"
         ours = self.predicted
         totals = []
-        for name, p in [("primepar (this plan)", ours)] + [(k, b.predicted) for k, b in self.baselines.items()]:
+        rows = [("primepar (this plan)", ours)] + [
+            (k + (" (over budget)" if b.config.get("fits_budget") is False else ""), b.predicted)
+            for k, b in self.baselines.items()
+        ]
+        for name, p in rows:
             time_ratio = _ratio(p.step_time_s, ours.step_time_s)
             memory_ratio = _ratio(p.peak_memory_bytes, ours.peak_memory_bytes)
             totals.append(

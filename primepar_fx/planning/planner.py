@@ -288,7 +288,7 @@ def price_baselines(
     """The best Megatron configuration and pure data parallelism, priced with our cost model.
 
     With a memory budget, the best Megatron configuration is the fastest one that fits (the fastest overall,
-    marked ``"fits_budget": false``, when none does).
+    marked ``"fits_budget": false``, when none does); data parallelism says whether it fits the same way.
     """
     out: dict[str, Baseline] = {}
     dp = data_parallel_assignment(graph, mesh, values=values)
@@ -296,9 +296,10 @@ def price_baselines(
         graph, mesh, cluster, values, opts, memory_budget, also=[dp]
     )
     out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
-    out["data_parallel"] = Baseline(
-        "data_parallel", {"dp": mesh.size}, dp_predicted, {n: str(s) for n, s in dp.items()}
-    )
+    dp_config: dict[str, Any] = {"dp": mesh.size}
+    if memory_budget is not None:
+        dp_config["fits_budget"] = dp_predicted.peak_memory_bytes <= memory_budget
+    out["data_parallel"] = Baseline("data_parallel", dp_config, dp_predicted, {n: str(s) for n, s in dp.items()})
     return out
 
 
@@ -486,11 +487,15 @@ def _baselines(
     if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
         split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
         budget, alpha, method = opts.memory_budget, opts.alpha, opts.method
-        split_sol = solve_for_peak(split_priced, memory_budget=budget, alpha=alpha, method=method)
+        config: dict[str, Any] = {"search": "no P(S x S)"}
+        try:
+            split_sol = solve_for_peak(split_priced, memory_budget=budget, alpha=alpha, method=method)
+        except InfeasibleBudget:  # the split-only space cannot fit where ours can: its fastest plan, marked so
+            split_sol = solve_for_peak(split_priced, memory_budget=None, alpha=alpha, method=method)
         split = summarize(graph, split_priced, split_sol.choice, costs)
-        base["split_only"] = Baseline(
-            "split_only", {"search": "no P(S x S)"}, split.predicted, {n.name: n.partition for n in split.nodes}
-        )
+        if budget is not None:
+            config["fits_budget"] = split.predicted.peak_memory_bytes <= budget
+        base["split_only"] = Baseline("split_only", config, split.predicted, {n.name: n.partition for n in split.nodes})
     return base
 
 

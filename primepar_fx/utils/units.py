@@ -48,3 +48,11 @@ def memory_budget_bytes(budget: object) -> int | float | None:
             f"memory_budget must be a number of bytes per device >= 0 or a size such as '30GiB', got {budget!r}"
         )
     return budget
+
+
+def format_bytes(nbytes: float) -> str:
+    """``"28.8 GiB"``, ``"1.74 MiB"``, ``"512 B"``: binary units, three significant digits."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"

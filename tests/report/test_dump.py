@@ -38,7 +38,9 @@ def forced(name: str) -> Plan:
 
 @functools.cache
 def searched() -> Plan:
-    return plan_graph(graph(), world_size=WORLD, cluster="cpu-gloo", batch=BATCH, seq=SEQ, baselines=False)
+    return plan_graph(
+        graph(), world_size=WORLD, cluster="cpu-gloo", batch=BATCH, seq=SEQ, baselines=False, memory_budget=None
+    )
 
 
 @pytest.fixture(scope="module")
