@@ -29,7 +29,10 @@ class CostOptions:
     ``grad_dtype`` (``None``: ``dtype``), an fp32 master copy if ``master_weights`` (``None``: when ``dtype`` is 16
     bits, as mixed-precision training does), and ``optimizer_states`` moments in ``state_dtype`` (Adam: two, fp32).
     The default is the standard 16 bytes a parameter in every dtype: fp32 4 + 4 + 4 + 4; bf16 or fp16 2 (parameter)
-    + 2 (gradient) + 4 (master) + 4 + 4 (moments).
+    + 2 (gradient) + 4 (master) + 4 + 4 (moments). ``optimizer_shards`` splits the master copy and the moments over
+    that many devices that hold the same parameter block (ZeRO stage 1; Megatron-LM's distributed optimizer over its
+    data-parallel replicas); the gradient's reduce-scatter and the parameter's all-gather after the step move the
+    bytes of the all-reduce they replace, so the time does not change.
     """
 
     dtype: str = "fp32"
@@ -38,6 +41,7 @@ class CostOptions:
     grad_dtype: str | None = None
     master_weights: bool | None = None
     state_dtype: str = "fp32"
+    optimizer_shards: int = 1
 
     def __post_init__(self) -> None:
         for name in ("dtype", "grad_dtype", "state_dtype"):
@@ -46,6 +50,9 @@ class CostOptions:
                 raise ValueError(f"{name} must be one of {sorted(ITEMSIZE)}, got {value!r}")
         if self.master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be True, False or None (auto), got {self.master_weights!r}")
+        shards = self.optimizer_shards
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"optimizer_shards must be a whole number of devices >= 1, got {shards!r}")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int):
             raise ValueError(f"optimizer_states must be a whole number of moments, got {self.optimizer_states!r}")
         if self.optimizer_states < 0 or self.alpha < 0:
@@ -62,10 +69,24 @@ class CostOptions:
 
     @property
     def param_state_bytes(self) -> int:
-        """Bytes a device keeps per element of its parameter blocks: parameter, gradient, master copy, moments."""
-        grad = ITEMSIZE[dtype_key(self.grad_dtype or self.dtype)]
+        """Bytes a device keeps per element of its parameter blocks, unsharded: parameter, gradient, master copy,
+        moments."""
+        return self.param_grad_bytes + self.optimizer_bytes
+
+    @property
+    def param_grad_bytes(self) -> int:
+        """Bytes per parameter element of the parameter and its gradient."""
+        return self.itemsize + ITEMSIZE[dtype_key(self.grad_dtype or self.dtype)]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes per parameter element of the master copy and the moments, before ``optimizer_shards`` splits them."""
         master = 4 if self.keeps_master else 0
-        return self.itemsize + grad + master + self.optimizer_states * ITEMSIZE[dtype_key(self.state_dtype)]
+        return master + self.optimizer_states * ITEMSIZE[dtype_key(self.state_dtype)]
+
+    def state_bytes(self, param_elems: int) -> int:
+        """Bytes a device keeps for ``param_elems`` elements of parameter blocks, the optimizer's part sharded."""
+        return param_elems * self.param_grad_bytes + -(-param_elems * self.optimizer_bytes // self.optimizer_shards)
 
     def describe_state(self) -> str:
         """``"16 B a parameter: bf16 parameter and gradient, fp32 master, 2 fp32 moments"`` and the like."""

@@ -107,7 +107,7 @@ class NodeCost:
 
     def state_bytes(self, opts: CostOptions) -> int:
         """This device's parameter blocks with their gradients, master copies and optimizer moments (``opts``)."""
-        return self.param_bytes // opts.itemsize * opts.param_state_bytes
+        return opts.state_bytes(self.param_bytes // opts.itemsize)
 
     def memory_bytes(self, opts: CostOptions) -> int:
         return self.state_bytes(opts) + self.stash_bytes + self.buffer_bytes

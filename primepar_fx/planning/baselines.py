@@ -521,9 +521,10 @@ def megatron_configs(mesh: DeviceMesh) -> list[dict]:
 
 
 def config_name(config: dict) -> str:
-    """``"megatron dp2 x mp4 +SP"``."""
+    """``"megatron dp2 x mp4 +SP"``, ``"megatron dp8 x mp4 +SP +distributed optimizer"``."""
     sp = " +SP" if config.get("sequence_parallel") else ""
-    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{sp}"
+    dist = " +distributed optimizer" if config.get("distributed_optimizer") else ""
+    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{sp}{dist}"
 
 
 def assignment_from_text(

@@ -178,31 +178,47 @@ def _best_megatron(
     memory_budget: float | None,
     sequence_parallel: bool | None = None,
     also: Sequence[Mapping[str, PartitionSeq]] = (),
+    distributed_optimizer: bool = True,
 ) -> tuple[tuple[dict[str, Any], Summary, dict[str, PartitionSeq]], list[Predicted]]:
     """The fastest Megatron configuration (that fits ``memory_budget``, if any does) as ``(config, summary,
     assignment)``, and the predictions of the assignments ``also``, priced with them.
 
-    ``sequence_parallel`` keeps only the configurations with (``True``) or without (``False``) it.
+    ``sequence_parallel`` keeps only the configurations with (``True``) or without (``False``) it. Under a budget
+    each configuration with data parallelism is also tried with Megatron-LM's distributed optimizer (the master
+    copies and moments split over the ``dp`` replicas: ``"distributed_optimizer": true``); it moves as many bytes
+    as the all-reduce it replaces, so it ties in time and is kept only where the configuration fits with it and
+    not without.
+    ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
+    state).
     """
-    priced = []
     configs = [c for c in megatron_configs(mesh) if sequence_parallel in (None, c["sequence_parallel"])]
     if not configs:
         raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
     assignments = megatron_assignments(graph, mesh, configs, values=values)
     priced_graph, choices = _price_assignments(graph, [*assignments, *also], mesh, cluster, values, opts)
-    preds = [summarize(graph, priced_graph, choice, opts, nodes=False).predicted for choice in choices]
-    for cfg, pred in zip(configs, preds):
+    variants = [(i, cfg, opts) for i, cfg in enumerate(configs)]
+    if memory_budget is not None and distributed_optimizer:
+        variants += [
+            (i, {**cfg, "distributed_optimizer": True}, dataclasses.replace(opts, optimizer_shards=cfg["dp"]))
+            for i, cfg in enumerate(configs)
+            if cfg["dp"] > 1
+        ]
+    ranked = []
+    for k, (i, cfg, costs) in enumerate(variants):
+        pred = summarize(graph, priced_graph, choices[i], costs, nodes=False).predicted
         log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
         fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
-        priced.append((not fits, pred.step_time_s, len(priced)))
-    unfit, _, best = min(priced)
-    config = {**configs[best], "name": config_name(configs[best])}
-    if assignments[best].fallbacks:  # nodes where a split of the configuration did not divide, replicated there
-        config["fallback_nodes"] = len(assignments[best].fallback_nodes())
+        ranked.append((not fits, pred.step_time_s, "distributed_optimizer" in cfg, pred.peak_memory_bytes, k))
+    unfit, *_, best = min(ranked)
+    i, cfg, costs = variants[best]
+    config = {**cfg, "name": config_name(cfg)}
+    if assignments[i].fallbacks:  # nodes where a split of the configuration did not divide, replicated there
+        config["fallback_nodes"] = len(assignments[i].fallback_nodes())
     if memory_budget is not None:
         config["fits_budget"] = not unfit
-    summary = summarize(graph, priced_graph, choices[best], opts)
-    return (config, summary, assignments[best]), preds[len(assignments) :]
+    summary = summarize(graph, priced_graph, choices[i], costs)
+    others = [summarize(graph, priced_graph, c, opts, nodes=False).predicted for c in choices[len(assignments) :]]
+    return (config, summary, assignments[i]), others
 
 
 def solve_for_peak(
@@ -532,7 +548,9 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
     t0 = time.perf_counter()
     if name in ("megatron", "megatron-sp"):
         sp = True if name == "megatron-sp" else None
-        (search["config"], summary, _), _ = _best_megatron(graph, mesh, spec, values, costs, budget, sp)
+        (search["config"], summary, _), _ = _best_megatron(
+            graph, mesh, spec, values, costs, budget, sp, distributed_optimizer=False
+        )
     elif name == "data_parallel":
         assignment = data_parallel_assignment(graph, mesh, values=values)
         summary = _price_fixed(graph, assignment, mesh, spec, values, costs)

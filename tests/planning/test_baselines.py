@@ -236,3 +236,29 @@ def test_assignment_from_text():
         bl.assignment_from_text(g, {"nope": "B,K"})
     with pytest.raises(PartitionError):
         bl.assignment_from_text(g, {"layer_norm": "K,K"}, mesh=mesh)
+
+
+# ------------------------------------------------------------------------------------- Megatron under a budget
+def test_megatron_fits_a_budget_with_its_distributed_optimizer() -> None:
+    """On one digit of 4 the Megatron splits are dp1 x mp4 (with and without SP) and dp4 x mp1 (data parallel).
+    With a budget 6 bytes a parameter under data parallelism's peak, only dp4 x mp1 with the distributed optimizer
+    fits: fp32 Adam keeps 8 bytes of moments a parameter, split 4 ways leaves 2, and nothing else moves."""
+    from primepar_fx.cost.blocks import CostOptions
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.planning.planner import price_baselines
+
+    graph, params = graph_of("llama-tiny"), sum(p.numel() for p in build("llama-tiny").parameters())
+    mesh, cluster, values = DeviceMesh((4,)), load_cluster("cpu-gloo"), {B: 8, S: 64}
+    free = price_baselines(graph, mesh, cluster, values, CostOptions(), None)
+    assert "distributed_optimizer" not in free["megatron"].config  # no budget: no distributed optimizer
+    data = free["data_parallel"].predicted
+    budget = data.peak_memory_bytes - 6 * params
+    fitted = price_baselines(graph, mesh, cluster, values, CostOptions(), budget)
+    mega = fitted["megatron"]
+    assert mega.config["name"] == "megatron dp4 x mp1 +distributed optimizer" and mega.config["fits_budget"]
+    assert mega.predicted.peak_memory_bytes == budget
+    assert mega.predicted.step_time_s == data.step_time_s and mega.predicted.comm_bytes == data.comm_bytes
+    assert fitted["data_parallel"].config["fits_budget"] is False
+    # a byte less and nothing fits: the fastest is kept, marked, with its distributed optimizer
+    tight = price_baselines(graph, mesh, cluster, values, CostOptions(), budget - 1)["megatron"]
+    assert tight.config["fits_budget"] is False
