@@ -47,7 +47,7 @@ from primepar_fx.planning.baselines import config_name, data_parallel_assignment
 from primepar_fx.planning.options import PlanOptions, forced_seed
 from primepar_fx.planning.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.planning.pricing import PricedGraph, price_graph
-from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, solve
+from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, least_memory, solve
 from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
@@ -259,6 +259,9 @@ def solve_for_peak(
     free = solve(graph, method=method)  # type: ignore[arg-type]
     if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
         return free
+    least = _least_peak(graph, buffers, caps, memory_budget)
+    if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
+        raise InfeasibleBudget(memory_budget, least)
     for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
         if cap > memory_budget:
             continue
@@ -291,6 +294,43 @@ def solve_for_peak(
     cost, choice, sol = best
     proven = sol.proven_optimal and exhaustive
     return Solution(choice, cost, peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
+
+
+def _least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], caps: list[float], budget: float) -> float:
+    """The least reported peak (static memory + the largest ring buffer) of any plan, or a value above ``budget``
+    that bounds it from below when even that bound does not fit (then the exact figure is computed too).
+
+    The least static memory over all plans (one memory-only DP) plus the smallest largest buffer any plan can
+    have bounds the peak from below; when that already exceeds the budget the caps are walked upwards, each a
+    memory-only DP on the strategies whose buffer fits it, and the walk stops once the bound with the cap exceeds
+    the best peak found: a few DP runs where the budgeted search would run several per cap.
+    """
+
+    def static_graph(keep: dict[str, np.ndarray] | None) -> CostGraph:
+        pick = (lambda n, a: a) if keep is None else (lambda n, a: a[keep[n]])
+        return CostGraph(
+            nodes=graph.nodes,
+            node_cost={n: pick(n, graph.node_cost[n]) for n in graph.nodes},
+            edge_cost={
+                (u, v): m if keep is None else m[np.ix_(keep[u], keep[v])] for (u, v), m in graph.edge_cost.items()
+            },
+            node_memory={n: pick(n, graph.node_memory[n] - buffers[n]) for n in graph.nodes},  # type: ignore[index]
+            node_key=graph.node_key,
+        )
+
+    floor = least_memory(static_graph(None))[1]
+    lowest_cap = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
+    if floor + lowest_cap <= budget:
+        return floor + lowest_cap  # a lower bound that fits: the budgeted search decides
+    best = math.inf
+    for cap in sorted({float(b) for arr in buffers.values() for b in arr} | set(caps)):
+        if cap < lowest_cap:
+            continue
+        if floor + cap >= best:
+            break
+        keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
+        best = min(best, least_memory(static_graph(keep))[1] + cap)
+    return best
 
 
 def price_baselines(

@@ -98,6 +98,9 @@ def test_a_budget_at_the_free_plans_peak_keeps_the_free_plan():
     assert 1000.0 < smallest <= free.predicted.peak_memory_bytes
     lean = plan_graph(graph, memory_budget=smallest, **kw)
     assert lean.predicted.peak_memory_bytes <= smallest
+    with pytest.raises(InfeasibleBudget) as info:  # and it is the least: a byte less does not fit
+        plan_graph(graph, memory_budget=smallest - 1, **kw)
+    assert info.value.min_memory == smallest
 
 
 def test_grouped_digits_keep_every_rank_in_place():
