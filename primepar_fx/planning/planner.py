@@ -259,7 +259,7 @@ def solve_for_peak(
     free = solve(graph, method=method)  # type: ignore[arg-type]
     if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
         return free
-    least = _least_peak(graph, buffers, caps, memory_budget)
+    least = _least_peak(graph, buffers, memory_budget)
     if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
         raise InfeasibleBudget(memory_budget, least)
     for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
@@ -268,13 +268,7 @@ def solve_for_peak(
         keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
         if any(len(k) == 0 for k in keep.values()):
             continue
-        sub = CostGraph(
-            nodes=graph.nodes,
-            node_cost={n: graph.node_cost[n][keep[n]] for n in graph.nodes},
-            edge_cost={(u, v): m[np.ix_(keep[u], keep[v])] for (u, v), m in graph.edge_cost.items()},
-            node_memory={n: (graph.node_memory[n] - buffers[n])[keep[n]] for n in graph.nodes},  # type: ignore[index]
-            node_key=graph.node_key,
-        )
+        sub = _static_part(graph, buffers, keep)
         relaxed = solve(sub, method=method)  # type: ignore[arg-type]  # a lower bound for this cap, in milliseconds
         if best is not None and relaxed.cost >= best[0]:
             continue
@@ -296,40 +290,42 @@ def solve_for_peak(
     return Solution(choice, cost, peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
 
 
-def _least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], caps: list[float], budget: float) -> float:
-    """The least reported peak (static memory + the largest ring buffer) of any plan, or a value above ``budget``
-    that bounds it from below when even that bound does not fit (then the exact figure is computed too).
+def _static_part(
+    graph: CostGraph, buffers: dict[str, np.ndarray], keep: dict[str, np.ndarray] | None = None
+) -> CostGraph:
+    """``graph`` with each node's memory less its ring buffer, on the strategies ``keep`` (default: all)."""
+
+    def pick(n: str, a: np.ndarray) -> np.ndarray:
+        return a if keep is None else a[keep[n]]
+
+    return CostGraph(
+        nodes=graph.nodes,
+        node_cost={n: pick(n, graph.node_cost[n]) for n in graph.nodes},
+        edge_cost={(u, v): m if keep is None else m[np.ix_(keep[u], keep[v])] for (u, v), m in graph.edge_cost.items()},
+        node_memory={n: pick(n, graph.node_memory[n] - buffers[n]) for n in graph.nodes},  # type: ignore[index]
+        node_key=graph.node_key,
+    )
+
+
+def _least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], budget: float) -> float:
+    """The least reported peak (static memory + the largest ring buffer) of any plan, or a lower bound of it when
+    that bound fits ``budget`` (then the budgeted search decides).
 
     The least static memory over all plans (one memory-only DP) plus the smallest largest buffer any plan can
-    have bounds the peak from below; when that already exceeds the budget the caps are walked upwards, each a
-    memory-only DP on the strategies whose buffer fits it, and the walk stops once the bound with the cap exceeds
-    the best peak found: a few DP runs where the budgeted search would run several per cap.
+    have bounds the peak from below; when that already exceeds the budget the distinct buffer sizes are walked
+    upwards as caps, each a memory-only DP on the strategies whose buffer fits it, until the bound with the cap
+    reaches the best peak found: a few DP runs where the budgeted search would run several per cap.
     """
-
-    def static_graph(keep: dict[str, np.ndarray] | None) -> CostGraph:
-        pick = (lambda n, a: a) if keep is None else (lambda n, a: a[keep[n]])
-        return CostGraph(
-            nodes=graph.nodes,
-            node_cost={n: pick(n, graph.node_cost[n]) for n in graph.nodes},
-            edge_cost={
-                (u, v): m if keep is None else m[np.ix_(keep[u], keep[v])] for (u, v), m in graph.edge_cost.items()
-            },
-            node_memory={n: pick(n, graph.node_memory[n] - buffers[n]) for n in graph.nodes},  # type: ignore[index]
-            node_key=graph.node_key,
-        )
-
-    floor = least_memory(static_graph(None))[1]
+    floor = least_memory(_static_part(graph, buffers))[1]
     lowest_cap = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
     if floor + lowest_cap <= budget:
-        return floor + lowest_cap  # a lower bound that fits: the budgeted search decides
+        return floor + lowest_cap
     best = math.inf
-    for cap in sorted({float(b) for arr in buffers.values() for b in arr} | set(caps)):
-        if cap < lowest_cap:
-            continue
+    for cap in sorted({float(b) for arr in buffers.values() for b in arr if b >= lowest_cap}):
         if floor + cap >= best:
             break
         keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
-        best = min(best, least_memory(static_graph(keep))[1] + cap)
+        best = min(best, least_memory(_static_part(graph, buffers, keep))[1] + cap)
     return best
 
 
