@@ -71,6 +71,7 @@ def plan(
     grad_dtype: Any = None,
     master_weights: bool | None = None,
     state_dtype: Any = "fp32",
+    recompute: str = "auto",
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
@@ -94,6 +95,9 @@ def plan(
     ``grad_dtype`` (default: ``dtype``), ``master_weights`` (an fp32 copy of every parameter; default: when
     ``dtype`` is 16 bits) and ``state_dtype`` (the optimizer's two moments, default fp32) say what a device keeps
     per parameter besides it: by default 16 bytes a parameter in every dtype, as mixed-precision Adam keeps.
+    ``recompute``: activation recomputation per layer (:mod:`~primepar_fx.planning.recompute`): ``"auto"`` (the
+    default: none when the fastest plan fits the budget, else the fastest of none, selective and full on the
+    fewest first layers that fit), or ``"none"``, ``"selective"``, ``"full"`` on every layer.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the
@@ -116,6 +120,7 @@ def plan(
         grad_dtype=grad_dtype,
         master_weights=master_weights,
         state_dtype=state_dtype,
+        recompute=recompute,
     )
     limit = config_seq_max(model)
     if seq is not None and limit is not None and seq > limit:

@@ -211,6 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         grad_dtype=args.grad_dtype,
         master_weights=args.master_weights,
         state_dtype=args.state_dtype,
+        recompute=args.recompute,
         memory_budget="device" if args.memory_budget is None else args.memory_budget,
         alpha=args.alpha,
         method=args.method,
@@ -285,10 +286,13 @@ def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str
         levers.append("--state-dtype bf16 (half the optimizer state)")
     if costs.keeps_master:
         levers.append("--no-master-weights")
+    if options.recompute in ("none", "selective"):
+        levers.append("--recompute auto or full (recompute the layers' activations in Backward)")
+    searched = "every layer recomputed in full" if options.recompute in ("auto", "full") else "this recomputation"
     return (
         f"no plan fits the memory budget of {budget}: the smallest needs {format_bytes(e.min_memory)} per device "
-        f"({math.ceil(e.min_memory):,} bytes). "
-        f"What would lower it: {', '.join(levers)} (recomputation and ZeRO sharding are not in the search yet)"
+        f"({math.ceil(e.min_memory):,} bytes) with {searched}. "
+        f"What would lower it: {', '.join(levers)} (ZeRO sharding of our plans is not in the search yet)"
     )
 
 
@@ -440,6 +444,13 @@ def _add_plan_parser(sub: Any) -> None:
         default="fp32",
         choices=["fp32", "bf16", "fp16"],
         help="dtype of the optimizer's two moments (default fp32)",
+    )
+    pl.add_argument(
+        "--recompute",
+        default="auto",
+        choices=["auto", "none", "selective", "full"],
+        help="activation recomputation per layer: auto (default: none unless the budget needs it, then the "
+        "fastest that fits), or none / selective / full on every layer",
     )
     pl.add_argument(
         "--memory-budget",

@@ -16,7 +16,8 @@ from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import PartitionSeq
-from primepar_fx.planning.planner import plan_graph
+from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.planner import forced_plan, plan_graph
 from primepar_fx.runtime.collectives import ReduceScatter
 
 BATCH, SEQ = 4, 16
@@ -70,6 +71,16 @@ def _summed(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def with_recompute(graph, world: int, plan: str) -> Plan:
+    """``"NAME+recompute=MODE"``: the searched plan (``NAME`` ``searched``) or the forced plan ``NAME``, priced with
+    ``MODE`` on every layer."""
+    name, _, mode = plan.partition("+recompute=")
+    sizes = {"world_size": world, "cluster": "cpu-gloo", "batch": BATCH, "seq": SEQ, "memory_budget": None}
+    if name == "searched":
+        return plan_graph(graph, baselines=False, recompute=mode, **sizes)
+    return forced_plan(graph, name, recompute=mode, **sizes)
+
+
 def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps: int = 3) -> dict:
     """For each plan: loss and gradients vs one device, parameters after ``steps`` AdamW steps, bytes sent."""
     ref, args, kwargs = make(model_name)
@@ -87,7 +98,11 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
         if plan == "searched:budget":  # a budget that replication cannot meet, so the search must shard
             free = plan_graph(graph, world_size=world, cluster="cpu-gloo", batch=BATCH, seq=SEQ, baselines=False)
             budget = 0.6 * free.predicted.peak_memory_bytes
-        module = compile_graph(graph, plan=None if plan.startswith("searched") else plan, memory_budget=budget)
+        if "+recompute=" in plan:
+            chosen = with_recompute(graph, world, plan)
+        else:
+            chosen = None if plan.startswith("searched") else plan
+        module = compile_graph(graph, plan=chosen, memory_budget=budget)
         module.comm_stats.reset()
         loss = loss_of(module(*args, **kwargs))
         loss.backward()
@@ -119,6 +134,7 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
             "reloaded_loss": reloaded,
             "sent_planned_total": planned,
             "predicted_total": module.plan.predicted.comm_bytes * world,
+            "recomputed_bytes": sum(n.cost.comm_bytes.get("recomputation", 0) for n in module.plan.nodes if n.cost),
             "sent_rank0": sent,
             "fallbacks": list(module.fallbacks),
             "partitions": {n.name: n.partition for n in module.plan.nodes},

@@ -5,7 +5,8 @@ width drawn from choices that 2 and 3 divide; LayerNorm or RMSNorm; GELU, ReLU o
 positions; fused or separate QKV; tied or untied embeddings; with or without biases), a world size in
 {1, 2, 3, 4, 6, 8}, a batch and sequence length, and a plan: mostly ``"random:SEED"`` (a uniformly random legal
 partition sequence per node, not only the optimal one), sometimes ``"prime"`` (on 4 or 8), ``"megatron"``,
-``"data_parallel"`` or the searched plan, and on 6 ranks sometimes the other digit order (2, 3). One training step
+``"data_parallel"`` or the searched plan, and on 6 ranks sometimes the other digit order (2, 3); a model of two
+or more layers is sometimes run with every layer recomputed in full (issue 18's lever). One training step
 of the compiled per-rank module must give the single-device loss and, gathered, every single-device gradient
 (``RTOL``, ``ATOL``).
 
@@ -68,6 +69,7 @@ class Case:
     digits: tuple[int, ...] | None = None  # device digits other than the cluster's default (forced plans only)
     index: int = 0
     note: dict[str, Any] = field(default_factory=dict)
+    recompute: str = "none"  # activation recomputation of every layer: "none" or "full" (issue 18)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -92,6 +94,8 @@ class Case:
         ]
         if self.digits:
             parts.append(f"digits {self.digits}")
+        if self.recompute != "none":
+            parts.append(f"recompute {self.recompute}")
         return ", ".join(parts)
 
 
@@ -135,15 +139,18 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Ca
     if world == 6 and plan.startswith("random") and choose((False, True)):
         digits = (2, 3)  # the cluster's default is (3, 2)
     batch, seq = choose(((6, 12), (6, 24), (12, 24)))  # B != S: capture tells the two apart by size
+    seed = choose(range(1000))
+    recompute = choose(("none", "none", "full")) if config["layers"] >= 2 else "none"  # a stack needs two layers
     return Case(
         config=config,
         world=world,
         plan=plan,
         batch=batch,
         seq=seq,
-        seed=choose(range(1000)),
+        seed=seed,
         digits=digits,
         index=index,
+        recompute=recompute,
     )
 
 
@@ -181,17 +188,21 @@ def _model_and_inputs(case: Case):
 
 
 def _plan_for(case: Case, graph, world: int, rank: int):
-    """What ``compile_graph`` gets: the name, a plan path, or (other digits) a Plan forced on rank 0."""
-    if case.digits is None:
+    """What ``compile_graph`` gets: the name, a plan path, or (other digits, recomputation) a Plan made on rank 0."""
+    if case.digits is None and case.recompute == "none":
         return case.plan
     if rank != 0:
         return None  # rank 0's plan is broadcast
-    from primepar_fx.planning.planner import forced_plan
+    from primepar_fx.planning.planner import forced_plan, plan_graph
 
     cap = graph.captured
-    return forced_plan(
-        graph, case.plan, world_size=world, batch=cap.example_batch, seq=cap.example_seq, digits=case.digits
-    )
+    sizes = {"world_size": world, "batch": cap.example_batch, "seq": cap.example_seq, "recompute": case.recompute}
+    sizes.update(cluster="cpu-gloo", memory_budget=None)
+    if case.plan == "searched":
+        return plan_graph(graph, baselines=False, **sizes)
+    if case.plan.endswith(".json"):  # a pinned plan records its own recomputation
+        return case.plan
+    return forced_plan(graph, case.plan, digits=case.digits, **sizes)
 
 
 def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) -> dict[str, Any]:

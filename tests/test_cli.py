@@ -152,12 +152,13 @@ def test_plan_searches_within_the_device_memory_by_default(capsys: pytest.Captur
     """No --memory-budget: 90% of the device's memory; a job no plan fits in says what it needs and what helps."""
     from primepar_fx.planning.plan import Plan
 
-    argv = ["plan", "gpt2-tiny", "--batch", "4096", "--seq", "128", "-n", "2", "--cluster", "cpu-gloo"]
+    argv = ["plan", "gpt2-tiny", "--batch", "65536", "--seq", "128", "-n", "2", "--cluster", "cpu-gloo"]
     rc, _, err = run(capsys, *argv, "--no-baselines")
     assert rc == 2, err
     assert re.search(
         r"no plan fits the memory budget of 1\.8 GiB \(the default: 90% of the 2 GiB of a [^;]+; --memory-budget none "
-        r"lifts it\): the smallest needs [0-9.]+ GiB per device \([0-9,]+ bytes\)\. What would lower it: more devices",
+        r"lifts it\): the smallest needs [0-9.]+ GiB per device \([0-9,]+ bytes\) with every layer recomputed in "
+        r"full\. What would lower it: more devices",
         err,
     ), err
     out_file = tmp_path / "plan.json"
@@ -180,7 +181,7 @@ def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
     rc, text, _ = run(capsys, "plan", "gpt2-tiny", "--world-size", "4", "--batch", "8", "--seq", "64", "-o", str(out))
     assert rc == 0 and "vs best Megatron" in text and f"wrote {out}" in text
     plan = Plan.load(out)
-    assert plan.format == "primepar-plan/1" and plan.world_size == 4 and plan.digits == (2, 2)
+    assert plan.format == "primepar-plan/2" and plan.world_size == 4 and plan.digits == (2, 2)
     assert set(plan.baselines) == {"megatron", "data_parallel", "split_only"}
     # the search space contains the baselines, so the searched plan is never predicted slower than them
     assert all(plan.predicted.step_time_s <= b.predicted.step_time_s * (1 + 1e-9) for b in plan.baselines.values())

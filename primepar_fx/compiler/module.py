@@ -464,7 +464,14 @@ def rank_graph_for(
     sizes: dict[sympy.Symbol, int] = {B: captured.example_batch, S: captured.example_seq, **(values or {})}
     with no_specialisation(captured):
         rank_graph = localize(
-            graph, chosen.partitions(), mesh, rank, sizes, _groups(mesh, rank, timeout), whole_params=whole_params
+            graph,
+            chosen.partitions(),
+            mesh,
+            rank,
+            sizes,
+            _groups(mesh, rank, timeout),
+            whole_params=whole_params,
+            recompute=chosen.recompute,
         )
     if rank_graph.fallbacks:
         log.warning(

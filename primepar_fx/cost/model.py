@@ -100,6 +100,22 @@ class NodeCost:
     stash_bytes: int
     buffer_bytes: int
     comm_bytes: dict[str, int] = field(default_factory=dict)  # bytes this device sends, by kind
+    #: Forward's own share of ``compute_s``, ``ring_s`` and ``collective_s``, and the bytes its ring and collectives
+    #: send: what running it again costs (activation recomputation)
+    forward_compute_s: float = 0.0
+    forward_ring_s: float = 0.0
+    forward_collective_s: float = 0.0
+    forward_ring_bytes: int = 0
+    forward_collective_bytes: int = 0
+
+    @property
+    def forward_s(self) -> float:
+        """Forward's seconds, its collectives included."""
+        return self.phase_s[0] + self.forward_collective_s
+
+    @property
+    def forward_bytes(self) -> int:
+        return self.forward_ring_bytes + self.forward_collective_bytes
 
     @property
     def time_s(self) -> float:
@@ -163,7 +179,8 @@ def node_cost(
     tensors = phase_tensors(op)
     moves = _transfers((op, part.seq, part.mesh)) if part.steps > 1 else ()
     comm: dict[str, int] = {}
-    phase_s, compute_total, ring_total = [], 0.0, 0.0
+    phase_s, compute_total, ring_total, fwd_ring_bytes, fwd_coll_bytes = [], 0.0, 0.0, 0, 0
+    fwd_compute = fwd_ring = 0.0
     for phase, flops in zip(PHASES, phase_flops(op, target)):
         if phase is not Phase.FORWARD and not any(t.result for t in tensors[phase]):
             phase_s.append(0.0)
@@ -177,15 +194,21 @@ def node_cost(
                 block = block_bytes(part, tensor_map(op, tr.tensor), vkey, item)
                 ring += cluster.shift_time(block, tr.senders)
                 comm["p2p"] = comm.get("p2p", 0) + block
+                fwd_ring_bytes += block if phase is Phase.FORWARD else 0
             total += max(step_compute, ring)
             compute_total += step_compute
             ring_total += ring
+        if phase is Phase.FORWARD:
+            fwd_compute, fwd_ring = compute_total, ring_total
         phase_s.append(total)
-    coll_s = 0.0
+    coll_s = fwd_coll = 0.0
     for c in collectives(part):
         seconds, nbytes = collective_price(part, c, cluster, vkey, item, bucketed=in_bucket(op, c))
         coll_s += seconds
         comm[c.kind] = comm.get(c.kind, 0) + nbytes
+        if c.phase is Phase.FORWARD:
+            fwd_coll += seconds
+            fwd_coll_bytes += nbytes
     params = sum(block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None)
     stash = sum(block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
     buffers = max(  # one receive buffer per tensor that moves in a phase; phases run one after another
@@ -195,7 +218,21 @@ def node_cost(
         ),
         default=0,
     )
-    return NodeCost(tuple(phase_s), compute_total, ring_total, coll_s, params, stash, buffers, comm)  # type: ignore[arg-type]
+    return NodeCost(
+        tuple(phase_s),  # type: ignore[arg-type]
+        compute_total,
+        ring_total,
+        coll_s,
+        params,
+        stash,
+        buffers,
+        comm,
+        forward_compute_s=fwd_compute,
+        forward_ring_s=fwd_ring,
+        forward_collective_s=fwd_coll,
+        forward_ring_bytes=fwd_ring_bytes,
+        forward_collective_bytes=fwd_coll_bytes,
+    )
 
 
 def collective_price(

@@ -14,6 +14,7 @@ In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of t
    with backward).
 5. :func:`~primepar_fx.passes.ring.replace_ring_products`: one ring operator per P(S x S) product.
 6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block.
+7. :func:`~primepar_fx.passes.recompute.recompute_layers`: the plan's recomputed layers, each one checkpointed.
 
 :func:`~primepar_fx.passes.runner.run_passes` runs them: on a copy, linting and recompiling after each pass, naming
 the failing pass in a :class:`~primepar_fx.passes.runner.PassError`, skipping those ``PRIMEPAR_DISABLE_PASSES``
@@ -24,6 +25,7 @@ from primepar_fx.passes.annotate import annotate_plan
 from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
 from primepar_fx.passes.gradsync import defer_parameter_gradients
 from primepar_fx.passes.localize import RankGraph, localize, rewrite_local_ops
+from primepar_fx.passes.recompute import recompute_layers
 from primepar_fx.passes.redistribute import insert_redistributions
 from primepar_fx.passes.ring import replace_ring_products
 from primepar_fx.passes.runner import PassError, op_counts, run_passes
@@ -40,6 +42,7 @@ __all__ = [
     "insert_redistributions",
     "localize",
     "op_counts",
+    "recompute_layers",
     "replace_ring_products",
     "rewrite_local_ops",
     "run_passes",

@@ -15,6 +15,7 @@
 
     annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> share_relayouts
       -> fuse_reduce_scatters -> defer_parameter_gradients -> replace_ring_products -> rewrite_local_ops
+      -> recompute_layers
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collecti
 from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_module, arg, digits_of, info, is_getitem
 from primepar_fx.passes.gradsync import defer_parameter_gradients
 from primepar_fx.passes.layouts import local_shape
+from primepar_fx.passes.recompute import recompute_layers
 from primepar_fx.passes.redistribute import insert_redistributions, redistribute_module
 from primepar_fx.passes.ring import replace_ring_products
 from primepar_fx.passes.runner import run_passes
 from primepar_fx.passes.shard import shard_parameters
 from primepar_fx.passes.share import share_relayouts
+from primepar_fx.planning.levers import Recompute
 from primepar_fx.runtime.gradsync import GradReduction
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.lowered import ShardedCrossEntropy, ShardedLayerNorm, VocabEmbedding
@@ -203,10 +206,12 @@ def localize(
     groups: ProcessGroups,
     *,
     whole_params: bool = False,
+    recompute: Recompute | None = None,
 ) -> RankGraph:
     """Run the passes (module docstring) on a copy of ``graph``'s captured GraphModule for rank ``rank``.
 
     ``whole_params``: parameters arrive whole on every call (the ``torch.compile`` backend) rather than sharded.
+    ``recompute``: the plan's activation recomputation (:mod:`primepar_fx.passes.recompute`).
     A failing pass raises :class:`~primepar_fx.passes.runner.PassError` (the pass's own error is its ``__cause__``).
     ``PRIMEPAR_DISABLE_PASSES`` must be the same on every rank: the passes create process groups collectively.
     """
@@ -226,7 +231,7 @@ def localize(
     out = copy.graph_copy(captured.gm.graph, {})
     copy.output(out)
     gm = fx.GraphModule(nn.Module(), copy, class_name=f"PrimeParRank{rank}")
-    ctx = RankContext(graph, mesh, rank, values, groups, whole_params=whole_params)
+    ctx = RankContext(graph, mesh, rank, values, groups, whole_params=whole_params, recompute=recompute)
     passes = [
         ("annotate_plan", partial(annotate_plan, partitions=partitions)),
         shard_parameters,
@@ -237,6 +242,7 @@ def localize(
         defer_parameter_gradients,
         replace_ring_products,
         rewrite_local_ops,
+        recompute_layers,
     ]
     gm, counts = run_passes(gm, passes, ctx, required=REQUIRED_PASSES, input_name="captured")
     # annotate_plan only fills node.meta, so its counts are the captured graph's: pass_counts never listed it

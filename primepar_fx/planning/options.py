@@ -35,6 +35,7 @@ from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
 from primepar_fx.graph import check_fallback
 from primepar_fx.partition import DeviceMesh
+from primepar_fx.planning.levers import check_choice
 from primepar_fx.planning.plan import Plan
 from primepar_fx.utils.units import memory_budget_bytes
 
@@ -147,6 +148,9 @@ class PlanOptions:
         grad_dtype, master_weights, state_dtype: what a device keeps per parameter element besides the parameter
             (:class:`~primepar_fx.cost.blocks.CostOptions`): gradients in ``grad_dtype`` (``None``: ``dtype``), an
             fp32 master copy (``None``: when ``dtype`` is 16 bits), optimizer moments in ``state_dtype``.
+        recompute: activation recomputation (:mod:`~primepar_fx.planning.recompute`): ``"auto"`` (none unless the
+            budget needs it, then the fastest mode that fits), or ``"none"``, ``"selective"`` or ``"full"`` on every
+            layer of the stack.
         method: ``"dp"``, ``"ilp"`` or ``"auto"``.
         allow_prime: whether P(S x S) is in the space (``False``: the split-only space).
         baselines: also price Megatron-LM, data parallelism and split-only.
@@ -170,6 +174,7 @@ class PlanOptions:
     grad_dtype: str | None = None
     master_weights: bool | None = None
     state_dtype: str = "fp32"
+    recompute: str = "auto"
     method: str = "auto"
     allow_prime: bool = True
     baselines: bool = True
@@ -198,6 +203,7 @@ class PlanOptions:
             raise ValueError(f"alpha must be a finite number of seconds per byte >= 0, got {self.alpha!r}")
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0 seconds per byte, got {self.alpha!r}")
+        check_choice(self.recompute)
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
         check_fallback(self.fallback)

@@ -3,7 +3,7 @@
 A :class:`Plan` is what the search hands to the graph passes and what a user saves, diffs and reloads. It is a
 frozen dataclass that validates itself and round-trips through JSON (never pickle)::
 
-    {"format": "primepar-plan/1", "model": ..., "model_fingerprint": ..., "world_size": 8, "digits": [2, 2, 2],
+    {"format": "primepar-plan/2", "model": ..., "model_fingerprint": ..., "world_size": 8, "digits": [2, 2, 2],
      "cluster": "h100-dgx", "batch": 8, "seq": 1024, "dtype": "bf16",
      "nodes": [{"name": "fc1", "op": "aten.mm.default", "partition": "B,P2x2", "cost": {...}}, ...],
      "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "comm_bytes": ...},
@@ -39,9 +39,14 @@ from typing import Any, NoReturn
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.partition.seq import PartitionSeq
+from primepar_fx.planning.levers import Recompute
 
-PLAN_FORMAT = "primepar-plan/1"
-COMM_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "redistribution")
+PLAN_FORMAT = "primepar-plan/2"
+#: formats this version reads no more, and why
+_OLD_FORMATS = {
+    "primepar-plan/1": "it was written before plans recorded their memory levers (plan.recompute); make it again"
+}
+COMM_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "redistribution", "recomputation")
 PHASES = ("forward", "backward", "gradient")
 PLAN_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 KNOWN_BASELINES = ("megatron", "data_parallel", "split_only")  # others are allowed
@@ -376,10 +381,12 @@ class Plan:
     predicted: Predicted
     baselines: dict[str, Baseline] = field(default_factory=dict)
     search: dict[str, Any] = field(default_factory=dict)
+    recompute: Recompute | None = None
 
     def __post_init__(self) -> None:
-        if self.format != PLAN_FORMAT:
-            _fail("plan.format", f"unsupported plan format {self.format!r}; expected {PLAN_FORMAT!r}")
+        _check_format(self.format)
+        if self.recompute is not None and not isinstance(self.recompute, Recompute):
+            _fail("plan.recompute", f"must be a Recompute or None, got {type(self.recompute).__name__}")
         _text("plan.model", self.model)
         if not isinstance(self.model_fingerprint, str) or not (
             self.model_fingerprint == "" or _FINGERPRINT_RE.fullmatch(self.model_fingerprint)
@@ -547,9 +554,11 @@ class Plan:
             )
         head = ["predicted", "step ms", "time vs ours", "peak memory MiB", "memory vs ours", "comm B"]
         table = tabulate(totals, head, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
+        recompute = f"; recompute {self.recompute.describe()}" if self.recompute and self.recompute.active else ""
         title = (
             f"{self.model} on {self.world_size} devices {list(self.digits)} of {self.cluster} "
-            f"(B={self.batch}, S={self.seq}, {self.dtype}; {self.cost_options().describe_state()}); per node: "
+            f"(B={self.batch}, S={self.seq}, {self.dtype}; {self.cost_options().describe_state()}{recompute}); "
+            "per node: "
             "step = forward + backward + gradient + collectives + redistribution"
         )
         return f"{title}\n{nodes}\n\n{table}"
@@ -562,13 +571,20 @@ class Plan:
         d["predicted"] = self.predicted.to_dict()
         d["baselines"] = {k: b.to_dict() for k, b in self.baselines.items()}
         d["search"] = _json_plain("plan.search", self.search)
+        if self.recompute is not None:
+            d["recompute"] = self.recompute.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
-        if isinstance(data, Mapping) and data.get("format", PLAN_FORMAT) != PLAN_FORMAT:  # before any other field
-            _fail("plan.format", f"unsupported plan format {data['format']!r}; expected {PLAN_FORMAT!r}")
-        d = _fields("plan", data, _PLAN_REQUIRED, ("model_fingerprint", "baselines", "search"))
+        if isinstance(data, Mapping):  # before any other field
+            _check_format(data.get("format", PLAN_FORMAT))
+        d = _fields("plan", data, _PLAN_REQUIRED, ("model_fingerprint", "baselines", "search", "recompute"))
+        if d.get("recompute") is not None:
+            try:
+                d["recompute"] = Recompute.from_dict(d["recompute"])
+            except ValueError as e:
+                _fail("plan.recompute", str(e).removeprefix("plan.recompute").lstrip(". "))
         if not isinstance(d["nodes"], list):
             _fail("plan.nodes", f"must be a list of nodes, got {type(d['nodes']).__name__}")
         d["nodes"] = tuple(NodePlan.from_dict(n, f"plan.nodes[{i}]") for i, n in enumerate(d["nodes"]))
@@ -614,6 +630,13 @@ class Plan:
             return cls.from_json(text)
         except PlanError as e:
             raise PlanError(e.path, f"{e.reason} (in {os.fspath(path)})") from None
+
+
+def _check_format(fmt: object) -> None:
+    if fmt in _OLD_FORMATS:
+        _fail("plan.format", f"{fmt!r} is no longer read ({PLAN_FORMAT!r} is): {_OLD_FORMATS[fmt]}")  # type: ignore[index]
+    if fmt != PLAN_FORMAT:
+        _fail("plan.format", f"unsupported plan format {fmt!r}; expected {PLAN_FORMAT!r}")
 
 
 def _reject_constant(name: str) -> NoReturn:

@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import sympy
 import torch
 from tqdm.auto import tqdm
@@ -44,10 +43,13 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_sequences
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
+from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
+from primepar_fx.planning.peak import solve_for_peak
 from primepar_fx.planning.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.planning.pricing import PricedGraph, price_graph
-from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, least_memory, solve
+from primepar_fx.planning.recompute import choose_recompute, layer_pricing
+from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
@@ -65,11 +67,18 @@ class Summary:
 
 
 def summarize(
-    graph: OpGraph, priced: PricedGraph, choice: dict[str, int], opts: CostOptions, *, nodes: bool = True
+    graph: OpGraph,
+    priced: PricedGraph,
+    choice: dict[str, int],
+    opts: CostOptions,
+    *,
+    nodes: bool = True,
+    extra_peak: int = 0,
 ) -> Summary:
     """Per-node cost breakdowns and the whole-plan prediction of one choice of strategies; with ``nodes=False``
     the prediction only (the same numbers; ``Summary.nodes`` is empty), which is all a baseline that is not
-    kept needs."""
+    kept needs. ``extra_peak``: how far recomputation in Backward lifts the peak above the end of Forward
+    (:meth:`~primepar_fx.planning.recompute.LayerPricing.extra_peak`)."""
     world = priced.mesh.size
     redis_s = {n: 0.0 for n in graph.nodes}
     redis_bytes = {n: 0 for n in graph.nodes}
@@ -137,7 +146,8 @@ def summarize(
             phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
         )
         plans.append(NodePlan(name, node.op, str(seq), cost))
-    return Summary(Predicted(total_s, int(static + buffers), int(round(comm))), tuple(plans if nodes else ()))
+    peak = int(static + buffers + extra_peak)
+    return Summary(Predicted(total_s, peak, int(round(comm))), tuple(plans if nodes else ()))
 
 
 def _price_fixed(
@@ -219,114 +229,6 @@ def _best_megatron(
     summary = summarize(graph, priced_graph, choices[i], costs)
     others = [summarize(graph, priced_graph, c, opts, nodes=False).predicted for c in choices[len(assignments) :]]
     return (config, summary, assignments[i]), others
-
-
-def solve_for_peak(
-    priced: PricedGraph, *, memory_budget: float | None, alpha: float = 0.0, method: str = "auto"
-) -> Solution:
-    """:func:`~primepar_fx.search.solve` under the budget the plan reports: ``static + max buffer <= budget``.
-
-    A node's modelled memory is its static part (parameters with their gradients and optimizer state, stashed
-    activations) plus its ring's receive buffer. Buffers are live one node at a time, so the plan's peak
-    (:func:`summarize`) counts only the largest one, while the search adds memory over nodes. For a budget, every
-    distinct buffer size is tried as the cap ``C``: strategies with a larger buffer are dropped and the static part
-    must fit ``budget - C``. The best of these is optimal for the reported peak (up to 24 caps are tried; more
-    distinct sizes are thinned to quantiles, and the solution is then not marked proven).
-    """
-    graph = priced.search_graph
-    if memory_budget is None or alpha > 0:
-        return solve(graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
-    start = time.perf_counter()
-    buffers = {  # a virtual node of the search graph (planning.sharing) holds no memory
-        n: np.array([c.buffer_bytes for c in priced.node_costs.get(n, ())], dtype=float)
-        if n in priced.node_costs
-        else np.zeros(graph.strategies(n))
-        for n in graph.nodes
-    }
-    caps = sorted({float(b) for arr in buffers.values() for b in arr})
-    exhaustive = len(caps) <= 24
-    if not exhaustive:
-        caps = sorted({float(np.quantile(caps, q, method="higher")) for q in np.linspace(0, 1, 24)})
-
-    def peak(choice: dict[str, int]) -> float:
-        return max(float(b[choice[n]]) for n, b in buffers.items()) + sum(
-            float(graph.node_memory[n][choice[n]] - buffers[n][choice[n]])  # type: ignore[index]
-            for n in graph.nodes
-        )
-
-    best: tuple[float, dict[str, int], Solution] | None = None
-    smallest = math.inf
-    free = solve(graph, method=method)  # type: ignore[arg-type]
-    if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
-        return free
-    least = _least_peak(graph, buffers, memory_budget)
-    if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
-        raise InfeasibleBudget(memory_budget, least)
-    for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
-        if cap > memory_budget:
-            continue
-        keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
-        if any(len(k) == 0 for k in keep.values()):
-            continue
-        sub = _static_part(graph, buffers, keep)
-        relaxed = solve(sub, method=method)  # type: ignore[arg-type]  # a lower bound for this cap, in milliseconds
-        if best is not None and relaxed.cost >= best[0]:
-            continue
-        if relaxed.memory <= memory_budget - cap:
-            sol = relaxed
-        else:
-            try:
-                sol = solve(sub, memory_budget=memory_budget - cap, method=method)  # type: ignore[arg-type]
-            except InfeasibleBudget as exc:
-                smallest = min(smallest, exc.min_memory + cap)
-                continue
-        choice = {n: int(keep[n][i]) for n, i in sol.choice.items()}
-        if best is None or sol.cost < best[0]:
-            best = (sol.cost, choice, sol)
-    if best is None:
-        raise InfeasibleBudget(memory_budget, smallest)
-    cost, choice, sol = best
-    proven = sol.proven_optimal and exhaustive
-    return Solution(choice, cost, peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
-
-
-def _static_part(
-    graph: CostGraph, buffers: dict[str, np.ndarray], keep: dict[str, np.ndarray] | None = None
-) -> CostGraph:
-    """``graph`` with each node's memory less its ring buffer, on the strategies ``keep`` (default: all)."""
-
-    def pick(n: str, a: np.ndarray) -> np.ndarray:
-        return a if keep is None else a[keep[n]]
-
-    return CostGraph(
-        nodes=graph.nodes,
-        node_cost={n: pick(n, graph.node_cost[n]) for n in graph.nodes},
-        edge_cost={(u, v): m if keep is None else m[np.ix_(keep[u], keep[v])] for (u, v), m in graph.edge_cost.items()},
-        node_memory={n: pick(n, graph.node_memory[n] - buffers[n]) for n in graph.nodes},  # type: ignore[index]
-        node_key=graph.node_key,
-    )
-
-
-def _least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], budget: float) -> float:
-    """The least reported peak (static memory + the largest ring buffer) of any plan, or a lower bound of it when
-    that bound fits ``budget`` (then the budgeted search decides).
-
-    The least static memory over all plans (one memory-only DP) plus the smallest largest buffer any plan can
-    have bounds the peak from below; when that already exceeds the budget the distinct buffer sizes are walked
-    upwards as caps, each a memory-only DP on the strategies whose buffer fits it, until the bound with the cap
-    reaches the best peak found: a few DP runs where the budgeted search would run several per cap.
-    """
-    floor = least_memory(_static_part(graph, buffers))[1]
-    lowest_cap = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
-    if floor + lowest_cap <= budget:
-        return floor + lowest_cap
-    best = math.inf
-    for cap in sorted({float(b) for arr in buffers.values() for b in arr if b >= lowest_cap}):
-        if floor + cap >= best:
-            break
-        keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
-        best = min(best, least_memory(_static_part(graph, buffers, keep))[1] + cap)
-    return best
 
 
 def price_baselines(
@@ -415,6 +317,7 @@ def make_plan(
     *,
     baselines: dict[str, Baseline],
     search: dict[str, Any],
+    recompute: Recompute | None = None,
 ) -> Plan:
     """The :class:`Plan` of ``graph`` priced as ``summary`` on ``mesh``, with ``opts``' cluster, sizes and dtype."""
     return Plan(
@@ -430,6 +333,7 @@ def make_plan(
         predicted=summary.predicted,
         baselines=baselines,
         search={**search, "training_state": opts.cost_options().training_state()},
+        recompute=recompute,
     )
 
 
@@ -467,7 +371,16 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
         )
         priced_s = time.perf_counter() - start
         try:
-            sol = solve_for_peak(priced, memory_budget=opts.memory_budget, alpha=opts.alpha, method=opts.method)
+            chosen = choose_recompute(
+                graph,
+                priced,
+                values,
+                costs,
+                choice=opts.recompute,
+                memory_budget=opts.memory_budget,
+                alpha=opts.alpha,
+                method=opts.method,
+            )
         except InfeasibleBudget as exc:
             if len(meshes) == 1:
                 raise
@@ -476,17 +389,19 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
                 {"digits": list(mesh.digits), "objective": None, "seconds": round(time.perf_counter() - start, 4)}
             )
             continue
+        sol = chosen.solution
         tried.append(
             {"digits": list(mesh.digits), "objective": sol.cost, "seconds": round(time.perf_counter() - start, 4)}
         )
-        if best is None or sol.cost < best[2].cost:
-            best = (mesh, priced, sol, priced_s)
+        if best is None or sol.cost < best[2].solution.cost:
+            best = (mesh, chosen.priced, chosen, priced_s)
         else:
             del priced  # only the cheapest grouping's pricing is kept (its split-only baseline is read off it)
     if best is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
-    mesh, priced, sol, priced_s = best
-    ours = summarize(graph, priced, sol.choice, costs)
+    mesh, priced, chosen, priced_s = best
+    sol = chosen.solution
+    ours = summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak)
     t2 = time.perf_counter()
     base = _baselines(graph, priced, full, opts, costs) if opts.baselines else {}
     search = {
@@ -505,7 +420,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     if len(meshes) > 1:  # the proof of optimality is within the grouping; the others are listed with their optima
         search["groupings"] = tried
         search["groupings_s"] = round(t2 - t0, 4)
-    return make_plan(graph, opts, mesh, ours, baselines=base, search=search)
+    return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute)
 
 
 def _options(graph: OpGraph, options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptions:
@@ -582,22 +497,41 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
     costs = dataclasses.replace(opts.cost_options(), alpha=0.0)
     search: dict[str, Any] = {"forced": name, "memory_budget": budget}
     t0 = time.perf_counter()
+    mode = opts.recompute if opts.recompute != "auto" else "none"
+    assignment = None
     if name in ("megatron", "megatron-sp"):
         sp = True if name == "megatron-sp" else None
-        (search["config"], summary, _), _ = _best_megatron(
+        (search["config"], summary, assignment), _ = _best_megatron(
             graph, mesh, spec, values, costs, budget, sp, distributed_optimizer=False
         )
     elif name == "data_parallel":
         assignment = data_parallel_assignment(graph, mesh, values=values)
-        summary = _price_fixed(graph, assignment, mesh, spec, values, costs)
     elif name == "prime":
         priced = price_graph(graph, mesh, spec, values, costs, restrict=lambda _, seqs: _prime_only(seqs))
-        sol = solve_for_peak(priced, memory_budget=budget, method="dp")
-        summary = summarize(graph, priced, sol.choice, costs)
+        chosen = choose_recompute(
+            graph, priced, values, costs, choice=mode, memory_budget=budget, alpha=0.0, method="dp"
+        )
+        sol = chosen.solution
+        summary = summarize(graph, chosen.priced, sol.choice, costs, extra_peak=chosen.extra_peak)
         search.update(method=sol.method, proven_optimal=sol.proven_optimal, objective=sol.cost)
+        search["seconds"] = round(time.perf_counter() - t0, 4)
+        return make_plan(graph, opts, mesh, summary, baselines={}, search=search, recompute=chosen.recompute)
     else:
         assert seed is not None
-        summary = _price_fixed(graph, _random_assignment(graph, mesh, values, seed), mesh, spec, values, costs)
+        assignment = _random_assignment(graph, mesh, values, seed)
         search["seed"] = seed
+    recompute = None
+    if mode != "none" or name not in ("megatron", "megatron-sp"):
+        priced, (choice,) = _price_assignments(graph, [assignment], mesh, spec, values, costs)
+        layers = layer_pricing(graph, priced, values, costs) if mode != "none" else None
+        if mode != "none" and layers is None:
+            raise ValueError(f"recompute={mode!r}: {graph.name} has no layer stack to recompute")
+        extra = 0
+        if layers is not None:
+            recompute = Recompute.uniform(layers.units.stack, len(layers.units), mode)
+            applied = layers.apply(recompute)
+            extra = layers.extra_peak(recompute, applied, choice)
+            priced = applied
+        summary = summarize(graph, priced, choice, costs, extra_peak=extra)
     search["seconds"] = round(time.perf_counter() - t0, 4)
-    return make_plan(graph, opts, mesh, summary, baselines={}, search=search)
+    return make_plan(graph, opts, mesh, summary, baselines={}, search=search, recompute=recompute)

@@ -79,7 +79,9 @@ def fake_rank_graphs(graph: OpGraph, plan: Plan, ranks: list[int] | None = None)
     for rank in range(plan.world_size) if ranks is None else ranks:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
         try:
-            out[rank] = localize(graph, plan.partitions(), mesh, rank, values, ProcessGroups(mesh, rank))
+            out[rank] = localize(
+                graph, plan.partitions(), mesh, rank, values, ProcessGroups(mesh, rank), recompute=plan.recompute
+            )
         finally:
             dist.destroy_process_group()
     return out

@@ -34,6 +34,27 @@ def _assert_bytes_match(report: dict, plans: list[str]) -> None:
         assert r["sent_planned_total"] == pytest.approx(r["predicted_total"], rel=0.01), (plan, r["sent_rank0"])
 
 
+def test_recomputation_trains_like_one_device():
+    """Activation recomputation (issue 18): every layer recomputed in full, with the searched plan, a P(S x S)
+    plan, Megatron's split and a random plan, trains to the numbers of one device on 4 ranks; the first three send
+    the bytes predicted (the recomputed Forward's collectives and ring shifts included)."""
+    plans = ["searched+recompute=full", "prime+recompute=full", "megatron+recompute=full", "random:5+recompute=full"]
+    report = spawn(check_plans, 4, "gpt2-tiny", plans, timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, plans)
+    _assert_bytes_match(report, plans[:3])  # (a random plan's re-layouts are not predicted to the byte either way)
+    assert report["prime+recompute=full"]["sent_rank0"]["ring"] > 0
+    for plan in plans[1:]:  # Forward runs twice: its collectives and ring shifts are sent again
+        assert report[plan]["recomputed_bytes"] > 0, plan
+
+
+def test_selective_recomputation_of_eager_attention_scores():
+    """Selective recomputation re-runs a Hugging Face model's eager attention scores in Backward, on 4 ranks."""
+    plans = ["data_parallel+recompute=selective", "prime+recompute=selective", "searched+recompute=full"]
+    report = spawn(check_plans, 4, "hf:bloom", plans, timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, plans)
+    _assert_bytes_match(report, plans)
+
+
 def test_one_rank_without_a_process_group_when_asked_for():
     from distributed_checks import make
 

@@ -34,6 +34,7 @@ from primepar_fx.passes import (
     insert_redistributions,
     localize,
     op_counts,
+    recompute_layers,
     replace_ring_products,
     rewrite_local_ops,
     run_passes,
@@ -57,6 +58,7 @@ LOCALIZE_COUNTS = [
     "defer_parameter_gradients",
     "replace_ring_products",
     "rewrite_local_ops",
+    "recompute_layers",
 ]
 
 
@@ -309,6 +311,7 @@ def inline(plan_name: str, rank: int = 0) -> tuple[fx.GraphModule, list]:
             defer_parameter_gradients,
             replace_ring_products,
             rewrite_local_ops,
+            recompute_layers,
         ):
             gm = p(gm, ctx)
             counts.append((p.__name__, op_counts(gm)))
@@ -369,7 +372,7 @@ def test_localize_with_a_dump_dir_writes_every_pass_of_the_rank(tmp_path: Path, 
     folder = tmp_path / "passes" / "rank2"
     names = ["captured", "annotate_plan", *LOCALIZE_COUNTS[1:]]
     assert sorted(p.name for p in folder.glob("*.txt")) == [f"{i:02d}_{n}.txt" for i, n in enumerate(names)]
-    assert (folder / "09_rewrite_local_ops.txt").read_text().endswith(got.gm.print_readable(print_output=False))
+    assert (folder / "10_recompute_layers.txt").read_text().endswith(got.gm.print_readable(print_output=False))
     assert "RingMatmul" in table((folder / "changes.md").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["passes"]  # nothing the graph dump writes
 

@@ -211,13 +211,15 @@ def test_summary_table_without_costs_or_baselines():
 
 # ---------------------------------------------------------------------------------------------------- validation
 def test_wrong_format_names_the_expected_format():
-    _raises(_tampered(lambda d: d.update(format="primepar-plan/2")), "plan.format", "'primepar-plan/1'")
-    with pytest.raises(ValueError, match="plan.format.*primepar-plan/1"):
+    _raises(_tampered(lambda d: d.update(format="primepar-plan/3")), "plan.format", "'primepar-plan/2'")
+    with pytest.raises(ValueError, match="plan.format.*primepar-plan/2"):
         _plan(format="v1")
+    # the format before the memory levers: rejected with what to do
+    _raises(_tampered(lambda d: d.update(format="primepar-plan/1")), "plan.format", "no longer read", "make it again")
 
 
 def test_future_format_is_reported_before_unknown_fields():
-    _raises(_tampered(lambda d: d.update(format="primepar-plan/2", shards=[])), "plan.format")
+    _raises(_tampered(lambda d: d.update(format="primepar-plan/3", shards=[])), "plan.format")
 
 
 @pytest.mark.parametrize(

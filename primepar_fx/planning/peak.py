@@ -1,0 +1,150 @@
+"""The search under a memory budget as the plan reports its peak: static memory plus the largest ring buffer.
+
+A node's modelled memory is its static part (parameters with their gradients and optimizer state, stashed
+activations) plus its ring's receive buffer. Buffers are live one node at a time, so the plan's peak counts only
+the largest one while the search adds memory over nodes: :func:`solve_for_peak` tries the buffer sizes as caps,
+and :func:`least_peak` finds the least peak any plan has, fast, when a budget cannot be met.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from primepar_fx.planning.pricing import PricedGraph
+from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, least_memory, solve
+
+
+def solve_for_peak(
+    priced: PricedGraph, *, memory_budget: float | None, alpha: float = 0.0, method: str = "auto"
+) -> Solution:
+    """:func:`~primepar_fx.search.solve` under the budget the plan reports: ``static + max buffer <= budget``.
+
+    A node's modelled memory is its static part (parameters with their gradients and optimizer state, stashed
+    activations) plus its ring's receive buffer. Buffers are live one node at a time, so the plan's peak
+    (:func:`summarize`) counts only the largest one, while the search adds memory over nodes. For a budget, every
+    distinct buffer size is tried as the cap ``C``: strategies with a larger buffer are dropped and the static part
+    must fit ``budget - C``. The best of these is optimal for the reported peak (up to 24 caps are tried; more
+    distinct sizes are thinned to quantiles, and the solution is then not marked proven).
+    """
+    graph = priced.search_graph
+    if memory_budget is None or alpha > 0:
+        return solve(graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
+    start = time.perf_counter()
+    buffers = ring_buffers(priced)
+    caps = sorted({float(b) for arr in buffers.values() for b in arr})
+    exhaustive = len(caps) <= 24
+    if not exhaustive:
+        caps = sorted({float(np.quantile(caps, q, method="higher")) for q in np.linspace(0, 1, 24)})
+
+    def peak(choice: dict[str, int]) -> float:
+        return max(float(b[choice[n]]) for n, b in buffers.items()) + sum(
+            float(graph.node_memory[n][choice[n]] - buffers[n][choice[n]])  # type: ignore[index]
+            for n in graph.nodes
+        )
+
+    best: tuple[float, dict[str, int], Solution] | None = None
+    smallest = math.inf
+    free = solve(graph, method=method)  # type: ignore[arg-type]
+    if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
+        return free
+    least = least_peak(graph, buffers, memory_budget)
+    if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
+        raise InfeasibleBudget(memory_budget, least)
+    for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
+        if cap > memory_budget:
+            continue
+        keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
+        if any(len(k) == 0 for k in keep.values()):
+            continue
+        sub = static_part(graph, buffers, keep)
+        relaxed = solve(sub, method=method)  # type: ignore[arg-type]  # a lower bound for this cap, in milliseconds
+        if best is not None and relaxed.cost >= best[0]:
+            continue
+        if relaxed.memory <= memory_budget - cap:
+            sol = relaxed
+        else:
+            try:
+                sol = solve(sub, memory_budget=memory_budget - cap, method=method)  # type: ignore[arg-type]
+            except InfeasibleBudget as exc:
+                smallest = min(smallest, exc.min_memory + cap)
+                continue
+        choice = {n: int(keep[n][i]) for n, i in sol.choice.items()}
+        if best is None or sol.cost < best[0]:
+            best = (sol.cost, choice, sol)
+    if best is None:
+        raise InfeasibleBudget(memory_budget, smallest)
+    cost, choice, sol = best
+    proven = sol.proven_optimal and exhaustive
+    return Solution(choice, cost, peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
+
+
+def plan_peak(priced: PricedGraph, choice: dict[str, int]) -> float:
+    """The peak a plan reports for ``choice``: every node's static memory plus the largest ring buffer."""
+    graph, buffers = priced.search_graph, ring_buffers(priced)
+    return max((float(b[choice[n]]) for n, b in buffers.items()), default=0.0) + sum(
+        float(graph.node_memory[n][choice[n]] - buffers[n][choice[n]])  # type: ignore[index]
+        for n in graph.nodes
+    )
+
+
+def ring_buffers(priced: PricedGraph) -> dict[str, np.ndarray]:
+    """Each search node's ring receive buffer per strategy (a virtual node of :mod:`planning.sharing`: none)."""
+    graph = priced.search_graph
+    return {
+        n: np.array([c.buffer_bytes for c in priced.node_costs[n]], dtype=float)
+        if n in priced.node_costs
+        else np.zeros(graph.strategies(n))
+        for n in graph.nodes
+    }
+
+
+def static_part(
+    graph: CostGraph, buffers: dict[str, np.ndarray], keep: dict[str, np.ndarray] | None = None
+) -> CostGraph:
+    """``graph`` with each node's memory less its ring buffer, on the strategies ``keep`` (default: all)."""
+
+    def pick(n: str, a: np.ndarray) -> np.ndarray:
+        return a if keep is None else a[keep[n]]
+
+    return CostGraph(
+        nodes=graph.nodes,
+        node_cost={n: pick(n, graph.node_cost[n]) for n in graph.nodes},
+        edge_cost={(u, v): m if keep is None else m[np.ix_(keep[u], keep[v])] for (u, v), m in graph.edge_cost.items()},
+        node_memory={n: pick(n, graph.node_memory[n] - buffers[n]) for n in graph.nodes},  # type: ignore[index]
+        node_key=graph.node_key,
+    )
+
+
+def least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], budget: float = math.inf) -> float:
+    """The least reported peak (static memory + the largest ring buffer) of any plan, or a lower bound of it when
+    that bound fits ``budget`` (then the budgeted search decides).
+
+    The least static memory over all plans (one memory-only DP) plus the smallest largest buffer any plan can
+    have bounds the peak from below; when that already exceeds the budget the distinct buffer sizes are walked
+    upwards as caps, each a memory-only DP on the strategies whose buffer fits it, until the bound with the cap
+    reaches the best peak found: a few DP runs where the budgeted search would run several per cap.
+    """
+    return least_plan(graph, buffers, budget)[0]
+
+
+def least_plan(
+    graph: CostGraph, buffers: dict[str, np.ndarray], budget: float = -math.inf
+) -> tuple[float, dict[str, int] | None]:
+    """:func:`least_peak` with a plan that has it (``None`` when only the lower bound was needed: it fits
+    ``budget``); with the default ``budget`` the exact least peak and its plan."""
+    floor_choice, floor = least_memory(static_part(graph, buffers))
+    lowest_cap = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
+    if floor + lowest_cap <= budget:
+        return floor + lowest_cap, None
+    best: tuple[float, dict[str, int] | None] = (math.inf, None)
+    for cap in sorted({float(b) for arr in buffers.values() for b in arr if b >= lowest_cap}):
+        if floor + cap >= best[0]:
+            break
+        keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
+        choice, memory = least_memory(static_part(graph, buffers, keep))
+        if memory + cap < best[0]:
+            best = (memory + cap, {n: int(keep[n][i]) for n, i in choice.items()})
+    return best

@@ -1,0 +1,346 @@
+"""Activation recomputation: priced per layer by the cost model and chosen by the search with the partitions.
+
+Each layer of the graph's layer stack (:mod:`primepar_fx.graph.layers`) runs in one of three modes:
+
+* ``none``: every node keeps what its Backward needs (the cost model's stash).
+* ``selective``: the layer's attention scores (tensors with two sequence dims: ``Q K^T``, its softmax and dropout)
+  are not kept: the run of nodes from the first that makes them to the last that reads them is checkpointed
+  (Megatron-LM's selective recomputation). A layer whose attention is one fused op
+  (``scaled_dot_product_attention`` keeps no score matrix) has nothing to recompute this way, and ``selective``
+  is then not offered.
+* ``full``: the whole layer is checkpointed (non-reentrant checkpointing at run time, :mod:`passes.recompute`).
+
+A checkpointed run keeps only the tensors that enter it; Backward runs its Forward again first, collectives and
+ring transfers included, up to the last node that keeps a tensor for Backward (PyTorch's checkpoint stops
+there, so the collectives after that node and the nodes after it do not run again).
+
+Pricing, per node and strategy like everything else in the cost model:
+
+* time: a node that runs again adds its Forward seconds (:attr:`~primepar_fx.cost.model.NodeCost.forward_s`) to
+  its Backward (the last one its compute and ring only); a re-layout into a node that runs again (but the run's
+  first, whose re-layouts run before the checkpoint) adds half its seconds and bytes (its Forward half; the other
+  half is the mirrored re-layout of the gradient, which runs once either way), except a re-layout fused into a
+  reduce-scatter or shared by several consumers, which keeps its seconds (an under-estimate);
+* bytes sent: the Forward bytes sent again, under the kind ``"recomputation"``;
+* memory: a node of a checkpointed run keeps, instead of its stash, the blocks of the tensors entering the run
+  that it is the first to read;
+* the peak is the real peak of the step, not a sum (:meth:`LayerPricing.extra_peak`): Backward visits the
+  layers last to first, freeing each one's activations, and a recomputed layer's activations come back while its
+  Backward runs; the peak is the larger of the end of Forward and each of those moments.
+
+The layers recomputed in full are the first ``k`` (Megatron-LM's "block" method: the earliest layers keep their
+activations longest). :func:`choose_recompute` picks the mode with the search: no recomputation when the fastest
+plan fits; otherwise the fastest feasible plan of ``none``, ``selective``, and ``full`` on the first ``k``
+layers for ``k`` the fewest that can fit, then twice as many, and so on up to all of them (recomputing more
+layers costs time but frees memory for faster partitions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import sympy
+
+from primepar_fx.cost.blocks import CostOptions, block_bytes
+from primepar_fx.cost.model import NodeCost, stashed_inputs
+from primepar_fx.graph import OpGraph
+from primepar_fx.graph.layers import LayerUnits, layer_units, selective_nodes, unit_inputs
+from primepar_fx.partition.enumerate import values_key
+from primepar_fx.partition.layouts import bound_partition
+from primepar_fx.planning.levers import RECOMPUTE_KIND, Recompute, check_choice
+from primepar_fx.planning.peak import least_peak, least_plan, plan_peak, ring_buffers, solve_for_peak
+from primepar_fx.planning.pricing import PricedGraph, node_key, out_index, tensor_itemsize
+from primepar_fx.search import CostGraph, InfeasibleBudget, Solution
+from primepar_fx.search.problem import evaluate
+
+log = logging.getLogger(__name__)
+
+
+def _frozen(values: list[float]) -> np.ndarray:
+    out = np.asarray(values, dtype=np.float64)
+    out.flags.writeable = False
+    return out
+
+
+class LayerPricing:
+    """What each mode costs and saves, per node of the stack and strategy, on one priced graph."""
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        priced: PricedGraph,
+        units: LayerUnits,
+        values: dict[sympy.Symbol, int],
+        opts: CostOptions,
+    ) -> None:
+        self.graph, self.priced, self.units, self.opts = graph, priced, units, opts
+        self.vkey = values_key(values)
+        order = list(graph.nodes)
+        first, last = order.index(units.units[0][0]), order.index(units.units[-1][-1])
+        self.prefix, self.post = order[:first], order[last + 1 :]
+        self.runs = {"full": list(units.units), "selective": [selective_nodes(graph, u) for u in units.units]}
+        self._how: dict[tuple[str, int], dict[str, tuple[str, list[tuple[str, int]]]]] = {}
+        self._memo: dict[tuple, list[NodeCost]] = {}
+
+    @property
+    def selective_differs(self) -> bool:
+        return any(self.runs["selective"])
+
+    def how(self, mode: str, layer: int) -> dict[str, tuple[str, list[tuple[str, int]]]]:
+        """Node of the run ``mode`` checkpoints in ``layer`` -> (what of its Forward runs again: ``"all"``,
+        ``"compute"`` or ``""``, and the inputs ``(producer, index)`` entering the run that it keeps).
+
+        Backward recomputes a checkpointed run only up to the last node that keeps a tensor for Backward
+        (PyTorch's checkpoint stops there): that node's compute and ring run again but not the collectives after
+        it, and the nodes after it not at all.
+        """
+        if (mode, layer) not in self._how:
+            run = self.runs[mode][layer]
+            keep: dict[str, list[tuple[str, int]]] = {v: [] for v in run}
+            for u, v, k in unit_inputs(self.graph, run):
+                keep[v].append((u, k))
+            nodes = self.graph.nodes
+            savers = [i for i, n in enumerate(run) if stashed_inputs(nodes[n].dims, nodes[n].target)]
+            last = savers[-1] if savers else -1
+            self._how[(mode, layer)] = {
+                n: ("all" if i < last else "compute" if i == last else "", keep[n]) for i, n in enumerate(run)
+            }
+        return self._how[(mode, layer)]
+
+    def _input_bytes(self, name: str, inputs: list[tuple[str, int]]) -> list[int]:
+        """Per strategy of ``name``: the bytes of its blocks of inputs ``(producer, index)``."""
+        node, priced = self.graph.nodes[name], self.priced
+        key = ("in", node_key(node), id(priced.strategies[name]), tuple(k for _, k in inputs))
+        if key not in self._memo:
+            items = [tensor_itemsize(self.graph.fx_node(u), out_index(node), self.opts) for u, _ in inputs]
+            out = []
+            for seq in priced.strategies[name]:
+                part = bound_partition((node.dims, seq, priced.mesh))
+                out.append(
+                    sum(block_bytes(part, node.dims.inputs[k], self.vkey, it) for (_, k), it in zip(inputs, items))
+                )
+            self._memo[key] = out  # type: ignore[assignment]
+        return self._memo[key]  # type: ignore[return-value]
+
+    def _adjusted(self, name: str, again: str, keep: list[tuple[str, int]]) -> list[NodeCost]:
+        """``name``'s costs in a checkpointed run: its stash replaced by the run's inputs it keeps, and its Forward
+        (``again``: all of it, its compute and ring only, or none) added to Backward."""
+        node, costs = self.graph.nodes[name], self.priced.node_costs[name]
+        key = (node_key(node), id(costs), again, tuple(k for _, k in keep))
+        if key not in self._memo:
+            kept = self._input_bytes(name, keep) if keep else [0] * len(costs)
+            out = []
+            for c, kb in zip(costs, kept):
+                comm = dict(c.comm_bytes)
+                if again:  # Backward runs Forward again first
+                    f, b, g = c.phase_s
+                    coll_s = c.forward_collective_s if again == "all" else 0.0
+                    resent = c.forward_bytes if again == "all" else c.forward_ring_bytes
+                    if resent:
+                        comm[RECOMPUTE_KIND] = comm.get(RECOMPUTE_KIND, 0) + resent
+                    c = dataclasses.replace(
+                        c,
+                        phase_s=(f, b + f, g),
+                        compute_s=c.compute_s + c.forward_compute_s,
+                        ring_s=c.ring_s + c.forward_ring_s,
+                        collective_s=c.collective_s + coll_s,
+                    )
+                out.append(dataclasses.replace(c, stash_bytes=kb, comm_bytes=comm))
+            self._memo[key] = out
+        return self._memo[key]
+
+    def apply(self, policy: Recompute) -> PricedGraph:
+        """The priced graph with ``policy``'s layers recomputed (the same object when nothing is)."""
+        if not policy.active:
+            return self.priced
+        priced, cg = self.priced, self.priced.cost_graph
+        node_costs = dict(priced.node_costs)
+        node_cost, node_memory = dict(cg.node_cost), dict(cg.node_memory or {})
+        keys = dict(cg.node_key or {})
+        edge_cost, edge_bytes = dict(cg.edge_cost), dict(priced.edge_bytes)
+        vectors: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for i, mode in enumerate(policy.layers):
+            if mode == "none":
+                continue
+            how = self.how(mode, i)
+            for n, (again, keep) in how.items():
+                costs = self._adjusted(n, again, keep)
+                if id(costs) not in vectors:
+                    vectors[id(costs)] = (
+                        _frozen([c.time_s for c in costs]),
+                        _frozen([float(c.memory_bytes(self.opts)) for c in costs]),
+                    )
+                node_costs[n] = costs
+                node_cost[n], node_memory[n] = vectors[id(costs)]
+                if n in keys:
+                    keys[n] = (keys[n], mode)
+            rerun = {n for n, (again, _) in how.items() if again}
+            first = self.runs[mode][i][0] if rerun else None
+            if rerun:
+                for (u, v), m in cg.edge_cost.items():  # not the fused or shared ones: those keep their seconds
+                    if v in rerun and v != first and (u, v) not in priced.scatter and u not in priced.fanout:
+                        edge_cost[(u, v)] = m * 1.5
+                        edge_bytes[(u, v)] = priced.edge_bytes[(u, v)] * 3 // 2
+        graph = CostGraph(cg.nodes, node_cost, edge_cost, node_memory, keys or None)
+        return dataclasses.replace(priced, cost_graph=graph, node_costs=node_costs, edge_bytes=edge_bytes)
+
+    def extra_peak(self, policy: Recompute, applied: PricedGraph, choice: Mapping[str, int]) -> int:
+        """How far the step's real peak lies above the end of Forward (0 when it is there), for ``choice``.
+
+        Backward runs the nodes after the stack, then the layers last to first; when it reaches layer ``i`` the
+        activations of the nodes after the stack and of the layers after ``i`` are freed, and a recomputed layer's
+        activations are back: the whole stash of the run it checkpoints.
+        """
+        if not policy.active:
+            return 0
+        base = self.priced.node_costs
+
+        def kept(n: str) -> int:
+            return applied.node_costs[n][choice[n]].stash_bytes
+
+        freed = sum(kept(n) for n in self.post)
+        worst = 0
+        for i in reversed(range(len(policy.layers))):
+            mode = policy.layers[i]
+            if mode != "none":  # the run's whole stash is back (its kept inputs among it: an upper bound)
+                back = sum(base[n][choice[n]].stash_bytes for n in self.runs[mode][i])
+                worst = max(worst, back - freed)
+            freed += sum(kept(n) for n in self.units.units[i])
+        return max(0, worst)
+
+
+def layer_pricing(
+    graph: OpGraph, priced: PricedGraph, values: dict[sympy.Symbol, int], opts: CostOptions
+) -> LayerPricing | None:
+    """The recomputation pricing of ``graph``'s stack, or ``None`` when it has no layer stack."""
+    units = layer_units(graph)
+    return None if units is None else LayerPricing(graph, priced, units, values, opts)
+
+
+@dataclass
+class Chosen:
+    """A solution with the recomputation it was found under."""
+
+    solution: Solution
+    priced: PricedGraph
+    recompute: Recompute | None
+    extra_peak: int = 0
+
+
+def _solve_policy(layers: LayerPricing, policy: Recompute, budget: float | None, alpha: float, method: str) -> Chosen:
+    """The fastest plan under ``policy`` whose real peak fits ``budget``: the search's budget is lowered by the
+    extra peak of Backward's recomputation until the plan it returns fits (a few rounds at most), else the plan of
+    least memory if it fits; :class:`InfeasibleBudget` with that plan's real peak when it does not."""
+    applied = layers.apply(policy)
+    reserve = 0.0
+    for _ in range(4):
+        limit = None if budget is None else budget - reserve
+        if limit is not None and limit <= 0:
+            break
+        try:
+            sol = solve_for_peak(applied, memory_budget=limit, alpha=alpha, method=method)
+        except InfeasibleBudget:
+            if not policy.active:
+                raise
+            break
+        extra = layers.extra_peak(policy, applied, sol.choice)
+        peak = plan_peak(applied, sol.choice) + extra
+        if budget is None or peak <= budget:
+            return Chosen(dataclasses.replace(sol, memory=peak), applied, policy, extra)
+        reserve += peak - budget
+    least, choice = _least_real(layers, policy, applied)
+    if choice is not None and least <= budget:  # the plan of least memory fits where the search gave up
+        graph = applied.search_graph
+        sol = Solution(choice, evaluate(graph, choice, alpha), least, "dp", False, 0.0)
+        return Chosen(sol, applied, policy, int(least - plan_peak(applied, choice)))
+    raise InfeasibleBudget(budget, least)  # type: ignore[arg-type]
+
+
+def _least_real(layers: LayerPricing, policy: Recompute, applied: PricedGraph) -> tuple[float, dict[str, int] | None]:
+    """The real peak (Backward's recomputation included) of the plan whose reported peak is least, and the plan."""
+    static, choice = least_plan(applied.search_graph, ring_buffers(applied))
+    if choice is None:
+        return static, None
+    return static + layers.extra_peak(policy, applied, choice), choice
+
+
+def _least(applied: PricedGraph) -> float:
+    """A lower bound of the least peak of any plan on ``applied`` (the end of Forward)."""
+    return least_peak(applied.search_graph, ring_buffers(applied))
+
+
+def choose_recompute(
+    graph: OpGraph,
+    priced: PricedGraph,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    *,
+    choice: str,
+    memory_budget: float | None,
+    alpha: float,
+    method: str,
+) -> Chosen:
+    """The plan's recomputation and its solution (module docstring); ``choice`` a mode for every layer or
+    ``"auto"``. Raises :class:`InfeasibleBudget` with the least peak of the most memory-saving mode when nothing
+    fits."""
+    check_choice(choice)
+    layers = layer_pricing(graph, priced, values, opts) if choice != "none" else None
+    if layers is None:
+        if choice in ("selective", "full"):
+            raise ValueError(f"recompute={choice!r}: {graph.name} has no layer stack to recompute")
+        sol = solve_for_peak(priced, memory_budget=memory_budget, alpha=alpha, method=method)
+        return Chosen(sol, priced, None)
+    stack, count = layers.units.stack, len(layers.units)
+    if choice == "selective" and not layers.selective_differs:  # a fused attention keeps no scores
+        log.info("recompute='selective': %s keeps no attention scores; nothing to recompute", graph.name)
+        return Chosen(solve_for_peak(priced, memory_budget=memory_budget, alpha=alpha, method=method), priced, None)
+    if choice != "auto":
+        return _solve_policy(layers, Recompute.uniform(stack, count, choice), memory_budget, alpha, method)
+    free = _solve_policy(layers, Recompute.uniform(stack, count, "none"), None, alpha, method)
+    if memory_budget is None or alpha > 0 or free.solution.memory <= memory_budget:
+        return dataclasses.replace(free, recompute=None)
+    # the budget binds: the fastest of no recomputation, selective, and full on the fewest first layers that fit
+    found = [_try(layers, Recompute.uniform(stack, count, "none"), memory_budget, alpha, method)]
+    if layers.selective_differs:
+        found.append(_try(layers, Recompute.uniform(stack, count, "selective"), memory_budget, alpha, method))
+    k = _fewest_full(layers, memory_budget)
+    while k is not None:  # more layers recomputed free memory for faster partitions: k, 2k, 4k, ..., all
+        got = _try(layers, Recompute.uniform(stack, count, "full", k), memory_budget, alpha, method)
+        found.append(got)
+        k = None if k == count else min(count, 2 * k if got is not None else k + 1)
+    best = min((c for c in found if c is not None), key=lambda c: c.solution.cost, default=None)
+    if best is None:
+        full = Recompute.uniform(stack, count, "full")
+        raise InfeasibleBudget(memory_budget, _least_real(layers, full, layers.apply(full))[0])
+    return best if best.recompute is None or best.recompute.active else dataclasses.replace(best, recompute=None)
+
+
+def _try(layers: LayerPricing, policy: Recompute, budget: float, alpha: float, method: str) -> Chosen | None:
+    try:
+        return _solve_policy(layers, policy, budget, alpha, method)
+    except InfeasibleBudget:
+        return None
+
+
+def _fewest_full(layers: LayerPricing, budget: float) -> int | None:
+    """The fewest first layers recomputed in full whose least peak at the end of Forward fits ``budget`` (a lower
+    bound: the search decides), or ``None`` when not even all of them fit."""
+    stack, count = layers.units.stack, len(layers.units)
+
+    def fits(k: int) -> bool:
+        return _least(layers.apply(Recompute.uniform(stack, count, "full", k))) <= budget
+
+    if not fits(count):
+        return None
+    lo, hi = 1, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -1,0 +1,173 @@
+"""Activation recomputation in the search (issue 18 item 1): priced per layer, chosen with the partitions."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from primepar_fx.api import analyze
+from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.frontend.symbols import B, S
+from primepar_fx.graph.layers import layer_units
+from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.planning.levers import Recompute
+from primepar_fx.planning.options import resolve_cluster
+from primepar_fx.planning.peak import plan_peak
+from primepar_fx.planning.plan import Plan, PlanError
+from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.pricing import price_graph
+from primepar_fx.planning.recompute import choose_recompute, layer_pricing
+from primepar_fx.search import InfeasibleBudget, solve
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).sum()
+
+
+SIZES = {"world_size": 4, "cluster": "cpu-gloo", "batch": 8, "seq": 64, "method": "dp", "baselines": False}
+
+
+@functools.cache
+def graph():
+    config = dataclasses.replace(get_config("llama-tiny"), layers=4)
+    args, kwargs = example_inputs(config, 2, 16, device="meta")
+    return analyze(build(config, device="meta"), args, kwargs, name="llama-tiny-4")
+
+
+@functools.cache
+def plan(**kwargs) -> Plan:
+    return plan_graph(graph(), **{**SIZES, "memory_budget": None, **kwargs})
+
+
+@functools.cache
+def layers():
+    spec = resolve_cluster("cpu-gloo")
+    values = {B: SIZES["batch"], S: SIZES["seq"]}
+    priced = price_graph(graph(), spec.mesh(4), spec, values, CostOptions())
+    return layer_pricing(graph(), priced, values, CostOptions())
+
+
+def test_full_recomputation_keeps_only_what_enters_each_layer() -> None:
+    lp = layers()
+    policy = Recompute.uniform(lp.units.stack, len(lp.units), "full")
+    applied = lp.apply(policy)
+    choice = solve(lp.priced.search_graph, method="dp").choice
+    for i, unit in enumerate(lp.units.units):
+        kept = sum(applied.node_costs[n][choice[n]].stash_bytes for n in unit)
+        entering = lp.how("full", i)
+        again = [n for n, (a, _) in entering.items() if a]
+        assert kept < sum(lp.priced.node_costs[n][choice[n]].stash_bytes for n in unit)
+        assert kept == sum(lp._input_bytes(n, keep)[choice[n]] for n, (_, keep) in entering.items() if keep)
+        # Forward runs again up to the last node that keeps a tensor (the down projection), not the residual add
+        assert again and again[-1].startswith("linear") and unit[-1].startswith("add")
+        for n in unit:
+            before, after = lp.priced.node_costs[n][choice[n]], applied.node_costs[n][choice[n]]
+            how = entering[n][0]
+            expected = before.time_s + (before.forward_s if how == "all" else before.phase_s[0] if how else 0.0)
+            assert after.time_s == pytest.approx(expected, rel=1e-12), n
+    # the nodes outside the stack keep their costs
+    for n in lp.prefix + lp.post:
+        assert applied.node_costs[n] is lp.priced.node_costs[n]
+
+
+def test_dp_optimum_equals_ilp_optimum_with_recomputation() -> None:
+    lp = layers()
+    applied = lp.apply(Recompute.uniform(lp.units.stack, len(lp.units), "full", 2))
+    dp = solve(applied.search_graph, method="dp")
+    ilp = solve(applied.search_graph, method="ilp")
+    assert dp.cost == pytest.approx(ilp.cost, rel=1e-9)
+    assert dp.memory == pytest.approx(ilp.memory, rel=1e-9)
+
+
+def test_the_peak_is_the_largest_moment_of_the_step_not_a_sum() -> None:
+    lp = layers()
+    count = len(lp.units)
+    choice = solve(lp.priced.search_graph, method="dp").choice
+    base = lp.priced.node_costs
+    for first in (1, count):
+        policy = Recompute.uniform(lp.units.stack, count, "full", first)
+        applied = lp.apply(policy)
+        kept = {n: applied.node_costs[n][choice[n]].stash_bytes for n in graph().nodes}
+        # Backward reaches layer first-1 with the layers after it and the nodes after the stack freed
+        freed = sum(kept[n] for n in lp.post) + sum(kept[n] for u in lp.units.units[first:] for n in u)
+        back = sum(base[n][choice[n]].stash_bytes for n in lp.units.units[first - 1])
+        assert lp.extra_peak(policy, applied, choice) == max(0, back - freed)
+    # with a layer left as it was, the end of Forward is the peak
+    assert lp.extra_peak(Recompute.uniform(lp.units.stack, count, "full", 1), lp.apply(
+        Recompute.uniform(lp.units.stack, count, "full", 1)), choice) == 0  # fmt: skip
+
+
+def test_auto_recomputes_only_when_the_budget_needs_it() -> None:
+    free = plan(recompute="none")
+    assert plan(memory_budget=free.predicted.peak_memory_bytes).recompute is None
+    full = plan(recompute="full")
+    assert full.recompute.layers == ("full",) * 4
+    assert full.predicted.peak_memory_bytes < free.predicted.peak_memory_bytes
+    assert full.predicted.step_time_s > free.predicted.step_time_s
+    # a budget between the two: the plan fits, with some layers recomputed and no slower than all of them
+    budget = (free.predicted.peak_memory_bytes + full.predicted.peak_memory_bytes) // 2
+    mid = plan(memory_budget=budget)
+    assert mid.predicted.peak_memory_bytes <= budget
+    assert mid.recompute is not None and mid.recompute.active
+    assert mid.predicted.step_time_s <= full.predicted.step_time_s
+    assert "recompute full on" in mid.summary_table().splitlines()[0]
+
+
+def test_no_plan_fits_even_recomputing_every_layer() -> None:
+    full = plan(recompute="full")
+    with pytest.raises(InfeasibleBudget) as info:
+        plan(memory_budget=full.predicted.peak_memory_bytes // 4)
+    smallest = info.value.min_memory  # the real peak of the plan of least memory with every layer recomputed
+    assert full.predicted.peak_memory_bytes // 4 < smallest <= full.predicted.peak_memory_bytes
+    lean = plan(memory_budget=int(smallest))
+    assert lean.predicted.peak_memory_bytes <= smallest and lean.recompute.layers == ("full",) * 4
+
+
+def test_forced_plans_take_a_recomputation_mode() -> None:
+    for name in ("data_parallel", "megatron", "prime"):
+        none = forced_plan(graph(), name, **{**SIZES, "memory_budget": None})
+        full = forced_plan(graph(), name, **{**SIZES, "memory_budget": None, "recompute": "full"})
+        assert full.recompute == Recompute.uniform("blocks", 4, "full") and none.recompute is None
+        assert full.predicted.peak_memory_bytes < none.predicted.peak_memory_bytes, name
+        assert full.predicted.step_time_s > none.predicted.step_time_s, name
+
+
+def test_the_plan_records_its_recomputation() -> None:
+    p = plan(recompute="full")
+    data = json.loads(p.to_json())
+    assert data["format"] == "primepar-plan/2"
+    assert data["recompute"] == {"stack": "blocks", "layers": ["full"] * 4}
+    assert Plan.from_json(p.to_json()) == p
+    with pytest.raises(PlanError, match="plan.recompute.*must be one of"):
+        Plan.from_dict({**data, "recompute": {"stack": "blocks", "layers": ["some"]}})
+    with pytest.raises(PlanError, match="plan.recompute.*keys 'stack' and 'layers'"):
+        Plan.from_dict({**data, "recompute": ["full"]})
+    with pytest.raises(PlanError, match="'primepar-plan/1' is no longer read.*memory levers"):
+        Plan.from_dict({**data, "format": "primepar-plan/1"})
+    assert "recompute" not in json.loads(plan(recompute="none").to_json())
+
+
+def test_recompute_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        plan_graph(graph(), **SIZES, recompute="some")
+    units = layer_units(graph())
+    assert units is not None
+    flat = analyze(_Flat(), (torch.randn(2, 4, 8),))
+    with pytest.raises(ValueError, match="no layer stack"):
+        plan_graph(flat, world_size=2, cluster="cpu-gloo", baselines=False, recompute="full", memory_budget=None)
+    lp = layers()
+    assert not choose_recompute(
+        graph(), lp.priced, {B: 8, S: 64}, CostOptions(), choice="selective", memory_budget=None, alpha=0.0,
+        method="dp",
+    ).recompute  # fmt: skip  # llama's fused attention keeps no scores: nothing to recompute selectively
+    assert plan_peak(lp.priced, solve(lp.priced.search_graph, method="dp").choice) > 0
