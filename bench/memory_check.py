@@ -4,12 +4,12 @@
 
 On 4 gloo ranks, each plan is compiled and trained with AdamW; after a first step (so the optimizer's moments
 exist) and ``zero_grad(set_to_none=True)``, one more step (forward, backward, ``optimizer.step``) runs under
-``torch.profiler`` with ``profile_memory=True``. Its memory timeline
-(``torch.profiler._memory_profiler.MemoryProfile``) lists every tensor storage the step touches or creates, with
-its size, and when it is created and freed: the live bytes at each moment are the storages that exist then (the
-parameters, their moments and gradients, the activations kept for Backward, the collectives' and ring's buffers,
-temporaries), and the measured peak is the largest. Each rank measures its own; the table shows the largest over
-the ranks, next to the plan's ``predicted.peak_memory_bytes`` (per device).
+``torch.profiler`` with ``profile_memory=True``, which records every allocation and free of a tensor storage with
+its size and time. The live bytes at each moment are the storages that existed before the step (parameters,
+buffers, the optimizer's moments: their distinct storages' sizes) plus the step's allocations less its frees up
+to that moment (gradients, the activations kept for Backward, the collectives' and ring's buffers, temporaries);
+the measured peak is the largest. Each rank measures its own; the table shows the largest over the ranks, next
+to the plan's ``predicted.peak_memory_bytes`` (per device).
 
 What this measures is what the allocator is asked for, by tensors; it is not the process's resident memory (the
 Python heap, gloo's own buffers, the allocator's caching are outside it). The cost model counts parameters with
@@ -63,20 +63,36 @@ def _model(name: str):
     return model, args, {"labels": kwargs["labels"].clone()}
 
 
-def _peak(step) -> int:
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
+def _live_bytes(tensors) -> int:
+    """The bytes of the distinct storages of ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+
+def _peak(step, module, opt) -> int:
+    """What lives before the step (parameters, buffers, the optimizer's moments) plus the most the step's
+    allocations add at any moment: the profiler's allocation and free events, in time order."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    state = [t for s in opt.state.values() for t in s.values()]
+    before = _live_bytes([*module.parameters(), *module.buffers(), *state])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        stack.extend(e.children)
     live = peak = 0
-    for _, action, _, nbytes in prof._memory_profile().timeline:
-        if action in (Action.PREEXISTING, Action.CREATE):
-            live += nbytes
-        elif action == Action.DESTROY:
-            live -= nbytes
+    for _, nbytes in sorted(events):
+        live += nbytes
         peak = max(peak, live)
-    return peak
+    return before + peak
 
 
 def _step(module, opt, args, kwargs) -> None:
@@ -109,7 +125,7 @@ def measure(rank: int, world: int, cases: list) -> dict:
         step = functools.partial(_step, module, opt, args, kwargs)
         step()
         opt.zero_grad(set_to_none=True)
-        peak = torch.tensor([_peak(step)], dtype=torch.float64)
+        peak = torch.tensor([_peak(step, module, opt)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         opt.zero_grad(set_to_none=True)
         out[f"{model_name} {plan_name} {mode}"] = {

@@ -288,10 +288,12 @@ def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str
         levers.append("--no-master-weights")
     if options.recompute in ("none", "selective"):
         levers.append("--recompute auto or full (recompute the layers' activations in Backward)")
-    searched = "every layer recomputed in full" if options.recompute in ("auto", "full") else "this recomputation"
+    searched = {"auto": "with or without recomputation", "none": "without recomputation"}.get(
+        options.recompute, f"with {options.recompute} recomputation"
+    )
     return (
         f"no plan fits the memory budget of {budget}: the smallest needs {format_bytes(e.min_memory)} per device "
-        f"({math.ceil(e.min_memory):,} bytes) with {searched}. "
+        f"({math.ceil(e.min_memory):,} bytes) {searched}. "
         f"What would lower it: {', '.join(levers)} (ZeRO sharding of our plans is not in the search yet)"
     )
 

@@ -304,25 +304,31 @@ def choose_recompute(
     if memory_budget is None or alpha > 0 or free.solution.memory <= memory_budget:
         return dataclasses.replace(free, recompute=None)
     # the budget binds: the fastest of no recomputation, selective, and full on the fewest first layers that fit
-    found = [_try(layers, Recompute.uniform(stack, count, "none"), memory_budget, alpha, method)]
+    needs: list[float] = []
+    found = [_try(layers, Recompute.uniform(stack, count, "none"), memory_budget, alpha, method, needs)]
     if layers.selective_differs:
-        found.append(_try(layers, Recompute.uniform(stack, count, "selective"), memory_budget, alpha, method))
+        found.append(_try(layers, Recompute.uniform(stack, count, "selective"), memory_budget, alpha, method, needs))
     k = _fewest_full(layers, memory_budget)
     while k is not None:  # more layers recomputed free memory for faster partitions: k, 2k, 4k, ..., all
-        got = _try(layers, Recompute.uniform(stack, count, "full", k), memory_budget, alpha, method)
+        got = _try(layers, Recompute.uniform(stack, count, "full", k), memory_budget, alpha, method, needs)
         found.append(got)
         k = None if k == count else min(count, 2 * k if got is not None else k + 1)
     best = min((c for c in found if c is not None), key=lambda c: c.solution.cost, default=None)
     if best is None:
         full = Recompute.uniform(stack, count, "full")
-        raise InfeasibleBudget(memory_budget, _least_real(layers, full, layers.apply(full))[0])
+        needs.append(_least_real(layers, full, layers.apply(full))[0])
+        raise InfeasibleBudget(memory_budget, min(needs))  # the least of the modes tried
     return best if best.recompute is None or best.recompute.active else dataclasses.replace(best, recompute=None)
 
 
-def _try(layers: LayerPricing, policy: Recompute, budget: float, alpha: float, method: str) -> Chosen | None:
+def _try(
+    layers: LayerPricing, policy: Recompute, budget: float, alpha: float, method: str, needs: list[float]
+) -> Chosen | None:
+    """The plan under ``policy``, or ``None`` with the least it needs appended to ``needs``."""
     try:
         return _solve_policy(layers, policy, budget, alpha, method)
-    except InfeasibleBudget:
+    except InfeasibleBudget as exc:
+        needs.append(exc.min_memory)
         return None
 
 
