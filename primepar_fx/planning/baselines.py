@@ -521,10 +521,11 @@ def megatron_configs(mesh: DeviceMesh) -> list[dict]:
 
 
 def config_name(config: dict) -> str:
-    """``"megatron dp2 x mp4 +SP"``, ``"megatron dp8 x mp4 +SP +distributed optimizer"``."""
+    """``"megatron dp2 x mp4 +SP"``, ``"megatron dp8 x mp4 +SP +distributed optimizer +full recompute"``."""
     sp = " +SP" if config.get("sequence_parallel") else ""
     dist = " +distributed optimizer" if config.get("distributed_optimizer") else ""
-    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{sp}{dist}"
+    recompute = f" +{config['recompute']} recompute" if config.get("recompute") else ""
+    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{sp}{dist}{recompute}"
 
 
 def assignment_from_text(

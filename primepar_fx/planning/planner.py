@@ -197,7 +197,9 @@ def _best_megatron(
     each configuration with data parallelism is also tried with Megatron-LM's distributed optimizer (the master
     copies and moments split over the ``dp`` replicas: ``"distributed_optimizer": true``); it moves as many bytes
     as the all-reduce it replaces, so it ties in time and is kept only where the configuration fits with it and
-    not without.
+    not without. Every one of those is also tried with Megatron-LM's activation recomputation of every layer,
+    full and (where the model keeps attention scores) selective (``"recompute": "full"``), priced like ours
+    (:mod:`~primepar_fx.planning.recompute`); the fastest that fits wins, fewer levers breaking ties.
     ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
     state).
     """
@@ -206,29 +208,52 @@ def _best_megatron(
         raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
     assignments = megatron_assignments(graph, mesh, configs, values=values)
     priced_graph, choices = _price_assignments(graph, [*assignments, *also], mesh, cluster, values, opts)
-    variants = [(i, cfg, opts) for i, cfg in enumerate(configs)]
+    variants: list[tuple[int, dict[str, Any], CostOptions, Any]] = [
+        (i, cfg, opts, None) for i, cfg in enumerate(configs)
+    ]
     if memory_budget is not None and distributed_optimizer:
         variants += [
-            (i, {**cfg, "distributed_optimizer": True}, dataclasses.replace(opts, optimizer_shards=cfg["dp"]))
+            (i, {**cfg, "distributed_optimizer": True}, dataclasses.replace(opts, optimizer_shards=cfg["dp"]), None)
             for i, cfg in enumerate(configs)
             if cfg["dp"] > 1
         ]
+        # Megatron-LM's activation recomputation: full (every layer) and selective (attention scores)
+        layers = layer_pricing(graph, priced_graph, values, opts)
+        modes = [] if layers is None else ["full"] + (["selective"] if layers.selective_differs else [])
+        plain = list(variants)
+        for mode in modes:
+            assert layers is not None
+            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
+            applied = (layers, policy, layers.apply(policy))
+            variants += [(i, {**cfg, "recompute": mode}, costs, applied) for i, cfg, costs, _ in plain]
     ranked = []
-    for k, (i, cfg, costs) in enumerate(variants):
-        pred = summarize(graph, priced_graph, choices[i], costs, nodes=False).predicted
+    for k, (i, cfg, costs, rec) in enumerate(variants):
+        pred = _variant_summary(graph, priced_graph, choices[i], costs, rec, nodes=False).predicted
         log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
         fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
-        ranked.append((not fits, pred.step_time_s, "distributed_optimizer" in cfg, pred.peak_memory_bytes, k))
+        levers = ("distributed_optimizer" in cfg) + ("recompute" in cfg)
+        ranked.append((not fits, pred.step_time_s, levers, pred.peak_memory_bytes, k))
     unfit, *_, best = min(ranked)
-    i, cfg, costs = variants[best]
+    i, cfg, costs, rec = variants[best]
     config = {**cfg, "name": config_name(cfg)}
     if assignments[i].fallbacks:  # nodes where a split of the configuration did not divide, replicated there
         config["fallback_nodes"] = len(assignments[i].fallback_nodes())
     if memory_budget is not None:
         config["fits_budget"] = not unfit
-    summary = summarize(graph, priced_graph, choices[i], costs)
+    summary = _variant_summary(graph, priced_graph, choices[i], costs, rec)
     others = [summarize(graph, priced_graph, c, opts, nodes=False).predicted for c in choices[len(assignments) :]]
     return (config, summary, assignments[i]), others
+
+
+def _variant_summary(
+    graph: OpGraph, priced: PricedGraph, choice: dict[str, int], costs: CostOptions, rec: Any, *, nodes: bool = True
+) -> Summary:
+    """:func:`summarize` of a baseline's choice, with its recomputation ``rec`` (``(layers, policy, applied)``)."""
+    if rec is None:
+        return summarize(graph, priced, choice, costs, nodes=nodes)
+    layers, policy, applied = rec
+    extra = layers.extra_peak(policy, applied, choice)
+    return summarize(graph, applied, choice, costs, nodes=nodes, extra_peak=extra)
 
 
 def price_baselines(

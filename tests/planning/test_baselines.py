@@ -259,6 +259,32 @@ def test_megatron_fits_a_budget_with_its_distributed_optimizer() -> None:
     assert mega.predicted.peak_memory_bytes == budget
     assert mega.predicted.step_time_s == data.step_time_s and mega.predicted.comm_bytes == data.comm_bytes
     assert fitted["data_parallel"].config["fits_budget"] is False
-    # a byte less and nothing fits: the fastest is kept, marked, with its distributed optimizer
+    # a byte less: only Megatron's activation recomputation fits, slower
     tight = price_baselines(graph, mesh, cluster, values, CostOptions(), budget - 1)["megatron"]
-    assert tight.config["fits_budget"] is False
+    assert tight.config["fits_budget"] and tight.config["recompute"] == "full"
+    assert tight.predicted.peak_memory_bytes <= budget - 1 and tight.predicted.step_time_s > data.step_time_s
+    assert tight.config["name"].endswith("+full recompute")
+
+
+def test_megatron_recomputes_to_fit_and_says_when_nothing_does() -> None:
+    """Under a budget Megatron may recompute every layer's activations (priced like ours): it then keeps only the
+    layers' inputs, so its peak drops by the activations and its step grows by a Forward; below the least peak of
+    every configuration nothing fits and the fastest is kept, marked."""
+    from primepar_fx.cost.blocks import CostOptions
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.planning.planner import forced_plan, price_baselines
+
+    graph = graph_of("llama-tiny")
+    mesh, cluster, values = DeviceMesh((4,)), load_cluster("cpu-gloo"), {B: 8, S: 64}
+    free = price_baselines(graph, mesh, cluster, values, CostOptions(), None)["megatron"]
+    assert "recompute" not in free.config
+    sizes = {"world_size": 4, "cluster": "cpu-gloo", "batch": 8, "seq": 64, "memory_budget": None}
+    name = free.config["name"].removeprefix("megatron ")
+    full = forced_plan(graph, "megatron", recompute="full", **sizes)  # the same split, recomputing every layer
+    assert full.search["config"]["name"] == free.config["name"] and f"megatron {name}" == free.config["name"]
+    fitted = price_baselines(graph, mesh, cluster, values, CostOptions(), full.predicted.peak_memory_bytes)
+    mega = fitted["megatron"]
+    assert mega.config["fits_budget"] and mega.predicted.peak_memory_bytes <= full.predicted.peak_memory_bytes
+    assert mega.predicted.step_time_s <= full.predicted.step_time_s
+    nothing = price_baselines(graph, mesh, cluster, values, CostOptions(), 1000)["megatron"]
+    assert nothing.config["fits_budget"] is False
