@@ -38,6 +38,7 @@ from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.planning.options import resolve_cluster
 from primepar_fx.planning.plan import MiB, Plan
 from primepar_fx.planning.pricing import PricedGraph, price_graph
+from primepar_fx.planning.recompute import layer_pricing
 from primepar_fx.rules.spec import OpDims, Shape
 from primepar_fx.utils.tables import fold_repeats
 
@@ -148,7 +149,8 @@ def price_plan(
     """``graph`` priced as ``plan`` prices it, every node pinned to the plan's partition except ``free``.
 
     ``free`` gets every legal sequence (the plan's own first among equals, added if the enumeration lacks it).
-    ``cluster`` defaults to the plan's (a preset name or a spec file path).
+    ``cluster`` defaults to the plan's (a preset name or a spec file path). A plan's recomputed layers are priced
+    with their recomputation (:mod:`~primepar_fx.planning.recompute`).
     """
     spec = resolve_cluster(cluster or plan.cluster)
     plan.check_model((n.name, n.op) for n in graph.nodes.values())
@@ -160,11 +162,12 @@ def price_plan(
     def keep_chosen(_: str, seqs: list[PartitionSeq]) -> list[PartitionSeq]:
         return seqs if free is None or chosen[free] in seqs else [*seqs, chosen[free]]
 
-    return price_graph(
+    values = {B: plan.batch, S: plan.seq}
+    priced = price_graph(
         graph,
         mesh,
         spec,
-        {B: plan.batch, S: plan.seq},
+        values,
         opts,
         allow_prime=bool(plan.search.get("allow_prime", True)),
         canonical=bool(plan.search.get("canonical", False)),
@@ -172,6 +175,11 @@ def price_plan(
         replicate_constants=False,  # every other node is pinned; the free one shows its whole space
         restrict=keep_chosen,
     )
+    if plan.recompute is not None and plan.recompute.active:  # the plan's recomputed layers priced as it prices them
+        layers = layer_pricing(graph, priced, values, opts)
+        if layers is not None:
+            priced = layers.apply(plan.recompute)
+    return priced
 
 
 @dataclass(frozen=True, slots=True)
