@@ -14,7 +14,6 @@ from primepar_fx.frontend.capture import Captured
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, OpPartition
 from primepar_fx.passes.layouts import NodeLayouts, vkey_of
-from primepar_fx.planning.levers import Recompute
 from primepar_fx.runtime.gradsync import GradReduction
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
@@ -39,8 +38,9 @@ class RankContext:
     fallbacks: list[str] = field(default_factory=list)
     #: parameters arrive whole on every call (the torch.compile path) instead of as this rank's shards
     whole_params: bool = False
-    #: the plan's activation recomputation (passes/recompute.py); ``None``: none
-    recompute: Recompute | None = None
+    #: the plan's activation recomputation (a ``planning.levers.Recompute``: ``stack``, ``layers``, ``active``;
+    #: read by passes/recompute.py); ``None``: none
+    recompute: Any = None
     #: parameter placeholder -> the sum of its gradient that the gradient buckets do (passes/gradsync.py)
     grad_reductions: dict[str, GradReduction] = field(default_factory=dict)
 

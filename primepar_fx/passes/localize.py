@@ -43,7 +43,6 @@ from primepar_fx.passes.ring import replace_ring_products
 from primepar_fx.passes.runner import run_passes
 from primepar_fx.passes.shard import shard_parameters
 from primepar_fx.passes.share import share_relayouts
-from primepar_fx.planning.levers import Recompute
 from primepar_fx.runtime.gradsync import GradReduction
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.lowered import ShardedCrossEntropy, ShardedLayerNorm, VocabEmbedding
@@ -206,7 +205,7 @@ def localize(
     groups: ProcessGroups,
     *,
     whole_params: bool = False,
-    recompute: Recompute | None = None,
+    recompute: Any = None,
 ) -> RankGraph:
     """Run the passes (module docstring) on a copy of ``graph``'s captured GraphModule for rank ``rank``.
 
