@@ -72,6 +72,8 @@ def plan(
     master_weights: bool | None = None,
     state_dtype: Any = "fp32",
     recompute: str = "auto",
+    zero: str | int = "auto",
+    micro_batches: str | int = "auto",
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
@@ -98,6 +100,12 @@ def plan(
     ``recompute``: activation recomputation per layer (:mod:`~primepar_fx.planning.recompute`): ``"auto"`` (the
     default: none when the fastest plan fits the budget, else the fastest of none, selective and full on the
     fewest first layers that fit), or ``"none"``, ``"selective"``, ``"full"`` on every layer.
+    ``zero``: ZeRO's stage for the parameters the plan replicates (:mod:`~primepar_fx.runtime.zero`): ``"auto"``
+    (the default: 0 when the plan fits without, else 2, which splits gradients and optimizer state over the
+    replicas at no extra time), or 0, 1, 2. Train a ZeRO plan with ``module.optimizer(torch.optim.AdamW, ...)``.
+    ``micro_batches``: gradient accumulation over micro-batches of ``batch / micro_batches``: ``"auto"`` (the
+    default: 1 unless the budget binds, then the fastest of 1, 2, 4, 8 that divide the batch) or a count; the
+    compiled module splits the batch itself (:mod:`~primepar_fx.compiler.microbatch`).
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the
@@ -121,6 +129,8 @@ def plan(
         master_weights=master_weights,
         state_dtype=state_dtype,
         recompute=recompute,
+        zero=zero,
+        micro_batches=micro_batches,
     )
     limit = config_seq_max(model)
     if seq is not None and limit is not None and seq > limit:

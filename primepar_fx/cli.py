@@ -212,6 +212,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         master_weights=args.master_weights,
         state_dtype=args.state_dtype,
         recompute=args.recompute,
+        zero=args.zero,
+        micro_batches=args.micro_batches,
         memory_budget="device" if args.memory_budget is None else args.memory_budget,
         alpha=args.alpha,
         method=args.method,
@@ -233,19 +235,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except InfeasibleBudget as e:
         raise CliError(_infeasible(e, options, args.memory_budget is None)) from None
     print(plan.summary_table(tablefmt=args.format, fold=not args.all_nodes))
-    mega = plan.baselines.get("megatron")
-    if mega is not None and mega.config.get("fits_budget") is False:
-        print(
-            f"\nno Megatron configuration fits the budget of {format_bytes(options.memory_budget)}: the fastest, "
-            f"{mega.config.get('name')}, needs {format_bytes(mega.predicted.peak_memory_bytes)} (not compared)"
-        )
-    elif mega is not None:
-        speed = mega.predicted.step_time_s / plan.predicted.step_time_s
-        mem = plan.predicted.peak_memory_bytes / max(1, mega.predicted.peak_memory_bytes)
-        print(f"\nvs best Megatron ({mega.config.get('name')}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
-        if mega.config.get("fallback_nodes"):
+    if plan.baselines:
+        print()
+    for key, title in (("megatron", "Megatron configuration"), ("fsdp", "FSDP configuration")):
+        base = plan.baselines.get(key)
+        if base is None:
+            continue
+        name = base.config.get("name", key)
+        if base.config.get("fits_budget") is False:
             print(
-                f"  ({mega.config['fallback_nodes']} of {len(plan.nodes)} nodes could not take that configuration's "
+                f"no {title} fits the budget of {format_bytes(options.memory_budget)}: the fastest, {name}, needs "
+                f"{format_bytes(base.predicted.peak_memory_bytes)} (not compared)"
+            )
+            continue
+        speed = base.predicted.step_time_s / plan.predicted.step_time_s
+        mem = plan.predicted.peak_memory_bytes / max(1, base.predicted.peak_memory_bytes)
+        best = "best Megatron" if key == "megatron" else "best FSDP"
+        print(f"vs {best} ({name}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
+        if base.config.get("fallback_nodes"):
+            print(
+                f"  ({base.config['fallback_nodes']} of {len(plan.nodes)} nodes could not take that configuration's "
                 "split on some digit, which does not divide their dim, and are replicated there)"
             )
     for warning in plan_warnings(plan, options.cluster, options.memory_budget, graph):
@@ -288,13 +297,24 @@ def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str
         levers.append("--no-master-weights")
     if options.recompute in ("none", "selective"):
         levers.append("--recompute auto or full (recompute the layers' activations in Backward)")
+    if options.zero in (0, 1):
+        levers.append("--zero auto or 2 (gradients and optimizer state split over each parameter's replicas)")
+    if options.micro_batches != "auto":
+        levers.append("--micro-batches auto or more (a smaller micro-batch's activations)")
     searched = {"auto": "with or without recomputation", "none": "without recomputation"}.get(
         options.recompute, f"with {options.recompute} recomputation"
     )
+    searched += " and ZeRO-2" if options.zero == "auto" else f" and ZeRO stage {options.zero}"
+    if options.micro_batches == "auto":
+        from primepar_fx.planning.planner import micro_batch_tries
+
+        searched += f", in up to {max(micro_batch_tries(options))} micro-batches"
+    else:
+        searched += f", in {options.micro_batches} micro-batches"
     return (
         f"no plan fits the memory budget of {budget}: the smallest needs {format_bytes(e.min_memory)} per device "
         f"({math.ceil(e.min_memory):,} bytes) {searched}. "
-        f"What would lower it: {', '.join(levers)} (ZeRO sharding of our plans is not in the search yet)"
+        f"What would lower it: {', '.join(levers)}"
     )
 
 
@@ -453,6 +473,20 @@ def _add_plan_parser(sub: Any) -> None:
         choices=["auto", "none", "selective", "full"],
         help="activation recomputation per layer: auto (default: none unless the budget needs it, then the "
         "fastest that fits), or none / selective / full on every layer",
+    )
+    pl.add_argument(
+        "--zero",
+        default="auto",
+        choices=["auto", "0", "1", "2"],
+        help="ZeRO stage for the parameters a plan replicates: auto (default: 0 unless the budget needs it, then "
+        "2), 0, 1 (optimizer state split over the replicas) or 2 (gradients too)",
+    )
+    pl.add_argument(
+        "--micro-batches",
+        default="auto",
+        metavar="{auto,M}",
+        help="gradient accumulation over M micro-batches of --batch / M: auto (default: 1 unless the budget needs "
+        "more, then the fastest of 1, 2, 4, 8 that divide the batch) or a count",
     )
     pl.add_argument(
         "--memory-budget",

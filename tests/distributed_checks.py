@@ -71,14 +71,18 @@ def _summed(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def with_recompute(graph, world: int, plan: str) -> Plan:
-    """``"NAME+recompute=MODE"``: the searched plan (``NAME`` ``searched``) or the forced plan ``NAME``, priced with
-    ``MODE`` on every layer."""
-    name, _, mode = plan.partition("+recompute=")
+def with_levers(graph, world: int, plan: str) -> Plan:
+    """``"NAME+recompute=MODE+zero=STAGE+micro_batches=M"`` (any lever may be left out): the searched plan
+    (``NAME`` ``searched``) or the forced plan ``NAME``, with ``MODE`` on every layer, ZeRO stage ``STAGE`` and
+    ``M`` micro-batches."""
+    name, *levers = plan.split("+")
+    asked: dict = dict(lever.split("=") for lever in levers)
+    if "micro_batches" in asked:
+        asked["micro_batches"] = int(asked["micro_batches"])
     sizes = {"world_size": world, "cluster": "cpu-gloo", "batch": BATCH, "seq": SEQ, "memory_budget": None}
     if name == "searched":
-        return plan_graph(graph, baselines=False, recompute=mode, **sizes)
-    return forced_plan(graph, name, recompute=mode, **sizes)
+        return plan_graph(graph, baselines=False, method="dp", **asked, **sizes)
+    return forced_plan(graph, name, **asked, **sizes)
 
 
 def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps: int = 3) -> dict:
@@ -99,7 +103,7 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
             free = plan_graph(graph, world_size=world, cluster="cpu-gloo", batch=BATCH, seq=SEQ, baselines=False)
             budget = 0.6 * free.predicted.peak_memory_bytes
         if "+recompute=" in plan:
-            chosen = with_recompute(graph, world, plan)
+            chosen = with_levers(graph, world, plan)
         else:
             chosen = None if plan.startswith("searched") else plan
         module = compile_graph(graph, plan=chosen, memory_budget=budget)
@@ -149,6 +153,50 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
                 for d in ("fwd", "bwd")
             ),
             "full_elems": float(sum(p.numel() for p in ref.parameters())),
+        }
+    return report
+
+
+def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps: int = 3) -> dict:
+    """For each plan with levers (``with_levers``: ZeRO, micro-batches, recomputation): losses and parameters over
+    ``steps`` steps of ``module.optimizer(AdamW)`` vs one device, the bytes of the first whole step (every
+    micro-batch, backward and optimizer step) and the optimizer state each rank keeps."""
+    ref, args, kwargs = make(model_name)
+    ref_losses = _steps(ref, list(ref.parameters()), args, kwargs, steps)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    model, _, _ = make(model_name)
+    graph = build_graph(capture(model, args, kwargs))
+    report = {}
+    for plan in plans:
+        module = compile_graph(graph, plan=with_levers(graph, world, plan))
+        opt = module.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3)
+        losses, planned, grads_kept = [], 0.0, 0.0
+        for step in range(steps):
+            opt.zero_grad()
+            module.comm_stats.reset()
+            loss = loss_of(module(*args, **kwargs))
+            loss.backward()
+            grads_kept = _summed([float(sum(p.grad.numel() for p in module.parameters() if p.grad is not None))])[0]
+            opt.step()
+            if step == 0:
+                planned = _summed([float(module.comm_stats.planned)])[0]
+            losses.append(float(loss.detach()))
+        state = sum(t.numel() for st in opt.state.values() for t in st.values() if t.dim() > 0)
+        local = sum(p.numel() for p in module.parameters())
+        report[plan] = {
+            "zero": module.plan.zero,
+            "micro_batches": module.plan.micro_batches,
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "bad_params": _mismatch(module.gather_state_dict(), ref_params),
+            "sent_planned_total": planned,
+            "predicted_total": module.plan.predicted.comm_bytes * world,
+            "state_elems": _summed([float(state)])[0],
+            "unsharded_state_elems": _summed([2.0 * local])[0],
+            "grad_elems": grads_kept,
+            "param_elems": _summed([float(local)])[0],
+            "sharded_buckets": len(opt.describe()) if hasattr(opt, "describe") else 0,
+            "unsharded_elems": _summed([float(sum(p.numel() for p in getattr(opt, "plain", [])))])[0],
         }
     return report
 

@@ -6,9 +6,11 @@ positions; fused or separate QKV; tied or untied embeddings; with or without bia
 {1, 2, 3, 4, 6, 8}, a batch and sequence length, and a plan: mostly ``"random:SEED"`` (a uniformly random legal
 partition sequence per node, not only the optimal one), sometimes ``"prime"`` (on 4 or 8), ``"megatron"``,
 ``"data_parallel"`` or the searched plan, and on 6 ranks sometimes the other digit order (2, 3); a model of two
-or more layers is sometimes run with every layer recomputed in full (issue 18's lever). One training step
-of the compiled per-rank module must give the single-device loss and, gathered, every single-device gradient
-(``RTOL``, ``ATOL``).
+or more layers is sometimes run with every layer recomputed in full, and a plan on two or more ranks sometimes
+with ZeRO stage 1 or 2 (issue 18's levers). One training step of the compiled per-rank module must give the
+single-device loss and, gathered, every single-device gradient (``RTOL``, ``ATOL``); with ZeRO the step is
+taken by ``module.optimizer(AdamW)`` and the parameters after it must be one device's too (stage 2 leaves no
+gradients to gather).
 
 How examples are drawn, and why. One definition, :func:`draw_case`, draws a case through a ``choose(options)``
 callable, so the same generator serves two drivers:
@@ -70,6 +72,7 @@ class Case:
     index: int = 0
     note: dict[str, Any] = field(default_factory=dict)
     recompute: str = "none"  # activation recomputation of every layer: "none" or "full" (issue 18)
+    zero: int = 0  # ZeRO stage of the plan (issue 18)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -96,6 +99,8 @@ class Case:
             parts.append(f"digits {self.digits}")
         if self.recompute != "none":
             parts.append(f"recompute {self.recompute}")
+        if self.zero:
+            parts.append(f"ZeRO-{self.zero}")
         return ", ".join(parts)
 
 
@@ -141,6 +146,7 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Ca
     batch, seq = choose(((6, 12), (6, 24), (12, 24)))  # B != S: capture tells the two apart by size
     seed = choose(range(1000))
     recompute = choose(("none", "none", "full")) if config["layers"] >= 2 else "none"  # a stack needs two layers
+    zero = choose((0, 0, 1, 2)) if world > 1 else 0
     return Case(
         config=config,
         world=world,
@@ -151,6 +157,7 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Ca
         digits=digits,
         index=index,
         recompute=recompute,
+        zero=zero,
     )
 
 
@@ -189,7 +196,7 @@ def _model_and_inputs(case: Case):
 
 def _plan_for(case: Case, graph, world: int, rank: int):
     """What ``compile_graph`` gets: the name, a plan path, or (other digits, recomputation) a Plan made on rank 0."""
-    if case.digits is None and case.recompute == "none":
+    if case.digits is None and case.recompute == "none" and not case.zero:
         return case.plan
     if rank != 0:
         return None  # rank 0's plan is broadcast
@@ -197,10 +204,10 @@ def _plan_for(case: Case, graph, world: int, rank: int):
 
     cap = graph.captured
     sizes = {"world_size": world, "batch": cap.example_batch, "seq": cap.example_seq, "recompute": case.recompute}
-    sizes.update(cluster="cpu-gloo", memory_budget=None)
+    sizes.update(cluster="cpu-gloo", memory_budget=None, zero=case.zero)
     if case.plan == "searched":
         return plan_graph(graph, baselines=False, **sizes)
-    if case.plan.endswith(".json"):  # a pinned plan records its own recomputation
+    if case.plan.endswith(".json"):  # a pinned plan records its own recomputation and ZeRO stage
         return case.plan
     return forced_plan(graph, case.plan, digits=case.digits, **sizes)
 
@@ -227,10 +234,14 @@ def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) ->
     module = compile_graph(graph, plan=_plan_for(case, graph, world, rank), world_size=world)
     if rank == 0 and out_dir is not None:
         Path(out_dir, f"plan-{case.index}.json").write_text(module.plan.to_json())
+    opt = module.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3) if module.plan.zero else None
     loss = module(*args, **kwargs)
     loss.backward()
-    grads = module.gather_grads()
-    bad = _mismatch(grads, ref_grads)
+    bad = _mismatch(module.gather_grads(), ref_grads) if module.plan.zero < 2 else []
+    if opt is not None:  # one AdamW step: the parameters after it (eps as distributed_checks explains)
+        torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3).step()
+        opt.step()
+        bad += _mismatch(module.gather_state_dict(), {n: p.detach() for n, p in ref.named_parameters()})
     losses = torch.zeros(world, dtype=torch.float64)  # every rank must return the same loss
     losses[rank] = float(loss.detach())
     if world > 1:

@@ -157,7 +157,8 @@ def test_plan_searches_within_the_device_memory_by_default(capsys: pytest.Captur
     assert rc == 2, err
     assert re.search(
         r"no plan fits the memory budget of 1\.8 GiB \(the default: 90% of the 2 GiB of a [^;]+; --memory-budget none "
-        r"lifts it\): the smallest needs [0-9.]+ GiB per device \([0-9,]+ bytes\) with or without recomputation\. "
+        r"lifts it\): the smallest needs [0-9.]+ GiB per device \([0-9,]+ bytes\) with or without recomputation and "
+        r"ZeRO-2, in up to 8 micro-batches\. "
         r"What would lower it: more devices",
         err,
     ), err
@@ -182,7 +183,7 @@ def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
     assert rc == 0 and "vs best Megatron" in text and f"wrote {out}" in text
     plan = Plan.load(out)
     assert plan.format == "primepar-plan/2" and plan.world_size == 4 and plan.digits == (2, 2)
-    assert set(plan.baselines) == {"megatron", "data_parallel", "split_only"}
+    assert set(plan.baselines) == {"megatron", "data_parallel", "fsdp", "split_only"}
     # the search space contains the baselines, so the searched plan is never predicted slower than them
     assert all(plan.predicted.step_time_s <= b.predicted.step_time_s * (1 + 1e-9) for b in plan.baselines.values())
     assert plan.search["proven_optimal"] is True

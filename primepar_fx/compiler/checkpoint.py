@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from primepar_fx.compiler.module import PrimeParModule, require_compiled
 from primepar_fx.runtime.exchange import full_layout
+from primepar_fx.runtime.zero import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -289,10 +290,17 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         )
 
 
+def _per_parameter(optimizer: Any) -> Any:
+    """A ZeRO optimizer (:class:`~primepar_fx.runtime.zero.ShardedOptimizer`) seen per parameter, as checkpoints
+    keep optimizer state; any other optimizer as it is."""
+    return optimizer.as_params() if isinstance(optimizer, ShardedOptimizer) else optimizer
+
+
 # ---------------------------------------------------------------------------------------------------- sharded
 def save(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
     """Write ``module``'s parameters (and ``optimizer``'s state) as a sharded DCP checkpoint in directory ``path``."""
     require_compiled(module, "checkpoint.save")
+    optimizer = _per_parameter(optimizer)
     if Path(path).exists() and not Path(path).is_dir():
         raise ValueError(f"checkpoint.save writes a directory, and {os.fspath(path)!r} is a file")
     rank, world = _rank_world()
@@ -339,6 +347,7 @@ def load(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.
     state changes.
     """
     require_compiled(module, "checkpoint.load")
+    optimizer = _per_parameter(optimizer)
     rank, world = _rank_world()
     meta = read_meta(path)
     _check_parameters(module, meta["parameters"], f"{os.fspath(path)}/{META_FILE}")
@@ -427,6 +436,7 @@ def save_consolidated(
 ) -> Path:
     """Gather whole tensors and write them from rank 0 as one ``torch.save`` file (module docstring)."""
     require_compiled(module, "checkpoint.save_consolidated")
+    optimizer = _per_parameter(optimizer)
     rank, world = _rank_world()
     payload: dict[str, Any] = {
         "format": CONSOLIDATED_FORMAT,
@@ -469,6 +479,7 @@ def load_consolidated(
 ) -> None:
     """Load a :func:`save_consolidated` file (``weights_only=True``) into ``module`` (and ``optimizer``)."""
     require_compiled(module, "checkpoint.load_consolidated")
+    optimizer = _per_parameter(optimizer)
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(payload, dict) or payload.get("format") != CONSOLIDATED_FORMAT:
         raise ValueError(f"{os.fspath(path)} is not a {CONSOLIDATED_FORMAT} file")
@@ -513,6 +524,8 @@ def _apply(
     with torch.no_grad():
         for fqn, value in params.items():
             local[fqn].copy_(value)
+    for sharded in module._sharded:  # a ZeRO optimizer's master copies follow the new parameters
+        sharded.reload()
     if optimizer is not None:
         optimizer.load_state_dict(opt_state)  # type: ignore[arg-type]
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +44,8 @@ from primepar_fx.compiler.agree import (
     with_machine_cluster,
 )
 from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
+from primepar_fx.compiler.microbatch import run_micro_batches, split_inputs
+from primepar_fx.cost.blocks import ZERO_STAGES
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph, build_graph
@@ -54,6 +57,7 @@ from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.gradsync import GradientBuckets
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
+from primepar_fx.runtime.zero import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,12 @@ class PrimeParModule(nn.Module):
             else:
                 raise NotImplementedError(f"input {spec.target} of kind {spec.kind.name} is not supported")
         self._ranges = size_ranges(captured)
+        if plan.zero not in ZERO_STAGES:
+            raise NotImplementedError(
+                f"the plan asks for ZeRO stage {plan.zero}, which the runtime does not run (stages {list(ZERO_STAGES)})"
+            )
+        self._sharded: list[ShardedOptimizer] = []  # the ZeRO optimizer made by :meth:`optimizer`, if any
+        self._warned_zero = False
         self.grad_reductions = dict(rank_graph.grad_reductions)
         self.grad_buckets = GradientBuckets(
             [
@@ -196,6 +206,24 @@ class PrimeParModule(nn.Module):
                 f"{len(flat)} inputs but the module was compiled with {len(self._user_specs)} "
                 f"({', '.join(spec.name for spec in self._user_specs)})"
             )
+        if self.plan.zero and not self._sharded and torch.is_grad_enabled() and not self._warned_zero:
+            self._warned_zero = True
+            warnings.warn(
+                f"the plan shards optimizer state (ZeRO-{self.plan.zero}), but no module.optimizer(...) was made: "
+                "gradients are summed whole and an optimizer of module.parameters() keeps all of its state, "
+                "more memory than the plan predicts",
+                stacklevel=2,
+            )
+        m = self.plan.micro_batches
+        if m > 1:  # the plan's micro-batches, gradients accumulated (compiler/microbatch.py)
+            chunks = split_inputs(self._user_specs, flat, m)
+            out = run_micro_batches(self._run, chunks, self.grad_buckets.accumulating)
+        else:
+            out = self._run(flat)
+        return pytree.tree_unflatten(list(out), self._out_spec)
+
+    def _run(self, flat: list[Any]) -> list[Any]:
+        """One run of the rank graph on the flat user inputs ``flat``; its flat outputs."""
         sizes = sizes_of(self._user_specs, flat, self._ranges, self._sizes)
         if self.check_sizes and self.mesh.size > 1:
             self._peer_call(_check_same_sizes_everywhere, sizes, self.mesh.size)
@@ -211,8 +239,29 @@ class PrimeParModule(nn.Module):
                 call.append(getattr(self, key))  # type: ignore[arg-type]
             else:
                 call.append(next(users))
-        out = self._peer_call(rank_graph.gm, *call)
-        return pytree.tree_unflatten(list(out), self._out_spec)
+        return list(self._peer_call(rank_graph.gm, *call))
+
+    def optimizer(
+        self, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, /, **defaults: Any
+    ) -> Any:
+        """The optimizer the plan prices: ``optimizer_class(self.parameters(), **defaults)``, or, for a plan with
+        ZeRO (``plan.zero`` 1 or 2), a :class:`~primepar_fx.runtime.zero.ShardedOptimizer` that keeps this rank's
+        share of the state (an element-wise optimizer such as AdamW, Adam or SGD; make one per module)."""
+        if not self.plan.zero:
+            return optimizer_class(self.parameters(), **defaults)
+        if self._sharded:
+            raise RuntimeError("this module already has its sharded optimizer; make one optimizer per module")
+        opt = ShardedOptimizer(
+            self.grad_buckets,
+            self.parameters(),
+            self.rank,
+            self.plan.zero,
+            optimizer_class,
+            self.comm_stats,
+            **defaults,
+        )
+        self._sharded.append(opt)
+        return opt
 
     def _peer_call(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, which talks to the other ranks: a failure that says a peer died, raised or stopped
@@ -316,6 +365,8 @@ class PrimeParModule(nn.Module):
             for fqn, key in found.items():
                 p = self.shards[self._key_of[fqn]]
                 p.copy_(self.shard_tensor(fqn, state[key].detach().to(p.dtype)))  # type: ignore[index]
+        for opt in self._sharded:  # its master copies follow the new parameters
+            opt.reload()
 
 
 def _check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:

@@ -17,6 +17,10 @@ from primepar_fx.partition.enumerate import ValuesKey
 from primepar_fx.partition.layouts import concrete_sizes
 from primepar_fx.rules.spec import OpDims, TensorMap
 
+#: The ZeRO stages the runtime runs for our plans (0: none); the cost model also prices 3 (the FSDP baseline)
+ZERO_STAGES = (0, 1, 2)
+PRICED_ZERO_STAGES = (*ZERO_STAGES, 3)
+
 #: Bytes per element of each training dtype.
 ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
@@ -33,6 +37,20 @@ class CostOptions:
     that many devices that hold the same parameter block (ZeRO stage 1; Megatron-LM's distributed optimizer over its
     data-parallel replicas); the gradient's reduce-scatter and the parameter's all-gather after the step move the
     bytes of the all-reduce they replace, so the time does not change.
+
+    ``zero`` is ZeRO's stage for the plan's own parameters, each over the devices that hold the same block of it
+    (the group that sums its gradient; a node's :attr:`~primepar_fx.cost.model.NodeCost.shard_bytes`): 1 splits the
+    master copy and the moments (the gradient is all-reduced whole, and the updated parameter all-gathered after
+    the step: the all-gather's bytes on top), 2 also the gradient (reduce-scattered instead: the bytes of the
+    all-reduce it replaces). The shard is stepped as an fp32 copy (the master copy; without master weights, one
+    more). Stage 3 also splits the parameter (FSDP): it is all-gathered before Forward and again before Backward
+    and its gradient reduce-scattered, an all-gather's bytes more than the all-reduce; the cost model prices it
+    for the FSDP baseline, and plans do not use it yet (no runtime for it).
+
+    ``micro_batches`` ``m``: the graph is priced at the micro-batch (``B / m``) and a step runs it ``m`` times,
+    summing parameter gradients locally and over their replicas once, at the last (gradient accumulation). What
+    runs once a step (the bucketed gradient all-reduces and ZeRO's all-gathers) is priced at ``1/m`` per
+    micro-batch, so that ``m`` times a node's cost is its cost in the step.
     """
 
     dtype: str = "fp32"
@@ -42,6 +60,8 @@ class CostOptions:
     master_weights: bool | None = None
     state_dtype: str = "fp32"
     optimizer_shards: int = 1
+    zero: int = 0
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         for name in ("dtype", "grad_dtype", "state_dtype"):
@@ -53,6 +73,11 @@ class CostOptions:
         shards = self.optimizer_shards
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ValueError(f"optimizer_shards must be a whole number of devices >= 1, got {shards!r}")
+        if self.zero not in PRICED_ZERO_STAGES or isinstance(self.zero, bool):
+            raise ValueError(f"zero must be a ZeRO stage in {list(PRICED_ZERO_STAGES)}, got {self.zero!r}")
+        m = self.micro_batches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"micro_batches must be a whole number >= 1, got {m!r}")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int):
             raise ValueError(f"optimizer_states must be a whole number of moments, got {self.optimizer_states!r}")
         if self.optimizer_states < 0 or self.alpha < 0:
@@ -84,9 +109,17 @@ class CostOptions:
         master = 4 if self.keeps_master else 0
         return master + self.optimizer_states * ITEMSIZE[dtype_key(self.state_dtype)]
 
-    def state_bytes(self, param_elems: int) -> int:
-        """Bytes a device keeps for ``param_elems`` elements of parameter blocks, the optimizer's part sharded."""
-        return param_elems * self.param_grad_bytes + -(-param_elems * self.optimizer_bytes // self.optimizer_shards)
+    def state_bytes(self, param_elems: int, shard_elems: int | None = None) -> int:
+        """Bytes a device keeps for ``param_elems`` elements of parameter blocks, the optimizer's part sharded
+        (``optimizer_shards``); ``shard_elems``: this device's share of them under ZeRO (``zero``), each block split
+        over its replicas."""
+        if self.zero == 0 or shard_elems is None:
+            return param_elems * self.param_grad_bytes + -(-param_elems * self.optimizer_bytes // self.optimizer_shards)
+        grad = self.param_grad_bytes - self.itemsize
+        # the optimizer steps an fp32 copy of the shard (:mod:`primepar_fx.runtime.zero`): the master, or one more
+        kept = self.optimizer_bytes + (0 if self.keeps_master else 4)
+        held = shard_elems if self.zero >= 3 else param_elems
+        return held * self.itemsize + (shard_elems if self.zero >= 2 else param_elems) * grad + shard_elems * kept
 
     def describe_state(self) -> str:
         """``"16 B a parameter: bf16 parameter and gradient, fp32 master, 2 fp32 moments"`` and the like."""
@@ -99,7 +132,8 @@ class CostOptions:
         n = self.optimizer_states
         if n:
             kept += f", {n} {dtype_key(self.state_dtype)} moment{'s' if n > 1 else ''}"
-        return f"{self.param_state_bytes} B a parameter: {kept}"
+        zero = f"; ZeRO-{self.zero} over each parameter's replicas" if self.zero else ""
+        return f"{self.param_state_bytes} B a parameter: {kept}{zero}"
 
     def training_state(self) -> dict[str, object]:
         """What a plan records of these (``plan.search["training_state"]``; :meth:`from_training_state`)."""
@@ -109,6 +143,8 @@ class CostOptions:
             "optimizer_states": self.optimizer_states,
             "state_dtype": dtype_key(self.state_dtype),
             "bytes_per_parameter": self.param_state_bytes,
+            "zero": self.zero,
+            "micro_batches": self.micro_batches,
         }
 
     @classmethod
@@ -119,11 +155,19 @@ class CostOptions:
             return cls(dtype=dtype, alpha=alpha)
         if not isinstance(state, dict):
             raise ValueError(f"plan.search.training_state must be a mapping, got {type(state).__name__}")
-        known = ("grad_dtype", "master_weights", "optimizer_states", "state_dtype", "bytes_per_parameter")
+        known = (
+            "grad_dtype",
+            "master_weights",
+            "optimizer_states",
+            "state_dtype",
+            "zero",
+            "micro_batches",
+            "bytes_per_parameter",
+        )
         unknown = sorted(set(state) - set(known))
         if unknown:
             raise ValueError(f"plan.search.training_state has unknown field(s) {unknown}; use {list(known)}")
-        kept = {k: state[k] for k in known[:4] if k in state}
+        kept = {k: state[k] for k in known[:-1] if k in state}
         opts = cls(dtype=dtype, alpha=alpha, **kept)
         if "bytes_per_parameter" in state and state["bytes_per_parameter"] != opts.param_state_bytes:
             raise ValueError(

@@ -107,6 +107,9 @@ class NodeCost:
     forward_collective_s: float = 0.0
     forward_ring_bytes: int = 0
     forward_collective_bytes: int = 0
+    #: this device's share of ``param_bytes`` when each parameter block is split over the devices that hold it
+    #: (ZeRO, :attr:`~primepar_fx.cost.blocks.CostOptions.zero`); ``None``: no block is replicated
+    shard_bytes: int | None = None
 
     @property
     def forward_s(self) -> float:
@@ -123,7 +126,8 @@ class NodeCost:
 
     def state_bytes(self, opts: CostOptions) -> int:
         """This device's parameter blocks with their gradients, master copies and optimizer moments (``opts``)."""
-        return opts.state_bytes(self.param_bytes // opts.itemsize)
+        shard = None if self.shard_bytes is None else -(-self.shard_bytes // opts.itemsize)
+        return opts.state_bytes(self.param_bytes // opts.itemsize, shard)
 
     def memory_bytes(self, opts: CostOptions) -> int:
         return self.state_bytes(opts) + self.stash_bytes + self.buffer_bytes
@@ -202,14 +206,32 @@ def node_cost(
             fwd_compute, fwd_ring = compute_total, ring_total
         phase_s.append(total)
     coll_s = fwd_coll = 0.0
+    replicas: dict[int, tuple[int, tuple[int, ...]]] = {}  # weight input -> its replicas (the gradient's group)
     for c in collectives(part):
         seconds, nbytes = collective_price(part, c, cluster, vkey, item, bucketed=in_bucket(op, c))
+        if in_bucket(op, c) and opts.micro_batches > 1:  # once a step: its share of each micro-batch
+            seconds, nbytes = seconds / opts.micro_batches, int(round(nbytes / opts.micro_batches))
         coll_s += seconds
         comm[c.kind] = comm.get(c.kind, 0) + nbytes
         if c.phase is Phase.FORWARD:
             fwd_coll += seconds
             fwd_coll_bytes += nbytes
-    params = sum(block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None)
+        if in_bucket(op, c):
+            replicas[int(c.tensor[4:])] = (cluster.group_size(part.mesh, c.digits), c.digits)
+    weights = {k: block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None}
+    params = sum(weights.values())
+    shard = None
+    if replicas:
+        shard = sum(-(-b // replicas[k][0]) if k in replicas else b for k, b in weights.items())
+        # stage 1 all-gathers the updated shards after the step (stage 2 swaps the all-reduce for a reduce-scatter
+        # and this all-gather: the same bytes); stage 3 gathers before Forward and before Backward: one more
+        if opts.zero in (1, 3):
+            for k in replicas:
+                seconds, gathered = zero_gather_price(part, k, cluster, vkey, item)
+                if opts.micro_batches > 1 and opts.zero == 1:  # (stage 3 gathers before every micro-batch)
+                    seconds, gathered = seconds / opts.micro_batches, int(round(gathered / opts.micro_batches))
+                coll_s += seconds
+                comm["all-gather"] = comm.get("all-gather", 0) + gathered
     stash = sum(block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
     buffers = max(  # one receive buffer per tensor that moves in a phase; phases run one after another
         (
@@ -232,7 +254,22 @@ def node_cost(
         forward_collective_s=fwd_coll,
         forward_ring_bytes=fwd_ring_bytes,
         forward_collective_bytes=fwd_coll_bytes,
+        shard_bytes=shard,
     )
+
+
+def zero_gather_price(
+    part: OpPartition, k: int, cluster: ClusterSpec, vkey: ValuesKey, itemsize: int
+) -> tuple[float, int]:
+    """Seconds and bus bytes of ZeRO stage 1's all-gather of weight input ``k`` after the step, over the group
+    that sums its gradient; ``(0, 0)`` when none does."""
+    for c in collectives(part):
+        if in_bucket(part.op, c) and int(c.tensor[4:]) == k:
+            block = block_bytes(part, part.op.inputs[k], vkey, itemsize)
+            seconds = cluster.collective_time("all-gather", block, part.mesh, c.digits, bucketed=True)
+            bus, _ = ring_factors("all-gather", cluster.group_size(part.mesh, c.digits))
+            return seconds, int(round(bus * block))
+    return 0.0, 0
 
 
 def collective_price(

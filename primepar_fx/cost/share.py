@@ -49,12 +49,22 @@ def signature(part: OpPartition, target: object, k: int, vkey: ValuesKey) -> Has
 
 
 def input_all_reduce_price(
-    part: OpPartition, target: object, k: int, cluster: ClusterSpec, vkey: ValuesKey, itemsize: int
+    part: OpPartition,
+    target: object,
+    k: int,
+    cluster: ClusterSpec,
+    vkey: ValuesKey,
+    itemsize: int,
+    micro_batches: int = 1,
 ) -> tuple[float, int]:
-    """Seconds and bus bytes of :func:`input_all_reduces`: what a consumer that shares its input no longer runs."""
+    """Seconds and bus bytes of :func:`input_all_reduces`: what a consumer that shares its input no longer runs
+    (a parameter gradient's, summed once a step, at its share of one of ``micro_batches``)."""
     seconds, nbytes = 0.0, 0
     for c in input_all_reduces(part, target, k):
-        s, b = collective_price(part, c, cluster, vkey, itemsize, bucketed=in_bucket(part.op, c))
+        bucketed = in_bucket(part.op, c)
+        s, b = collective_price(part, c, cluster, vkey, itemsize, bucketed=bucketed)
+        if bucketed and micro_batches > 1:
+            s, b = s / micro_batches, int(round(b / micro_batches))
         seconds, nbytes = seconds + s, nbytes + b
     return seconds, nbytes
 

@@ -1,5 +1,7 @@
-"""The memory levers a plan records (issue 18): what it recomputes. Plain data, validated; priced and chosen by
-:mod:`primepar_fx.planning.recompute`, honoured at run time by :mod:`primepar_fx.passes.recompute`."""
+"""The memory levers a plan records (issue 18): what it recomputes, and its ZeRO stage. Plain data, validated;
+recomputation is priced and chosen by :mod:`primepar_fx.planning.recompute` and honoured at run time by
+:mod:`primepar_fx.passes.recompute`; the ZeRO stage is priced by the cost model
+(:attr:`~primepar_fx.cost.blocks.CostOptions.zero`) and honoured by :mod:`primepar_fx.runtime.zero`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ MODES = ("none", "selective", "full")
 CHOICES = ("auto", *MODES)
 #: the kind under which a recomputed Forward's bytes are reported
 RECOMPUTE_KIND = "recomputation"
+
+
+#: what a plan's options may ask of ZeRO: a stage, or ``"auto"`` (0 when the plan fits without, else 2)
+ZERO_CHOICES = ("auto", 0, 1, 2)
+
+
+def check_zero(value: object) -> str | int:
+    """``value`` as a ZeRO choice: ``"auto"`` or a stage (``"2"`` as 2)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or value not in ZERO_CHOICES:
+        raise ValueError(f"zero must be one of {list(ZERO_CHOICES)}, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def check_choice(value: object) -> str:

@@ -35,7 +35,7 @@ from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
 from primepar_fx.graph import check_fallback
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.planning.levers import check_choice
+from primepar_fx.planning.levers import check_choice, check_zero
 from primepar_fx.planning.plan import Plan
 from primepar_fx.utils.units import memory_budget_bytes
 
@@ -151,6 +151,12 @@ class PlanOptions:
         recompute: activation recomputation (:mod:`~primepar_fx.planning.recompute`): ``"auto"`` (none unless the
             budget needs it, then the fastest mode that fits), or ``"none"``, ``"selective"`` or ``"full"`` on every
             layer of the stack.
+        zero: ZeRO's stage for the plan's replicated parameters (:attr:`~primepar_fx.cost.blocks.CostOptions.zero`):
+            ``"auto"`` (the search runs at stage 2, which costs no time and the least memory; the plan keeps stage 0
+            when it fits without), or 0, 1 or 2.
+        micro_batches: gradient accumulation (:func:`~primepar_fx.planning.planner.micro_batch_tries`): ``"auto"``
+            (1 unless the budget binds, then the fastest of 1, 2, 4, 8 that divide the batch, stopping at the
+            first that fits without recomputation), or a count that divides the batch.
         method: ``"dp"``, ``"ilp"`` or ``"auto"``.
         allow_prime: whether P(S x S) is in the space (``False``: the split-only space).
         baselines: also price Megatron-LM, data parallelism and split-only.
@@ -175,6 +181,8 @@ class PlanOptions:
     master_weights: bool | None = None
     state_dtype: str = "fp32"
     recompute: str = "auto"
+    zero: str | int = "auto"
+    micro_batches: str | int = "auto"
     method: str = "auto"
     allow_prime: bool = True
     baselines: bool = True
@@ -204,6 +212,13 @@ class PlanOptions:
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0 seconds per byte, got {self.alpha!r}")
         check_choice(self.recompute)
+        if check_zero(self.zero) != self.zero:
+            raise ValueError(f"zero must be 'auto' or a stage number here (use PlanOptions.make), got {self.zero!r}")
+        m = self.micro_batches
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"micro_batches must be 'auto' or a whole number >= 1, got {m!r}")
+        if isinstance(m, int) and self.batch is not None and self.batch % m:
+            raise ValueError(f"micro_batches={m} does not divide the batch of {self.batch}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
         check_fallback(self.fallback)
@@ -228,6 +243,8 @@ class PlanOptions:
         grad_dtype: object = None,
         state_dtype: object = "fp32",
         digits: Any = None,
+        zero: object = "auto",
+        micro_batches: object = "auto",
         **fields: Any,
     ) -> PlanOptions:
         """Options from user input: ``cluster`` a spec, preset name, spec file or ``None`` (:func:`default_cluster`,
@@ -244,11 +261,17 @@ class PlanOptions:
             grad_dtype=None if grad_dtype is None else dtype_key(grad_dtype),
             state_dtype=dtype_key(state_dtype),
             digits=None if digits is None else tuple(digits),
+            zero=check_zero(zero),
+            micro_batches=int(micro_batches)
+            if isinstance(micro_batches, str) and micro_batches.strip().isdigit()
+            else micro_batches,
             **fields,
         )
 
     def cost_options(self) -> CostOptions:
-        """What the cost model assumes about training under these options (the dtype must be known)."""
+        """What the cost model assumes about training under these options (the dtype must be known); ZeRO
+        ``"auto"`` prices stage 2, the search's (the plan may keep 0: :func:`~primepar_fx.planning.planner.plan_graph`).
+        """
         if self.dtype is None:
             raise ValueError("the dtype is not known yet: PlanOptions needs dtype for the cost model's options")
         return CostOptions(
@@ -257,6 +280,7 @@ class PlanOptions:
             grad_dtype=self.grad_dtype,
             master_weights=self.master_weights,
             state_dtype=self.state_dtype,
+            zero=2 if self.zero == "auto" else self.zero,  # type: ignore[arg-type]
         )
 
     def replace(self, **changes: Any) -> PlanOptions:

@@ -418,6 +418,16 @@ class Plan:
             raise ValueError(f"plan.search.alpha must be a number of seconds per byte, got {alpha!r}")
         return CostOptions.from_training_state(self.dtype, float(alpha), self.search.get("training_state"))
 
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches of ``batch / micro_batches`` a step runs (``search.training_state``; 1: none)."""
+        return self.cost_options().micro_batches
+
+    @property
+    def zero(self) -> int:
+        """The plan's ZeRO stage for every parameter it replicates (``search.training_state.zero``; 0: none)."""
+        return self.cost_options().zero
+
     def _check_digits(self) -> None:
         if not isinstance(self.digits, (tuple, list)):
             _fail("plan.digits", f"must be a list of device-ID radices, got {type(self.digits).__name__}")
@@ -555,6 +565,9 @@ class Plan:
         head = ["predicted", "step ms", "time vs ours", "peak memory MiB", "memory vs ours", "comm B"]
         table = tabulate(totals, head, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
         recompute = f"; recompute {self.recompute.describe()}" if self.recompute and self.recompute.active else ""
+        m = self.micro_batches
+        if m > 1:
+            recompute += f"; {m} micro-batches of {self.batch // m}"
         title = (
             f"{self.model} on {self.world_size} devices {list(self.digits)} of {self.cluster} "
             f"(B={self.batch}, S={self.seq}, {self.dtype}; {self.cost_options().describe_state()}{recompute}); "

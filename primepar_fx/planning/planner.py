@@ -41,6 +41,7 @@ from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
+from primepar_fx.graph.layers import layer_units
 from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_sequences
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.planning.levers import Recompute
@@ -48,7 +49,7 @@ from primepar_fx.planning.options import PlanOptions, forced_seed
 from primepar_fx.planning.peak import solve_for_peak
 from primepar_fx.planning.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.planning.pricing import PricedGraph, price_graph
-from primepar_fx.planning.recompute import choose_recompute, layer_pricing
+from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
 from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.gcpause import gc_paused
 
@@ -130,7 +131,10 @@ def summarize(
             kinds["all-reduce"] = kinds.get("all-reduce", 0) - saved[name] - scattered[name]
             kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + scattered[name]
         if unshared[name]:  # input-gradient all-reduces done once, by the first consumer of a shared re-layout
-            kinds["all-reduce"] = kinds.get("all-reduce", 0) - unshared[name]
+            reduced = min(unshared[name], kinds.get("all-reduce", 0))  # (a tied parameter's, with ZeRO stage 1:
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) - reduced  # and its all-gather after the step)
+            if unshared[name] > reduced:
+                kinds["all-gather"] = kinds.get("all-gather", 0) - (unshared[name] - reduced)
         if scattered[name] or unshared[name]:
             kinds = {k: v for k, v in kinds.items() if v}
         if redis_bytes[name]:
@@ -246,14 +250,70 @@ def _best_megatron(
 
 
 def _variant_summary(
-    graph: OpGraph, priced: PricedGraph, choice: dict[str, int], costs: CostOptions, rec: Any, *, nodes: bool = True
+    graph: OpGraph,
+    priced: PricedGraph,
+    choice: dict[str, int],
+    costs: CostOptions,
+    rec: Any,
+    *,
+    nodes: bool = True,
+    extra: int = 0,
 ) -> Summary:
-    """:func:`summarize` of a baseline's choice, with its recomputation ``rec`` (``(layers, policy, applied)``)."""
+    """:func:`summarize` of a baseline's choice, with its recomputation ``rec`` (``(layers, policy, applied)``)
+    and ``extra`` bytes on its peak."""
     if rec is None:
-        return summarize(graph, priced, choice, costs, nodes=nodes)
+        return summarize(graph, priced, choice, costs, nodes=nodes, extra_peak=extra)
     layers, policy, applied = rec
-    extra = layers.extra_peak(policy, applied, choice)
+    extra += layers.extra_peak(policy, applied, choice)
     return summarize(graph, applied, choice, costs, nodes=nodes, extra_peak=extra)
+
+
+#: how many layers' parameters FSDP holds gathered at once: the one running and the next, prefetched
+FSDP_GATHERED_LAYERS = 2
+
+
+def _best_fsdp(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+    dp: Mapping[str, PartitionSeq],
+) -> Baseline:
+    """FSDP (ZeRO-3 data parallelism, each layer a unit): every parameter, gradient and optimizer state split over
+    all devices, a layer's parameters all-gathered before its Forward and again before its Backward and its
+    gradients reduce-scattered (``CostOptions.zero`` 3), :data:`FSDP_GATHERED_LAYERS` layers' parameters whole at
+    a time; with activation recomputation of every layer (full, or selective where the model keeps attention
+    scores) or none, the fastest that fits the budget (the fastest, marked not fitting, when none does)."""
+    costs = dataclasses.replace(opts, zero=3, optimizer_shards=1)
+    priced, (choice,) = _price_assignments(graph, [dp], mesh, cluster, values, costs)
+    units = layer_units(graph)
+    if units is None:  # no layer stack: each node its own unit
+        groups = [[n] for n in graph.nodes]
+    else:  # the layers, and the root unit: the nodes outside the stack (embeddings, final norm, head)
+        groups = [list(u) for u in units.units] + [[n for n in graph.nodes if n not in units.layer_of]]
+    layer_bytes = [sum(priced.node_costs[n][choice[n]].param_bytes for n in g) for g in groups]
+    gathered = sum(sorted(layer_bytes, reverse=True)[:FSDP_GATHERED_LAYERS])
+    variants: list[tuple[str, Any]] = [("none", None)]
+    layers = layer_pricing(graph, priced, values, costs)
+    if layers is not None:
+        modes = ["full"] + (["selective"] if layers.selective_differs else [])
+        for mode in modes:
+            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
+            variants.append((mode, (layers, policy, layers.apply(policy))))
+    ranked = []
+    for k, (_, rec) in enumerate(variants):
+        pred = _variant_summary(graph, priced, choice, costs, rec, nodes=False, extra=gathered).predicted
+        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
+        ranked.append((not fits, pred.step_time_s, k, pred))
+    unfit, _, best, pred = min(ranked, key=lambda r: r[:3])
+    mode = variants[best][0]
+    config: dict[str, Any] = {"dp": mesh.size, "zero": 3, "recompute": mode}
+    config["name"] = f"fsdp{mesh.size} (ZeRO-3)" + (f" +{mode} recompute" if mode != "none" else "")
+    if memory_budget is not None:
+        config["fits_budget"] = not unfit
+    return Baseline("fsdp", config, pred, {n: str(s) for n, s in dp.items()})
 
 
 def price_baselines(
@@ -264,7 +324,8 @@ def price_baselines(
     opts: CostOptions,
     memory_budget: float | None = None,
 ) -> dict[str, Baseline]:
-    """The best Megatron configuration and pure data parallelism, priced with our cost model.
+    """The best Megatron configuration, pure data parallelism and FSDP (:func:`_best_fsdp`), priced with our cost
+    model.
 
     With a memory budget, the best Megatron configuration is the fastest one that fits (the fastest overall,
     marked ``"fits_budget": false``, when none does); data parallelism says whether it fits the same way.
@@ -279,6 +340,7 @@ def price_baselines(
     if memory_budget is not None:
         dp_config["fits_budget"] = dp_predicted.peak_memory_bytes <= memory_budget
     out["data_parallel"] = Baseline("data_parallel", dp_config, dp_predicted, {n: str(s) for n, s in dp.items()})
+    out["fsdp"] = _best_fsdp(graph, mesh, cluster, values, opts, memory_budget, dp)
     return out
 
 
@@ -343,8 +405,10 @@ def make_plan(
     baselines: dict[str, Baseline],
     search: dict[str, Any],
     recompute: Recompute | None = None,
+    costs: CostOptions | None = None,
 ) -> Plan:
-    """The :class:`Plan` of ``graph`` priced as ``summary`` on ``mesh``, with ``opts``' cluster, sizes and dtype."""
+    """The :class:`Plan` of ``graph`` priced as ``summary`` on ``mesh``, with ``opts``' cluster, sizes and dtype
+    and ``costs``' training state (default: ``opts``')."""
     return Plan(
         model=graph.name,
         model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
@@ -357,7 +421,7 @@ def make_plan(
         nodes=summary.nodes,
         predicted=summary.predicted,
         baselines=baselines,
-        search={**search, "training_state": opts.cost_options().training_state()},
+        search={**search, "training_state": (costs or opts.cost_options()).training_state()},
         recompute=recompute,
     )
 
@@ -376,10 +440,86 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     """
     opts = _options(graph, options, kwargs)
     full = opts.mesh()
-    values = {B: opts.batch, S: opts.seq}
-    costs = opts.cost_options()
     meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
+    found, infeasible = None, []
+    for m in micro_batch_tries(opts):
+        try:
+            got = _search_at(graph, opts, meshes, m)
+        except InfeasibleBudget as exc:
+            infeasible.append(exc)
+            continue
+        if found is not None and got.step_objective >= found.step_objective:
+            break  # more micro-batches made it slower
+        found = got
+        if got.chosen.recompute is None or not got.chosen.recompute.active:
+            break  # it fits without recomputation: more micro-batches would only run smaller ones
+    if found is None:
+        raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
+    mesh, priced, chosen, m = found.mesh, found.priced, found.chosen, found.micro_batches
+    sol = chosen.solution
+    costs = found.costs
+    ours = per_step(summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak), m)
+    t2 = time.perf_counter()
+    base = _baselines(graph, priced, full, opts, costs) if opts.baselines else {}
+    search = {
+        "method": sol.method,
+        "proven_optimal": sol.proven_optimal,
+        "objective": sol.cost * m,
+        "pricing_s": round(found.priced_s, 4),
+        "search_s": round(sol.seconds, 4),
+        "baselines_s": round(time.perf_counter() - t2, 4),
+        "alpha": opts.alpha,
+        "memory_budget": opts.memory_budget,
+        "allow_prime": opts.allow_prime,
+        "canonical": opts.canonical,
+        "grouped": mesh != full,
+    }
+    if len(meshes) > 1:  # the proof of optimality is within the grouping; the others are listed with their optima
+        search["groupings"] = found.tried
+        search["groupings_s"] = round(t2 - t0, 4)
+    return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute, costs=costs)
+
+
+#: the micro-batch counts ``micro_batches="auto"`` tries, in order, where they divide the batch
+MICRO_BATCH_TRIES = (1, 2, 4, 8)
+
+
+def micro_batch_tries(opts: PlanOptions) -> list[int]:
+    """The micro-batch counts the search tries: the one asked for, or for ``"auto"`` 1 and, under a budget, the
+    counts of :data:`MICRO_BATCH_TRIES` that divide the batch. :func:`plan_graph` stops at the first whose plan
+    fits without recomputation, or when one is slower than the one before."""
+    if opts.micro_batches != "auto":
+        return [int(opts.micro_batches)]
+    if opts.memory_budget is None:
+        return [1]
+    return [m for m in MICRO_BATCH_TRIES if opts.batch % m == 0]  # type: ignore[operator]
+
+
+@dataclass
+class _Found:
+    """The cheapest plan of one micro-batch count over the meshes searched."""
+
+    mesh: DeviceMesh
+    priced: PricedGraph
+    chosen: Chosen
+    priced_s: float
+    costs: CostOptions
+    micro_batches: int
+    tried: list[dict[str, Any]]
+
+    @property
+    def step_objective(self) -> float:
+        return self.chosen.solution.cost * self.micro_batches
+
+
+def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: int) -> _Found:
+    """The search on every mesh of ``meshes`` with ``m`` micro-batches of ``opts.batch / m`` (priced at that
+    batch), the cheapest kept; raises :class:`InfeasibleBudget` with the least any mesh needs."""
+    if opts.batch % m:  # type: ignore[operator]
+        raise ValueError(f"micro_batches={m} does not divide the batch of {opts.batch}")
+    values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
+    costs = dataclasses.replace(opts.cost_options(), micro_batches=m)
     best, tried, infeasible = None, [], []
     for mesh in tqdm(meshes, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
         clear_caches()  # each mesh numbers its own index sets, so the table of their overlaps holds this one's
@@ -396,16 +536,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
         )
         priced_s = time.perf_counter() - start
         try:
-            chosen = choose_recompute(
-                graph,
-                priced,
-                values,
-                costs,
-                choice=opts.recompute,
-                memory_budget=opts.memory_budget,
-                alpha=opts.alpha,
-                method=opts.method,
-            )
+            chosen, stage = _choose_levers(graph, priced, values, costs, opts)
         except InfeasibleBudget as exc:
             if len(meshes) == 1:
                 raise
@@ -416,36 +547,74 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
             continue
         sol = chosen.solution
         tried.append(
-            {"digits": list(mesh.digits), "objective": sol.cost, "seconds": round(time.perf_counter() - start, 4)}
+            {"digits": list(mesh.digits), "objective": sol.cost * m, "seconds": round(time.perf_counter() - start, 4)}
         )
-        if best is None or sol.cost < best[2].solution.cost:
-            best = (mesh, chosen.priced, chosen, priced_s)
+        if best is None or sol.cost < best.chosen.solution.cost:
+            best = _Found(mesh, chosen.priced, chosen, priced_s, dataclasses.replace(costs, zero=stage), m, tried)
         else:
             del priced  # only the cheapest grouping's pricing is kept (its split-only baseline is read off it)
     if best is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
-    mesh, priced, chosen, priced_s = best
-    sol = chosen.solution
-    ours = summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak)
-    t2 = time.perf_counter()
-    base = _baselines(graph, priced, full, opts, costs) if opts.baselines else {}
-    search = {
-        "method": sol.method,
-        "proven_optimal": sol.proven_optimal,
-        "objective": sol.cost,
-        "pricing_s": round(priced_s, 4),
-        "search_s": round(sol.seconds, 4),
-        "baselines_s": round(time.perf_counter() - t2, 4),
-        "alpha": opts.alpha,
-        "memory_budget": opts.memory_budget,
-        "allow_prime": opts.allow_prime,
-        "canonical": opts.canonical,
-        "grouped": mesh != full,
-    }
-    if len(meshes) > 1:  # the proof of optimality is within the grouping; the others are listed with their optima
-        search["groupings"] = tried
-        search["groupings_s"] = round(t2 - t0, 4)
-    return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute)
+    return best
+
+
+def per_step(summary: Summary, m: int) -> Summary:
+    """A summary priced at one of ``m`` micro-batches, as the whole step: every node's seconds and bytes ``m``
+    times (what runs once a step was priced at ``1/m`` a micro-batch); the peak is one micro-batch's."""
+    if m == 1:
+        return summary
+    p = summary.predicted
+    predicted = Predicted(p.step_time_s * m, p.peak_memory_bytes, p.comm_bytes * m)
+    nodes = []
+    for n in summary.nodes:
+        c = n.cost
+        cost = dataclasses.replace(
+            c,
+            compute_s=c.compute_s * m,
+            ring_s=c.ring_s * m,
+            collective_s=c.collective_s * m,
+            redistribution_s=c.redistribution_s * m,
+            comm_bytes={k: v * m for k, v in c.comm_bytes.items()},
+            step_s=c.step_s * m,
+            phase_s={k: v * m for k, v in c.phase_s.items()},
+        )
+        nodes.append(dataclasses.replace(n, cost=cost))
+    return Summary(predicted, tuple(nodes))
+
+
+def _choose_levers(
+    graph: OpGraph, priced: PricedGraph, values: dict, costs: CostOptions, opts: PlanOptions
+) -> tuple[Chosen, int]:
+    """The plan's recomputation and solution on one mesh, and its ZeRO stage.
+
+    A stage asked for is priced as it is. ``"auto"``: stage 0 when the fastest plan fits the budget without it;
+    else stage 2, which moves the bytes of stage 0 in the same time and holds less, so every plan that fits at
+    stage 0 fits at stage 2 as fast (it is the stage to weigh against recomputation and slower partitions).
+    ``priced`` is priced at ``costs``' stage.
+    """
+
+    def choose(p: PricedGraph, c: CostOptions) -> Chosen:
+        return choose_recompute(
+            graph,
+            p,
+            values,
+            c,
+            choice=opts.recompute,
+            memory_budget=opts.memory_budget,
+            alpha=opts.alpha,
+            method=opts.method,
+        )
+
+    if opts.zero != "auto":
+        return choose(priced, costs), costs.zero
+    if opts.memory_budget is None and opts.alpha == 0:  # nothing to weigh stage 2's memory against
+        return choose(priced, costs), 0
+    whole = dataclasses.replace(costs, zero=0)
+    unsharded = priced.with_memory(whole)
+    free = solve_for_peak(unsharded, memory_budget=None, alpha=opts.alpha, method=opts.method)
+    if opts.alpha == 0 and free.memory <= opts.memory_budget:  # the fastest plan fits as it is  # type: ignore[operator]
+        return Chosen(free, unsharded, None), 0
+    return choose(priced, costs), costs.zero
 
 
 def _options(graph: OpGraph, options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptions:
@@ -475,7 +644,10 @@ def _baselines(
 ) -> dict[str, Baseline]:
     """Megatron-LM, data parallelism and, when the plan's space has P(S x S), split-only."""
     values = {B: opts.batch, S: opts.seq}
-    base = price_baselines(graph, full, opts.cluster, values, costs, opts.memory_budget)
+    # Megatron, data parallelism and FSDP bring their own levers (the distributed optimizer, not our ZeRO), at the
+    # whole batch (their micro-batches are not priced)
+    whole = dataclasses.replace(costs, zero=0, micro_batches=1)
+    base = price_baselines(graph, full, opts.cluster, values, whole, opts.memory_budget)
     if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
         split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
         budget, alpha, method = opts.memory_budget, opts.alpha, opts.method
@@ -484,7 +656,7 @@ def _baselines(
             split_sol = solve_for_peak(split_priced, memory_budget=budget, alpha=alpha, method=method)
         except InfeasibleBudget:  # the split-only space cannot fit where ours can: its fastest plan, marked so
             split_sol = solve_for_peak(split_priced, memory_budget=None, alpha=alpha, method=method)
-        split = summarize(graph, split_priced, split_sol.choice, costs)
+        split = per_step(summarize(graph, split_priced, split_sol.choice, costs), costs.micro_batches)
         if budget is not None:
             config["fits_budget"] = split.predicted.peak_memory_bytes <= budget
         base["split_only"] = Baseline("split_only", config, split.predicted, {n.name: n.partition for n in split.nodes})
@@ -518,8 +690,10 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
     seed = forced_seed(name)
     opts = _options(graph, options, kwargs)
     spec, mesh, budget = opts.cluster, opts.mesh(), opts.memory_budget
-    values = {B: opts.batch, S: opts.seq}
-    costs = dataclasses.replace(opts.cost_options(), alpha=0.0)
+    m = 1 if opts.micro_batches == "auto" else int(opts.micro_batches)  # as told, like the ZeRO stage
+    values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
+    zero = 0 if opts.zero == "auto" else opts.zero  # a forced plan shards only what it is told to
+    costs = dataclasses.replace(opts.cost_options(), alpha=0.0, zero=zero, micro_batches=m)
     search: dict[str, Any] = {"forced": name, "memory_budget": budget}
     t0 = time.perf_counter()
     mode = opts.recompute if opts.recompute != "auto" else "none"
@@ -529,6 +703,7 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
         (search["config"], summary, assignment), _ = _best_megatron(
             graph, mesh, spec, values, costs, budget, sp, distributed_optimizer=False
         )
+        summary = per_step(summary, m)
     elif name == "data_parallel":
         assignment = data_parallel_assignment(graph, mesh, values=values)
     elif name == "prime":
@@ -537,10 +712,12 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
             graph, priced, values, costs, choice=mode, memory_budget=budget, alpha=0.0, method="dp"
         )
         sol = chosen.solution
-        summary = summarize(graph, chosen.priced, sol.choice, costs, extra_peak=chosen.extra_peak)
+        summary = per_step(summarize(graph, chosen.priced, sol.choice, costs, extra_peak=chosen.extra_peak), m)
         search.update(method=sol.method, proven_optimal=sol.proven_optimal, objective=sol.cost)
         search["seconds"] = round(time.perf_counter() - t0, 4)
-        return make_plan(graph, opts, mesh, summary, baselines={}, search=search, recompute=chosen.recompute)
+        return make_plan(
+            graph, opts, mesh, summary, baselines={}, search=search, recompute=chosen.recompute, costs=costs
+        )
     else:
         assert seed is not None
         assignment = _random_assignment(graph, mesh, values, seed)
@@ -557,6 +734,6 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
             applied = layers.apply(recompute)
             extra = layers.extra_peak(recompute, applied, choice)
             priced = applied
-        summary = summarize(graph, priced, choice, costs, extra_peak=extra)
+        summary = per_step(summarize(graph, priced, choice, costs, extra_peak=extra), m)
     search["seconds"] = round(time.perf_counter() - t0, 4)
-    return make_plan(graph, opts, mesh, summary, baselines={}, search=search, recompute=recompute)
+    return make_plan(graph, opts, mesh, summary, baselines={}, search=search, recompute=recompute, costs=costs)

@@ -33,6 +33,7 @@ from primepar_fx.cost.model import (
     edge_cost_matrix,
     node_cost,
     price_directions,
+    zero_gather_price,
 )
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
@@ -78,6 +79,19 @@ class PricedGraph:
         time. A solution's choice names these nodes too; :func:`~primepar_fx.planning.planner.summarize` ignores
         them."""
         return add_share_nodes(self.cost_graph, self.flows, self.fanout)
+
+    def with_memory(self, opts: CostOptions) -> PricedGraph:
+        """This pricing with every node's memory read again under ``opts`` (another ZeRO stage: each strategy's
+        seconds and bytes stay, :class:`~primepar_fx.cost.blocks.CostOptions`)."""
+        vectors: dict[int, np.ndarray] = {}
+        memory = {}
+        for name in self.cost_graph.node_cost:
+            costs = self.node_costs[name]
+            if id(costs) not in vectors:
+                vectors[id(costs)] = _frozen([float(c.memory_bytes(opts)) for c in costs])
+            memory[name] = vectors[id(costs)]
+        graph = dataclasses.replace(self.cost_graph, node_memory=memory)
+        return dataclasses.replace(self, cost_graph=graph)
 
     def subset(self, keep: Callable[[PartitionSeq], bool]) -> PricedGraph:
         """This pricing with every node's strategies narrowed to those ``keep`` accepts, in their order.
@@ -559,7 +573,9 @@ class _Pricing:
             for part in self.partitions[v]:
                 sig = signature(part, target, k_in, self.vkey)
                 numbers.append(self.signatures.setdefault(sig, len(self.signatures)))
-                s, b = input_all_reduce_price(part, target, k_in, self.cluster, self.vkey, self.opts.itemsize)
+                s, b = input_all_reduce_price(
+                    part, target, k_in, self.cluster, self.vkey, self.opts.itemsize, self.opts.micro_batches
+                )
                 seconds.append(s)
                 nbytes.append(b)
             self.consumer_share[key] = (
@@ -622,6 +638,12 @@ class _Pricing:
         if not shared.any():
             return None
         shared.flags.writeable = False
+        if self.opts.zero in (1, 3):  # nor its extra all-gather (ZeRO stage 1: after the step; 3: before Backward)
+            m = self.opts.micro_batches
+            gathers = [zero_gather_price(part, k_v, self.cluster, self.vkey, item) for part in self.partitions[v]]
+            gathers = [(s / m, int(round(b / m))) for s, b in gathers]
+            reduce_s = _frozen(reduce_s + np.array([g[0] for g in gathers]))
+            reduce_bytes = _frozen(reduce_bytes + np.array([g[1] for g in gathers], np.int64), np.int64)
         return TiedSaving(shared, reduce_s, reduce_bytes)
 
     def _latency(self, v: str, k_in: int) -> np.ndarray:

@@ -28,7 +28,8 @@ ring volume as the graph's all-reduces, and one message per bucket.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,9 +111,31 @@ class GradientBuckets:
             bucket.members.append(i)
             bucket.numel += p.numel()
             self.bucket_of.append(bucket.index)
+        self._scatter: set[int] = set()  # buckets reduce-scattered for ZeRO stage 2 (:mod:`primepar_fx.runtime.zero`)
+        self._chunks: dict[int, torch.Tensor] = {}  # their summed chunks, accumulated until cleared
+        self._local = False  # inside :meth:`accumulating`
+        self._unsummed: set[int] = set()  # parameters whose .grad holds local parts not summed yet
+        self._held: dict[int, torch.Tensor] = {}  # their .grad from before the first local backward
         self._nodes = [get_gradient_edge(p).node for p in self.params]
         self._handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
+
+    # ------------------------------------------------------------------------------------------------ micro-batches
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backwards run inside keep their gradients local: autograd accumulates them into ``.grad`` and nothing
+        is summed over the replicas; the next backward outside adds them to its own and sums the total once
+        (micro-batches, :mod:`primepar_fx.compiler.microbatch`). What ``.grad`` held before the first such
+        backward is set aside and added back after the sum, as for any accumulation."""
+        if not self._local:  # the first micro-batch of a step
+            for i, p in enumerate(self.params):
+                if p.grad is not None and i not in self._held:
+                    self._held[i], p.grad = p.grad, None
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
 
     # ------------------------------------------------------------------------------------------------ one backward
     def _reset(self) -> None:
@@ -137,11 +160,19 @@ class GradientBuckets:
             accumulates = False
         if not accumulates:
             return self._reduce_now(i, grad)
+        if self._local:  # a micro-batch before the last: autograd adds it to .grad; summed with the last
+            self._unsummed.add(i)
+            return None
         if not self._active:
             self._active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         p = self.params[i]
-        if p.grad is not None:  # set aside what earlier backwards left; autograd now writes this one's part
+        if i in self._unsummed:  # the earlier micro-batches' local parts join this one's, summed together
+            self._unsummed.discard(i)
+            if p.grad is not None:
+                grad, p.grad = grad + p.grad, None
+            self._earlier[i] = self._held.pop(i, None)
+        elif p.grad is not None:  # set aside what earlier backwards left; autograd now writes this one's part
             self._earlier[i], p.grad = p.grad, None
         self._grads[i] = grad
         b = self.bucket_of[i]
@@ -162,6 +193,9 @@ class GradientBuckets:
             self.stats.add("collective", volume, r.node, calls=calls)
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.index in self._scatter:
+            self._launch_scatter(bucket)
+            return
         bucket.sent = [i for i in bucket.members if self._grads[i] is not None]
         if not bucket.sent:
             return
@@ -170,6 +204,39 @@ class GradientBuckets:
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group[0], async_op=True)
         for k, i in enumerate(bucket.sent):
             self._count(i, calls=1 if k == 0 else 0)
+
+    def _launch_scatter(self, bucket: _Bucket) -> None:
+        """ZeRO stage 2: reduce-scatter the whole bucket (a missing gradient as zeros), padded to the group."""
+        if all(self._grads[i] is None for i in bucket.members):
+            return
+        bucket.sent = list(bucket.members)
+        size = len(bucket.group[1])
+        parts = [
+            torch.zeros(self.params[i].numel(), dtype=bucket.dtype) if g is None else g.reshape(-1)
+            for i, g in ((i, self._grads[i]) for i in bucket.members)
+        ]
+        chunk = -(-bucket.numel // size)
+        if chunk * size > bucket.numel:
+            parts.append(torch.zeros(chunk * size - bucket.numel, dtype=bucket.dtype))
+        bucket.flat = torch.empty(chunk, dtype=bucket.dtype)
+        bucket.work = dist.reduce_scatter_single(bucket.flat, torch.cat(parts), group=bucket.group[0], async_op=True)
+        if self.stats is not None:
+            for k, i in enumerate(bucket.sent):
+                p, r = self.params[i], self.reductions[i]
+                volume = ring_factors("reduce-scatter", size)[0] * p.numel() * p.element_size()
+                self.stats.add("collective", volume, r.node, calls=1 if k == 0 else 0)
+
+    def scatter_into(self, buckets: set[int]) -> None:
+        """Reduce-scatter ``buckets`` from now on: each rank keeps its chunk of the sum (:meth:`scattered`), and
+        their parameters get no ``.grad`` (ZeRO stage 2)."""
+        self._scatter = set(buckets)
+
+    def scattered(self, index: int) -> torch.Tensor | None:
+        """This rank's chunk of bucket ``index``'s summed gradients since :meth:`clear_scattered`, or ``None``."""
+        return self._chunks.get(index)
+
+    def clear_scattered(self) -> None:
+        self._chunks = {}
 
     def _finish(self) -> None:
         """End of backward: launch what is left, wait once for every bucket, write the sums into ``.grad``."""
@@ -180,6 +247,12 @@ class GradientBuckets:
                 if bucket.work is None:
                     continue
                 bucket.work.wait()  # type: ignore[attr-defined]
+                if bucket.index in self._scatter:
+                    done = self._chunks.get(bucket.index)
+                    self._chunks[bucket.index] = bucket.flat if done is None else done.add_(bucket.flat)  # type: ignore[arg-type]
+                    for i in bucket.members:  # what autograd wrote there is the local part, now in the chunk
+                        self.params[i].grad = None
+                    continue
                 offset = 0
                 for i in bucket.sent:
                     n = self.params[i].numel()

@@ -55,6 +55,55 @@ def test_selective_recomputation_of_eager_attention_scores():
     _assert_bytes_match(report, plans)
 
 
+def test_zero_trains_like_one_device():
+    """ZeRO stages 1 and 2 (issue 18): with data parallelism, Megatron's split with recomputation and a random
+    plan, ``module.optimizer(AdamW)`` keeps a share of the optimizer state on each rank, sends the bytes predicted
+    in a whole step, and trains to one device's losses and parameters on 4 ranks."""
+    from distributed_checks import check_levers
+
+    plans = ["data_parallel+zero=1", "data_parallel+zero=2", "megatron+recompute=full+zero=2", "random:5+zero=2"]
+    report = spawn(check_levers, 4, "gpt2-tiny", plans, timeout=TIMEOUT)
+    for plan in plans:
+        r = report[plan]
+        assert r["zero"] == int(plan[-1]), plan
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=RTOL, abs=ATOL), plan
+        assert r["bad_params"] == [], (plan, r["bad_params"][:3])
+        assert r["sharded_buckets"] > 0, plan
+        assert r["state_elems"] < r["unsharded_state_elems"], plan
+    for plan in plans[:3]:
+        r = report[plan]
+        assert r["sent_planned_total"] == pytest.approx(r["predicted_total"], rel=0.01), plan
+    dp1, dp2 = report["data_parallel+zero=1"], report["data_parallel+zero=2"]
+    assert dp1["grad_elems"] == dp1["param_elems"]  # stage 1 sums gradients whole; stage 2 keeps only chunks
+    assert dp2["grad_elems"] == dp2["unsharded_elems"] < dp2["param_elems"] / 10  # (one summed in the graph)
+    # data parallelism replicates every parameter on 4 ranks: each keeps two moments of a quarter of the sharded
+    sharded = dp2["param_elems"] - dp2["unsharded_elems"]
+    assert dp2["state_elems"] == pytest.approx(2 * (sharded / 4 + dp2["unsharded_elems"]), rel=0.001)
+    # stage 1 sends the all-reduce and an all-gather: 3/2 of stage 2's bytes (an all-reduce's)
+    assert dp1["sent_planned_total"] == pytest.approx(1.5 * dp2["sent_planned_total"], rel=0.01)
+
+
+def test_micro_batches_train_like_one_device():
+    """Micro-batches (issue 18): the compiled module cuts the batch of 4 into 2 and accumulates the gradients,
+    summing them over replicas once, with data parallelism, Megatron's split with ZeRO-2, a P(S x S) plan with
+    recomputation and the searched plan: one device's losses and parameters, the bytes the plan predicts."""
+    from distributed_checks import check_levers
+
+    plans = [
+        "data_parallel+micro_batches=2",
+        "megatron+zero=2+micro_batches=2",
+        "prime+recompute=full+micro_batches=2",
+        "searched+micro_batches=2",
+    ]
+    report = spawn(check_levers, 4, "gpt2-tiny", plans, timeout=TIMEOUT)
+    for plan in plans:
+        r = report[plan]
+        assert r["micro_batches"] == 2, plan
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=RTOL, abs=ATOL), plan
+        assert r["bad_params"] == [], (plan, r["bad_params"][:3])
+        assert r["sent_planned_total"] == pytest.approx(r["predicted_total"], rel=0.01), plan
+
+
 def test_one_rank_without_a_process_group_when_asked_for():
     from distributed_checks import make
 

@@ -288,3 +288,27 @@ def test_megatron_recomputes_to_fit_and_says_when_nothing_does() -> None:
     assert mega.predicted.step_time_s <= full.predicted.step_time_s
     nothing = price_baselines(graph, mesh, cluster, values, CostOptions(), 1000)["megatron"]
     assert nothing.config["fits_budget"] is False
+
+
+def test_fsdp_shards_everything_and_gathers_each_layer_twice() -> None:
+    """FSDP (ZeRO-3 data parallelism) on 4 devices: a quarter of every parameter, gradient and optimizer state
+    (fp32: 4 + 4 + 8 bytes of moments + 4 of the fp32 copy the optimizer steps), two layers' parameters gathered
+    whole; it sends data parallelism's all-reduce and one all-gather more (3/2 of its bytes)."""
+    from primepar_fx.cost.blocks import CostOptions
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.planning.planner import price_baselines
+
+    graph, model = graph_of("llama-tiny"), build("llama-tiny")
+    params = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.blocks[0].parameters())
+    mesh, cluster, values = DeviceMesh((4,)), load_cluster("cpu-gloo"), {B: 8, S: 64}
+    free = price_baselines(graph, mesh, cluster, values, CostOptions(), None)
+    data, fsdp = free["data_parallel"].predicted, free["fsdp"]
+    assert fsdp.config["name"] == "fsdp4 (ZeRO-3)" and fsdp.config["recompute"] == "none"
+    assert fsdp.predicted.comm_bytes == pytest.approx(1.5 * data.comm_bytes, abs=len(graph.nodes))  # (rounding)
+    assert fsdp.predicted.step_time_s > data.step_time_s
+    expected = data.peak_memory_bytes - 16 * params + (4 + 4 + 12) * params // 4 + 2 * 4 * layer
+    assert fsdp.predicted.peak_memory_bytes == pytest.approx(expected, abs=1024)
+    # a budget under that: FSDP recomputes every layer to fit
+    tight = price_baselines(graph, mesh, cluster, values, CostOptions(), fsdp.predicted.peak_memory_bytes - 1)
+    assert tight["fsdp"].config["fits_budget"] and tight["fsdp"].config["recompute"] in ("full", "selective")

@@ -46,7 +46,8 @@ def graph():
 
 @functools.cache
 def plan(**kwargs) -> Plan:
-    return plan_graph(graph(), **{**SIZES, "memory_budget": None, **kwargs})
+    """Plans without ZeRO unless asked (recomputation is what these tests weigh)."""
+    return plan_graph(graph(), **{**SIZES, "memory_budget": None, "zero": 0, **kwargs})
 
 
 @functools.cache
@@ -121,6 +122,27 @@ def test_auto_recomputes_only_when_the_budget_needs_it() -> None:
     assert mid.recompute is not None and mid.recompute.active
     assert mid.predicted.step_time_s <= full.predicted.step_time_s
     assert "recompute full on" in mid.summary_table().splitlines()[0]
+
+
+def test_zero_auto_is_stage_2_only_where_the_plan_needs_it() -> None:
+    free = plan(recompute="none")
+    assert free.zero == 0
+    # where the fastest plan fits, auto keeps it unsharded
+    assert plan(zero="auto", memory_budget=free.predicted.peak_memory_bytes).zero == 0
+    # stage 2 splits gradients and optimizer state over replicas at no time: the same plan needs less memory
+    sharded = plan(recompute="none", zero=2)
+    assert sharded.predicted.step_time_s == pytest.approx(free.predicted.step_time_s)
+    assert sharded.predicted.comm_bytes == free.predicted.comm_bytes
+    assert sharded.predicted.peak_memory_bytes < free.predicted.peak_memory_bytes
+    # stage 1 sends an all-gather after the step on top
+    assert plan(recompute="none", zero=1).predicted.comm_bytes > free.predicted.comm_bytes
+    # a budget stage 2 meets without recomputation, but stage 0 does not: auto is no slower than either
+    budget = sharded.predicted.peak_memory_bytes
+    auto = plan(zero="auto", memory_budget=budget)
+    assert auto.predicted.peak_memory_bytes <= budget
+    assert auto.predicted.step_time_s <= plan(zero=0, memory_budget=budget).predicted.step_time_s * (1 + 1e-9)
+    assert auto.zero == 2 and "ZeRO-2" in auto.summary_table().splitlines()[0]
+    assert Plan.from_json(auto.to_json()).zero == 2
 
 
 def test_no_plan_fits_even_recomputing_every_layer() -> None:

@@ -82,6 +82,7 @@ def test_a_data_parallel_plan_counts_every_parameter_at_its_bytes() -> None:
         "optimizer_states": 2,
         "state_dtype": "fp32",
         "bytes_per_parameter": 16,
+        "zero": 0,
     }
     assert "16 B a parameter: bf16 parameter and gradient, fp32 master, 2 fp32 moments" in plan.summary_table()
 
@@ -99,3 +100,13 @@ def test_the_plan_json_keeps_the_training_state_and_rejects_a_bad_one() -> None:
         Plan.from_dict(data)
     del data["search"]["training_state"]  # a plan from before: the defaults
     assert Plan.from_dict(data).cost_options().param_state_bytes == 16
+
+
+def test_zero_splits_what_data_parallel_replicas_keep_alike() -> None:
+    """On 4 data-parallel devices, ZeRO stage 1 keeps a quarter of the master copy and the moments (12 of the 16
+    bytes a bf16 parameter keeps), stage 2 a quarter of the gradient too; parameters and activations stay."""
+    params = sum(p.numel() for p in build("llama-tiny").parameters())
+    peak = {z: data_parallel("bf16", zero=z).predicted.peak_memory_bytes for z in (0, 1, 2)}
+    assert peak[0] - peak[1] == pytest.approx(12 * params * 3 / 4, rel=1e-3)
+    assert peak[0] - peak[2] == pytest.approx((12 + 2) * params * 3 / 4, rel=1e-3)
+    assert data_parallel("bf16", zero=2).search["training_state"]["zero"] == 2

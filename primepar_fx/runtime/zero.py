@@ -1,0 +1,240 @@
+"""ZeRO stages 1 and 2 for a compiled module: the optimizer's state split over each parameter's replicas.
+
+A plan replicates a parameter block on the devices that differ only in the digits its gradient is summed over
+(:class:`~primepar_fx.runtime.gradsync.GradReduction`); with ``plan.zero`` >= 1 each of those devices keeps and
+updates only its share of the block's optimizer state. The shares follow the gradient buckets of
+:class:`~primepar_fx.runtime.gradsync.GradientBuckets` (one process group and dtype each): a bucket's parameters,
+flattened in bucket order and padded to a multiple of the group size ``r``, are cut into ``r`` equal chunks, and
+the rank at position ``i`` of the group owns chunk ``i``. It keeps that chunk in fp32 (the master copy of
+mixed-precision training) and the inner optimizer's state of it (AdamW: two moments):
+
+* stage 1: backward all-reduces the gradients whole, as without ZeRO (``.grad`` holds the sum); the step takes the
+  rank's chunk of them;
+* stage 2: backward reduce-scatters each bucket instead, so a rank receives only its chunk of the summed
+  gradient and no parameter gets a ``.grad`` (the bytes of the all-reduce split in two: half now, half in the
+  all-gather below); gradients of several backwards accumulate in the chunk until :meth:`zero_grad`.
+
+:meth:`ShardedOptimizer.step` runs the inner optimizer on the chunks, then all-gathers every bucket's updated
+chunks (cast to the parameters' dtype) and writes them into the parameters. Both stages give the numbers of the
+inner optimizer on whole parameters, for an optimizer that updates each element from that element alone (SGD,
+Adam, AdamW and the like; not LAMB or Adafactor, whose updates read a whole tensor's norm). Parameters no bucket
+shards (held by one rank, or summed over no group) are stepped as they are. Bytes sent are counted in
+``comm_stats`` under the node each parameter's gradient is priced on, as for the gradient buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.runtime.gradsync import GradientBuckets
+from primepar_fx.runtime.stats import CommStats
+
+
+class _Shard:
+    """One bucket's chunk on this rank: where its parameters lie in the flat bucket, and the fp32 master chunk."""
+
+    def __init__(self, buckets: GradientBuckets, index: int, rank: int) -> None:
+        bucket = buckets.buckets[index]
+        self.bucket, self.members = bucket, list(bucket.members)
+        self.params = [buckets.params[i] for i in self.members]
+        self.reductions = [buckets.reductions[i] for i in self.members]
+        self.handle, self.ranks = bucket.group
+        self.size = len(self.ranks)
+        self.numel = sum(p.numel() for p in self.params)
+        self.chunk = math.ceil(self.numel / self.size)
+        self.start = self.ranks.index(rank) * self.chunk
+        self.master = nn.Parameter(torch.zeros(self.chunk, dtype=torch.float32))
+        self.reload()
+
+    def flat(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+        """``tensors`` (one per parameter, ``None`` as zeros) laid out as the padded flat bucket."""
+        parts = [
+            torch.zeros(p.numel(), dtype=p.dtype) if t is None else t.detach().reshape(-1)
+            for p, t in zip(self.params, tensors)
+        ]
+        pad = self.chunk * self.size - self.numel
+        if pad:
+            parts.append(torch.zeros(pad, dtype=parts[0].dtype))
+        return torch.cat(parts)
+
+    def reload(self) -> None:
+        """Read this rank's chunk of the parameters into the master copy (after they changed from outside)."""
+        with torch.no_grad():
+            self.master.copy_(self.flat(self.params)[self.start : self.start + self.chunk])
+
+    def scatter(self) -> None:
+        """Write the all-gathered master chunks back into the parameters."""
+        dtype = self.params[0].dtype
+        out = torch.empty(self.chunk * self.size, dtype=dtype)
+        dist.all_gather_single(out, self.master.detach().to(dtype), group=self.handle)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(out[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def count(self, stats: CommStats | None) -> None:
+        """The all-gather's bytes, per parameter under its node (one message per bucket)."""
+        if stats is None:
+            return
+        bus = ring_factors("all-gather", self.size)[0]
+        for k, (p, r) in enumerate(zip(self.params, self.reductions)):
+            stats.add("collective", bus * p.numel() * p.element_size(), r.node, calls=1 if k == 0 else 0)
+
+
+class ShardedOptimizer:
+    """An optimizer of a compiled module's parameters with ZeRO stage ``stage`` (module docstring).
+
+    ``optimizer_class(params, **defaults)`` makes the inner optimizer; its one param group holds the master chunks
+    and the unsharded parameters. ``step``, ``zero_grad`` and ``param_groups`` (to change the learning rate) work
+    as on any optimizer; its state is the inner optimizer's, of chunks rather than parameters.
+    """
+
+    def __init__(
+        self,
+        buckets: GradientBuckets,
+        params: Iterable[nn.Parameter],
+        rank: int,
+        stage: int,
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        stats: CommStats | None = None,
+        **defaults: Any,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizer runs ZeRO stage 1 or 2, got {stage!r}")
+        self.stage, self.buckets, self.stats = stage, buckets, stats
+        self.shards = [_Shard(buckets, b.index, rank) for b in buckets.buckets if len(b.group[1]) > 1 and b.members]
+        sharded = {id(p) for s in self.shards for p in s.params}
+        self.plain = [p for p in params if p.requires_grad and id(p) not in sharded]
+        if stage == 2:
+            buckets.scatter_into({s.bucket.index for s in self.shards})
+        self.inner = optimizer_class([*(s.master for s in self.shards), *self.plain], **defaults)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self.shards:
+            s.master.grad = None
+            for p in s.params:
+                p.grad = None
+        for p in self.plain:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        if self.stage == 2:
+            self.buckets.clear_scattered()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step takes no closure: run forward and backward before it")
+        for s in self.shards:
+            if self.stage == 2:
+                grad = self.buckets.scattered(s.bucket.index)
+            elif any(p.grad is not None for p in s.params):
+                grad = s.flat([p.grad for p in s.params])[s.start : s.start + s.chunk]
+            else:
+                grad = None
+            s.master.grad = None if grad is None else grad.to(torch.float32)
+        self.inner.step()
+        for s in self.shards:
+            s.scatter()
+            s.count(self.stats)
+        return None
+
+    def reload(self) -> None:
+        """Read the master chunks from the parameters again (after a checkpoint or state dict was loaded into
+        them); the inner optimizer's state is kept."""
+        for s in self.shards:
+            s.reload()
+
+    def as_params(self) -> PerParameterState:
+        """This optimizer seen per parameter, as a plain optimizer of ``module.parameters()`` would be: each state
+        tensor gathered over the bucket's group and cut to the parameter's shape (the checkpoints read and load it
+        this way, so a ZeRO optimizer's state moves to any other plan). Collective: every rank calls it."""
+        return PerParameterState(self)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One row per sharded bucket: its group, this rank's chunk and the parameters it spans."""
+        return [
+            {
+                "bucket": s.bucket.index,
+                "ranks": list(s.ranks),
+                "chunk": [s.start, s.start + s.chunk],
+                "elements": s.numel,
+                "params": [self.buckets.names[i] for i in s.members],
+            }
+            for s in self.shards
+        ]
+
+
+class PerParameterState:
+    """A :class:`ShardedOptimizer` as an optimizer of whole parameter blocks: ``state``, ``param_groups`` and
+    ``load_state_dict`` in ``torch.optim.Optimizer``'s formats (:meth:`ShardedOptimizer.as_params`)."""
+
+    def __init__(self, sharded: ShardedOptimizer) -> None:
+        self.sharded = sharded
+        inner = sharded.inner
+        params = [p for s in sharded.shards for p in s.params] + list(sharded.plain)
+        hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+        self.param_groups = [{**hyper, "params": params}]
+        self.state: dict[nn.Parameter, dict[str, Any]] = {}
+        for s in sharded.shards:
+            held = inner.state.get(s.master, {})
+            for key, value in held.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    whole = torch.empty(s.chunk * s.size, dtype=value.dtype)
+                    dist.all_gather_single(whole, value.detach().contiguous(), group=s.handle)
+                    offset = 0
+                    for p in s.params:
+                        self.state.setdefault(p, {})[key] = whole[offset : offset + p.numel()].view(p.shape).clone()
+                        offset += p.numel()
+                else:
+                    for p in s.params:
+                        self.state.setdefault(p, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        for p in sharded.plain:
+            if p in inner.state:
+                self.state[p] = dict(inner.state[p])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load per-parameter state (``param_groups[0]["params"]``'s order) into the chunks and the inner
+        optimizer."""
+        sharded, inner = self.sharded, self.sharded.inner
+        (group,) = state_dict["param_groups"]
+        by_param = {p: state_dict["state"].get(i, {}) for i, p in zip(group["params"], self.param_groups[0]["params"])}
+        out: dict[int, dict[str, Any]] = {}
+        for index, s in enumerate(sharded.shards):
+            held = [by_param[p] for p in s.params]
+            if not any(held):
+                continue
+            chunk: dict[str, Any] = {}
+            for key in held[0]:
+                first = held[0][key]
+                if isinstance(first, torch.Tensor) and first.dim() > 0:
+                    flat = s.flat([h.get(key) for h in held])
+                    chunk[key] = flat[s.start : s.start + s.chunk].to(first.dtype).clone()
+                else:
+                    chunk[key] = first
+            out[index] = chunk
+        base = len(sharded.shards)
+        for k, p in enumerate(sharded.plain):
+            if by_param.get(p):
+                out[base + k] = dict(by_param[p])
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        inner.load_state_dict(
+            {"state": out, "param_groups": [{**hyper, "params": list(range(base + len(sharded.plain)))}]}
+        )
