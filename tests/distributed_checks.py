@@ -71,15 +71,16 @@ def _summed(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def with_levers(graph, world: int, plan: str) -> Plan:
+def with_levers(graph, world: int, plan: str, batch: int = BATCH, seq: int = SEQ) -> Plan:
     """``"NAME+recompute=MODE+zero=STAGE+micro_batches=M"`` (any lever may be left out): the searched plan
     (``NAME`` ``searched``) or the forced plan ``NAME``, with ``MODE`` on every layer, ZeRO stage ``STAGE`` and
     ``M`` micro-batches."""
     name, *levers = plan.split("+")
     asked: dict = dict(lever.split("=") for lever in levers)
-    if "micro_batches" in asked:
-        asked["micro_batches"] = int(asked["micro_batches"])
-    sizes = {"world_size": world, "cluster": "cpu-gloo", "batch": BATCH, "seq": SEQ, "memory_budget": None}
+    for key in ("micro_batches", "zero"):
+        if key in asked:
+            asked[key] = int(asked[key])
+    sizes = {"world_size": world, "cluster": "cpu-gloo", "batch": batch, "seq": seq, "memory_budget": None}
     if name == "searched":
         return plan_graph(graph, baselines=False, method="dp", **asked, **sizes)
     return forced_plan(graph, name, **asked, **sizes)

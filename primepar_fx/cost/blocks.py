@@ -50,7 +50,8 @@ class CostOptions:
     ``micro_batches`` ``m``: the graph is priced at the micro-batch (``B / m``) and a step runs it ``m`` times,
     summing parameter gradients locally and over their replicas once, at the last (gradient accumulation). What
     runs once a step (the bucketed gradient all-reduces and ZeRO's all-gathers) is priced at ``1/m`` per
-    micro-batch, so that ``m`` times a node's cost is its cost in the step.
+    micro-batch, so that ``m`` times a node's cost is its cost in the step. The local gradients they accumulate
+    are whole, so ZeRO-2 with micro-batches keeps a whole gradient as stage 1 does.
     """
 
     dtype: str = "fp32"
@@ -119,7 +120,9 @@ class CostOptions:
         # the optimizer steps an fp32 copy of the shard (:mod:`primepar_fx.runtime.zero`): the master, or one more
         kept = self.optimizer_bytes + (0 if self.keeps_master else 4)
         held = shard_elems if self.zero >= 3 else param_elems
-        return held * self.itemsize + (shard_elems if self.zero >= 2 else param_elems) * grad + shard_elems * kept
+        # stage 2 keeps a gradient shard, but micro-batches accumulate whole local gradients until the last one
+        grads = shard_elems if self.zero >= 2 and self.micro_batches == 1 else param_elems
+        return held * self.itemsize + grads * grad + shard_elems * kept
 
     def describe_state(self) -> str:
         """``"16 B a parameter: bf16 parameter and gradient, fp32 master, 2 fp32 moments"`` and the like."""

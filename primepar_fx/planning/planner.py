@@ -46,7 +46,7 @@ from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_seq
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
-from primepar_fx.planning.peak import solve_for_peak
+from primepar_fx.planning.peak import plan_peak, solve_for_peak
 from primepar_fx.planning.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
 from primepar_fx.planning.pricing import PricedGraph, price_graph
 from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
@@ -612,8 +612,11 @@ def _choose_levers(
     whole = dataclasses.replace(costs, zero=0)
     unsharded = priced.with_memory(whole)
     free = solve_for_peak(unsharded, memory_budget=None, alpha=opts.alpha, method=opts.method)
-    if opts.alpha == 0 and free.memory <= opts.memory_budget:  # the fastest plan fits as it is  # type: ignore[operator]
-        return Chosen(free, unsharded, None), 0
+    if opts.alpha == 0:  # the fastest plan fits as it is, or with its replicas' state split
+        if plan_peak(unsharded, free.choice) <= opts.memory_budget:  # type: ignore[operator]
+            return Chosen(free, unsharded, None), 0
+        if plan_peak(priced, free.choice) <= opts.memory_budget:  # type: ignore[operator]
+            return Chosen(free, priced, None), costs.zero
     return choose(priced, costs), costs.zero
 
 

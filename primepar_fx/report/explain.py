@@ -162,7 +162,7 @@ def price_plan(
     def keep_chosen(_: str, seqs: list[PartitionSeq]) -> list[PartitionSeq]:
         return seqs if free is None or chosen[free] in seqs else [*seqs, chosen[free]]
 
-    values = {B: plan.batch, S: plan.seq}
+    values = {B: plan.batch // plan.micro_batches, S: plan.seq}  # priced at the micro-batch, as the plan was
     priced = price_graph(
         graph,
         mesh,
@@ -406,24 +406,24 @@ def _options(
     seqs: list[PartitionSeq], costs: list[NodeCost], parts: _EdgeParts, opts: CostOptions, chosen: PartitionSeq
 ) -> list[Option]:
     """One :class:`Option` per partition, in the pricing's order; ``chosen`` is the plan's."""
-    options = []
+    options, m = [], opts.micro_batches  # priced at one of m micro-batches: m of them make the step
     for i, (seq, c) in enumerate(zip(seqs, costs)):
         memory = c.memory_bytes(opts)
         own_s = parts.own_s[i]
         options.append(
             Option(
                 partition=str(seq),
-                objective_s=c.time_s + parts.edge_s[i] + opts.alpha * memory,
-                node_s=c.time_s - own_s,
-                compute_s=c.compute_s,
-                ring_s=c.ring_s,
-                collective_s=c.collective_s - own_s,
-                redistribution_s=parts.edge_s[i] + own_s + parts.others_s[i],
-                comm_bytes=sum(c.comm_bytes.values()) - parts.own_b[i],
-                redistribution_bytes=int(round(parts.redis_b[i])),
+                objective_s=m * (c.time_s + parts.edge_s[i]) + opts.alpha * memory,
+                node_s=m * (c.time_s - own_s),
+                compute_s=m * c.compute_s,
+                ring_s=m * c.ring_s,
+                collective_s=m * (c.collective_s - own_s),
+                redistribution_s=m * (parts.edge_s[i] + own_s + parts.others_s[i]),
+                comm_bytes=m * (sum(c.comm_bytes.values()) - parts.own_b[i]),
+                redistribution_bytes=int(round(m * parts.redis_b[i])),
                 memory_bytes=memory,
                 chosen=seq == chosen,
-                neighbour_collective_s=-parts.others_s[i] or 0.0,
+                neighbour_collective_s=-m * parts.others_s[i] or 0.0,
             )
         )
     return options

@@ -46,8 +46,8 @@ def graph():
 
 @functools.cache
 def plan(**kwargs) -> Plan:
-    """Plans without ZeRO unless asked (recomputation is what these tests weigh)."""
-    return plan_graph(graph(), **{**SIZES, "memory_budget": None, "zero": 0, **kwargs})
+    """Plans without ZeRO or micro-batches unless asked (recomputation is what these tests weigh)."""
+    return plan_graph(graph(), **{**SIZES, "memory_budget": None, "zero": 0, "micro_batches": 1, **kwargs})
 
 
 @functools.cache

@@ -56,9 +56,8 @@ def graph():
 
 @functools.cache
 def data_parallel(dtype: str, **state) -> Plan:
-    return forced_plan(
-        graph(), "data_parallel", world_size=4, cluster="cpu-gloo", batch=8, seq=64, dtype=dtype, **state
-    )
+    sizes = {"world_size": 4, "cluster": "cpu-gloo", "batch": 8, "seq": 64, **state}
+    return forced_plan(graph(), "data_parallel", dtype=dtype, **sizes)
 
 
 def test_a_data_parallel_plan_counts_every_parameter_at_its_bytes() -> None:
@@ -83,6 +82,7 @@ def test_a_data_parallel_plan_counts_every_parameter_at_its_bytes() -> None:
         "state_dtype": "fp32",
         "bytes_per_parameter": 16,
         "zero": 0,
+        "micro_batches": 1,
     }
     assert "16 B a parameter: bf16 parameter and gradient, fp32 master, 2 fp32 moments" in plan.summary_table()
 
@@ -110,3 +110,20 @@ def test_zero_splits_what_data_parallel_replicas_keep_alike() -> None:
     assert peak[0] - peak[1] == pytest.approx(12 * params * 3 / 4, rel=1e-3)
     assert peak[0] - peak[2] == pytest.approx((12 + 2) * params * 3 / 4, rel=1e-3)
     assert data_parallel("bf16", zero=2).search["training_state"]["zero"] == 2
+
+
+def test_micro_batches_hold_one_micro_batch_and_sum_gradients_once() -> None:
+    """A step of 2 micro-batches of 4 holds what a step of batch 4 holds, and takes twice its time and bytes but
+    for the gradient sum, done once: it is cheaper than two steps of 4 and its nodes add up to the step."""
+    half = data_parallel("bf16", batch=4)
+    two = data_parallel("bf16", micro_batches=2)
+    assert two.micro_batches == 2 and half.micro_batches == 1
+    assert two.predicted.peak_memory_bytes == half.predicted.peak_memory_bytes
+    assert half.predicted.step_time_s < two.predicted.step_time_s < 2 * half.predicted.step_time_s
+    assert half.predicted.comm_bytes < two.predicted.comm_bytes < 2 * half.predicted.comm_bytes
+    assert sum(n.cost.step_s for n in two.nodes) == pytest.approx(two.predicted.step_time_s)
+    assert "2 micro-batches of 4" in two.summary_table().splitlines()[0]
+    again = Plan.from_json(two.to_json())
+    assert again.micro_batches == 2 and again.batch == 8
+    with pytest.raises(ValueError, match="micro_batches=3 does not divide the batch of 8"):
+        data_parallel("bf16", micro_batches=3)
