@@ -219,11 +219,12 @@ class GradientBuckets:
         if chunk * size > bucket.numel:
             parts.append(torch.zeros(chunk * size - bucket.numel, dtype=bucket.dtype))
         flat = torch.cat(parts)
+        del parts
         for i in bucket.members:  # the local parts are in the flat copy now: free them (ZeRO-2 keeps none)
             self._grads[i] = None
             self.params[i].grad = None
         bucket.flat = torch.empty(chunk, dtype=bucket.dtype)
-        bucket.work = dist.reduce_scatter_single(bucket.flat, torch.cat(parts), group=bucket.group[0], async_op=True)
+        bucket.work = dist.reduce_scatter_single(bucket.flat, flat, group=bucket.group[0], async_op=True)
         if self.stats is not None:
             for k, i in enumerate(bucket.sent):
                 p, r = self.params[i], self.reductions[i]
