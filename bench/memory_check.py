@@ -60,21 +60,19 @@ CASES = [
 
 
 #: what the last run showed (written under its table; rewrite when the numbers move)
-READING = """Reading (the run above). 11 of the 15 plans with levers measure within 15% of their prediction, and
+READING = """Reading (the run above). 9 of the 15 plans with levers measure within 15% of their prediction, and
 every one measures less than the same plan without levers. Recomputation: llama-4 full recomputation measures
 0.90-1.14 of the prediction (5.61 -> 4.98 MiB under data parallelism, 5.59 -> 2.38 MiB with P(S x S)); BLOOM's
 selective recomputation under data parallelism and Megatron measures 0.80, predicted too high as the same plans
-without it are. ZeRO and micro-batches: ZeRO-2 (0.90), 2 micro-batches (0.92-0.95) and both with a random plan
-(1.03) are within; ZeRO-1 under data parallelism measures 0.77 (its whole gradients are bucket views, counted
-once, while the model also counts the kept activations of every consumer), and data parallelism with full
-recomputation, ZeRO-2 and 2 micro-batches measures 1.78: predicted 2.83 MiB, it measures 5.04 MiB, about what
-every data-parallel plan here measures (4.98 MiB with ZeRO-2, with micro-batches or with recomputation alone).
-The runtime's peak there is not where the model puts it: parameters whole plus the optimizer step's and the end of
-Backward's temporaries (flattened gradient buckets, AdamW's intermediate tensors), which the model does not count;
-once the kept activations are small these set the peak. Why else the model is off: it counts a tensor that
-several consumers keep once per consumer (the normed input of the Q, K and V projections, the input of the gate
-and up projections), so plans that keep every activation are predicted 12-22% too high; and it leaves out
-Backward's temporaries, which matter more once the kept activations shrink. Not measured: bf16, GPUs (the
+without it are. Micro-batches: 0.92-0.95 alone, 1.02 with ZeRO-2 under a random plan. ZeRO: the runtime frees
+each bucket's local gradients once it has flattened them, so ZeRO-2 measures 4.57 MiB where the model predicts
+5.54 (0.82, below the band: the model also counts the kept activations of every consumer); ZeRO-1 measures 0.77
+for the same reason. Data parallelism with full recomputation, ZeRO-2 and 2 micro-batches measures 1.39 (2.83 MiB
+predicted, 3.94 measured): with so few activations kept, the peak is set by what the model leaves out,
+Backward's and the optimizer step's temporaries (gradients of activations, the flattened bucket, AdamW's
+intermediate tensors) on top of the whole parameters. Why else the model is off: it counts a tensor that several
+consumers keep once per consumer (the normed input of the Q, K and V projections, the input of the gate and up
+projections), so plans that keep every activation are predicted 12-22% too high. Not measured: bf16, GPUs (the
 allocator's caching and fragmentation are outside this count; DEVICE_MEMORY_RESERVE is there for them)."""
 
 
