@@ -9,7 +9,7 @@ When every planned consumer of a producer's value has the same :func:`~primepar_
 input it reads (the rule and why it is exact: :mod:`primepar_fx.cost.share`), the first consumer's chain is kept
 and the others read its end: the forward re-layout runs once, autograd sums the consumers' gradients at the shared
 node, and the all-reduce and the backward re-layout run once on the sum. The plan prices exactly this
-(:func:`primepar_fx.planning.planner.summarize`), so the bytes the ranks send stay the predicted bytes. The pass runs
+(:func:`primepar_fx.planning.summary.summarize`), so the bytes the ranks send stay the predicted bytes. The pass runs
 before :func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`, which then fuses the one shared all-reduce with
 the backward re-layout into a reduce-scatter, as it would for a single consumer.
 

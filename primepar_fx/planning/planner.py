@@ -29,7 +29,6 @@ import logging
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,307 +40,34 @@ from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
-from primepar_fx.graph.layers import layer_units
 from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_sequences
-from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
+from primepar_fx.planning.baselines import data_parallel_assignment
+from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
+    FSDP_GATHERED_LAYERS,
+    best_fsdp,
+    best_megatron,
+    price_assignments,
+    price_baselines,
+    price_fixed,
+    variant_summary,
+)
 from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
 from primepar_fx.planning.peak import plan_peak, solve_for_peak
-from primepar_fx.planning.plan import Baseline, CostBreakdown, NodePlan, Plan, Predicted
+from primepar_fx.planning.plan import Baseline, Plan
 from primepar_fx.planning.pricing import PricedGraph, price_graph
 from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
+from primepar_fx.planning.summary import Summary, per_step, summarize  # noqa: F401  (re-exported)
 from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
 
+# (the names tests have always imported from here)
+_price_fixed, _price_assignments = price_fixed, price_assignments
+
 #: torch dtype -> the dtype key a plan of a model with such parameters is priced at by default
 _MODEL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    """A plan's whole-plan figures and its per-node rows, read back from a priced graph and a choice."""
-
-    predicted: Predicted
-    nodes: tuple[NodePlan, ...]
-
-
-def summarize(
-    graph: OpGraph,
-    priced: PricedGraph,
-    choice: dict[str, int],
-    opts: CostOptions,
-    *,
-    nodes: bool = True,
-    extra_peak: int = 0,
-) -> Summary:
-    """Per-node cost breakdowns and the whole-plan prediction of one choice of strategies; with ``nodes=False``
-    the prediction only (the same numbers; ``Summary.nodes`` is empty), which is all a baseline that is not
-    kept needs. ``extra_peak``: how far recomputation in Backward lifts the peak above the end of Forward
-    (:meth:`~primepar_fx.planning.recompute.LayerPricing.extra_peak`)."""
-    world = priced.mesh.size
-    redis_s = {n: 0.0 for n in graph.nodes}
-    redis_bytes = {n: 0 for n in graph.nodes}
-    # an all-reduce fused into a reduce-scatter (cost.scatter): the edge cost has its saving subtracted; report
-    # it on the node that runs the collective, as seconds and bytes moved from all-reduce to reduce-scatter
-    saved_s = {n: 0.0 for n in graph.nodes}
-    saved, scattered = {n: 0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
-    # consumers that share the first consumer's re-layout (cost.share): their edge and input all-reduces do not run
-    unshared_s, unshared = {n: 0.0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
-    sharing = set()
-    for skip in priced.not_run(choice):
-        unshared_s[skip.v] += skip.reduce_s
-        unshared[skip.v] += skip.reduce_bytes
-        if skip.tied:  # a tied parameter's: the edge cost has the all-reduce's seconds off; report them here
-            redis_s[skip.v] += skip.reduce_s
-            continue
-        sharing.add((skip.u, skip.v))
-        redis_s[skip.v] -= skip.relayout_s
-        redis_bytes[skip.v] -= skip.relayout_bytes
-    for (u, v), sav in priced.scatter.items():
-        if (u, v) in sharing:
-            continue
-        i, j = choice[u], choice[v]
-        for owner, sec, nbytes, rs in (
-            (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
-            (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
-        ):
-            if rs[i, j]:
-                saved_s[owner] += float(sec[i, j])
-                redis_s[v] += float(sec[i, j])
-                saved[owner] += int(nbytes[i, j])
-                scattered[owner] += int(rs[i, j])
-    for (u, v), mat in priced.cost_graph.edge_cost.items():
-        redis_s[v] += float(mat[choice[u], choice[v]])
-        redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
-    plans, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
-    for name, node in graph.nodes.items():
-        c = priced.node_costs[name][choice[name]]
-        step_s = c.time_s - saved_s[name] - unshared_s[name] + redis_s[name]
-        total_s += step_s
-        static += c.state_bytes(opts) + c.stash_bytes
-        buffers = max(buffers, c.buffer_bytes)
-        comm += sum(c.comm_bytes.values()) - saved[name] - unshared[name] + redis_bytes[name] / world
-        if not nodes and 0.0 <= step_s < math.inf:
-            continue  # (a node whose time is not a finite number of seconds gets CostBreakdown's error below)
-        seq = priced.strategies[name][choice[name]]
-        kinds = dict(c.comm_bytes)
-        if scattered[name]:  # all-reduces that became reduce-scatters (plus a bias gradient's all-reduce)
-            kinds["all-reduce"] = kinds.get("all-reduce", 0) - saved[name] - scattered[name]
-            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + scattered[name]
-        if unshared[name]:  # input-gradient all-reduces done once, by the first consumer of a shared re-layout
-            reduced = min(unshared[name], kinds.get("all-reduce", 0))  # (a tied parameter's, with ZeRO stage 1:
-            kinds["all-reduce"] = kinds.get("all-reduce", 0) - reduced  # and its all-gather after the step)
-            if unshared[name] > reduced:
-                kinds["all-gather"] = kinds.get("all-gather", 0) - (unshared[name] - reduced)
-        if scattered[name] or unshared[name]:
-            kinds = {k: v for k, v in kinds.items() if v}
-        if redis_bytes[name]:
-            kinds["redistribution"] = redis_bytes[name] // world
-        cost = CostBreakdown(
-            compute_s=c.compute_s,
-            ring_s=c.ring_s,
-            collective_s=c.collective_s - saved_s[name] - unshared_s[name],
-            redistribution_s=redis_s[name],
-            memory_bytes=c.memory_bytes(opts),
-            comm_bytes=kinds,
-            step_s=step_s,
-            phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
-        )
-        plans.append(NodePlan(name, node.op, str(seq), cost))
-    peak = int(static + buffers + extra_peak)
-    return Summary(Predicted(total_s, peak, int(round(comm))), tuple(plans if nodes else ()))
-
-
-def _price_fixed(
-    graph: OpGraph, assignment: dict[str, PartitionSeq], mesh: DeviceMesh, cluster: ClusterSpec, values, opts
-) -> Summary:
-    priced, (choice,) = _price_assignments(graph, [assignment], mesh, cluster, values, opts)
-    return summarize(graph, priced, choice, opts)
-
-
-def _price_assignments(
-    graph: OpGraph,
-    assignments: Sequence[Mapping[str, PartitionSeq]],
-    mesh: DeviceMesh,
-    cluster: ClusterSpec,
-    values,
-    opts,
-) -> tuple[PricedGraph, list[dict[str, int]]]:
-    """One pricing of every node's distinct sequences over ``assignments`` (a sequence for every node), and each
-    assignment as a choice of strategies in it. Costs are per sequence and per pair of sequences, so
-    :func:`summarize` of a choice gives what pricing its assignment alone gives, and the graph is walked once
-    instead of once per assignment."""
-    union: dict[str, list[PartitionSeq]] = {}
-    for assignment in assignments:
-        for name in graph.nodes:
-            seqs = union.setdefault(name, [])
-            if assignment[name] not in seqs:
-                seqs.append(assignment[name])
-    priced = price_graph(graph, mesh, cluster, values, opts, fixed=union)
-    return priced, [{n: union[n].index(a[n]) for n in graph.nodes} for a in assignments]
-
-
-def _best_megatron(
-    graph: OpGraph,
-    mesh: DeviceMesh,
-    cluster: ClusterSpec,
-    values: dict[sympy.Symbol, int],
-    opts: CostOptions,
-    memory_budget: float | None,
-    sequence_parallel: bool | None = None,
-    also: Sequence[Mapping[str, PartitionSeq]] = (),
-    distributed_optimizer: bool = True,
-) -> tuple[tuple[dict[str, Any], Summary, dict[str, PartitionSeq]], list[Predicted]]:
-    """The fastest Megatron configuration (that fits ``memory_budget``, if any does) as ``(config, summary,
-    assignment)``, and the predictions of the assignments ``also``, priced with them.
-
-    ``sequence_parallel`` keeps only the configurations with (``True``) or without (``False``) it. Under a budget
-    each configuration with data parallelism is also tried with Megatron-LM's distributed optimizer (the master
-    copies and moments split over the ``dp`` replicas: ``"distributed_optimizer": true``); it moves as many bytes
-    as the all-reduce it replaces, so it ties in time and is kept only where the configuration fits with it and
-    not without. Every one of those is also tried with Megatron-LM's activation recomputation of every layer,
-    full and (where the model keeps attention scores) selective (``"recompute": "full"``), priced like ours
-    (:mod:`~primepar_fx.planning.recompute`); the fastest that fits wins, fewer levers breaking ties.
-    ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
-    state).
-    """
-    configs = [c for c in megatron_configs(mesh) if sequence_parallel in (None, c["sequence_parallel"])]
-    if not configs:
-        raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
-    assignments = megatron_assignments(graph, mesh, configs, values=values)
-    priced_graph, choices = _price_assignments(graph, [*assignments, *also], mesh, cluster, values, opts)
-    variants: list[tuple[int, dict[str, Any], CostOptions, Any]] = [
-        (i, cfg, opts, None) for i, cfg in enumerate(configs)
-    ]
-    if memory_budget is not None and distributed_optimizer:
-        variants += [
-            (i, {**cfg, "distributed_optimizer": True}, dataclasses.replace(opts, optimizer_shards=cfg["dp"]), None)
-            for i, cfg in enumerate(configs)
-            if cfg["dp"] > 1
-        ]
-        # Megatron-LM's activation recomputation: full (every layer) and selective (attention scores)
-        layers = layer_pricing(graph, priced_graph, values, opts)
-        modes = [] if layers is None else ["full"] + (["selective"] if layers.selective_differs else [])
-        plain = list(variants)
-        for mode in modes:
-            assert layers is not None
-            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
-            applied = (layers, policy, layers.apply(policy))
-            variants += [(i, {**cfg, "recompute": mode}, costs, applied) for i, cfg, costs, _ in plain]
-    ranked = []
-    for k, (i, cfg, costs, rec) in enumerate(variants):
-        pred = _variant_summary(graph, priced_graph, choices[i], costs, rec, nodes=False).predicted
-        log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
-        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
-        levers = ("distributed_optimizer" in cfg) + ("recompute" in cfg)
-        ranked.append((not fits, pred.step_time_s, levers, pred.peak_memory_bytes, k))
-    unfit, *_, best = min(ranked)
-    i, cfg, costs, rec = variants[best]
-    config = {**cfg, "name": config_name(cfg)}
-    if assignments[i].fallbacks:  # nodes where a split of the configuration did not divide, replicated there
-        config["fallback_nodes"] = len(assignments[i].fallback_nodes())
-    if memory_budget is not None:
-        config["fits_budget"] = not unfit
-    summary = _variant_summary(graph, priced_graph, choices[i], costs, rec)
-    others = [summarize(graph, priced_graph, c, opts, nodes=False).predicted for c in choices[len(assignments) :]]
-    return (config, summary, assignments[i]), others
-
-
-def _variant_summary(
-    graph: OpGraph,
-    priced: PricedGraph,
-    choice: dict[str, int],
-    costs: CostOptions,
-    rec: Any,
-    *,
-    nodes: bool = True,
-    extra: int = 0,
-) -> Summary:
-    """:func:`summarize` of a baseline's choice, with its recomputation ``rec`` (``(layers, policy, applied)``)
-    and ``extra`` bytes on its peak."""
-    if rec is None:
-        return summarize(graph, priced, choice, costs, nodes=nodes, extra_peak=extra)
-    layers, policy, applied = rec
-    extra += layers.extra_peak(policy, applied, choice)
-    return summarize(graph, applied, choice, costs, nodes=nodes, extra_peak=extra)
-
-
-#: how many layers' parameters FSDP holds gathered at once: the one running and the next, prefetched
-FSDP_GATHERED_LAYERS = 2
-
-
-def _best_fsdp(
-    graph: OpGraph,
-    mesh: DeviceMesh,
-    cluster: ClusterSpec,
-    values: dict[sympy.Symbol, int],
-    opts: CostOptions,
-    memory_budget: float | None,
-    dp: Mapping[str, PartitionSeq],
-) -> Baseline:
-    """FSDP (ZeRO-3 data parallelism, each layer a unit): every parameter, gradient and optimizer state split over
-    all devices, a layer's parameters all-gathered before its Forward and again before its Backward and its
-    gradients reduce-scattered (``CostOptions.zero`` 3), :data:`FSDP_GATHERED_LAYERS` layers' parameters whole at
-    a time; with activation recomputation of every layer (full, or selective where the model keeps attention
-    scores) or none, the fastest that fits the budget (the fastest, marked not fitting, when none does)."""
-    costs = dataclasses.replace(opts, zero=3, optimizer_shards=1)
-    priced, (choice,) = _price_assignments(graph, [dp], mesh, cluster, values, costs)
-    units = layer_units(graph)
-    if units is None:  # no layer stack: each node its own unit
-        groups = [[n] for n in graph.nodes]
-    else:  # the layers, and the root unit: the nodes outside the stack (embeddings, final norm, head)
-        groups = [list(u) for u in units.units] + [[n for n in graph.nodes if n not in units.layer_of]]
-    layer_bytes = [sum(priced.node_costs[n][choice[n]].param_bytes for n in g) for g in groups]
-    gathered = sum(sorted(layer_bytes, reverse=True)[:FSDP_GATHERED_LAYERS])
-    variants: list[tuple[str, Any]] = [("none", None)]
-    layers = layer_pricing(graph, priced, values, costs)
-    if layers is not None:
-        modes = ["full"] + (["selective"] if layers.selective_differs else [])
-        for mode in modes:
-            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
-            variants.append((mode, (layers, policy, layers.apply(policy))))
-    ranked = []
-    for k, (_, rec) in enumerate(variants):
-        pred = _variant_summary(graph, priced, choice, costs, rec, nodes=False, extra=gathered).predicted
-        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
-        ranked.append((not fits, pred.step_time_s, k, pred))
-    unfit, _, best, pred = min(ranked, key=lambda r: r[:3])
-    mode = variants[best][0]
-    config: dict[str, Any] = {"dp": mesh.size, "zero": 3, "recompute": mode}
-    config["name"] = f"fsdp{mesh.size} (ZeRO-3)" + (f" +{mode} recompute" if mode != "none" else "")
-    if memory_budget is not None:
-        config["fits_budget"] = not unfit
-    return Baseline("fsdp", config, pred, {n: str(s) for n, s in dp.items()})
-
-
-def price_baselines(
-    graph: OpGraph,
-    mesh: DeviceMesh,
-    cluster: ClusterSpec,
-    values: dict[sympy.Symbol, int],
-    opts: CostOptions,
-    memory_budget: float | None = None,
-) -> dict[str, Baseline]:
-    """The best Megatron configuration, pure data parallelism and FSDP (:func:`_best_fsdp`), priced with our cost
-    model.
-
-    With a memory budget, the best Megatron configuration is the fastest one that fits (the fastest overall,
-    marked ``"fits_budget": false``, when none does); data parallelism says whether it fits the same way.
-    """
-    out: dict[str, Baseline] = {}
-    dp = data_parallel_assignment(graph, mesh, values=values)
-    (config, summary, assignment), (dp_predicted,) = _best_megatron(
-        graph, mesh, cluster, values, opts, memory_budget, also=[dp]
-    )
-    out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
-    dp_config: dict[str, Any] = {"dp": mesh.size}
-    if memory_budget is not None:
-        dp_config["fits_budget"] = dp_predicted.peak_memory_bytes <= memory_budget
-    out["data_parallel"] = Baseline("data_parallel", dp_config, dp_predicted, {n: str(s) for n, s in dp.items()})
-    out["fsdp"] = _best_fsdp(graph, mesh, cluster, values, opts, memory_budget, dp)
-    return out
 
 
 GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
@@ -558,30 +284,6 @@ def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: i
     return best
 
 
-def per_step(summary: Summary, m: int) -> Summary:
-    """A summary priced at one of ``m`` micro-batches, as the whole step: every node's seconds and bytes ``m``
-    times (what runs once a step was priced at ``1/m`` a micro-batch); the peak is one micro-batch's."""
-    if m == 1:
-        return summary
-    p = summary.predicted
-    predicted = Predicted(p.step_time_s * m, p.peak_memory_bytes, p.comm_bytes * m)
-    nodes = []
-    for n in summary.nodes:
-        c = n.cost
-        cost = dataclasses.replace(
-            c,
-            compute_s=c.compute_s * m,
-            ring_s=c.ring_s * m,
-            collective_s=c.collective_s * m,
-            redistribution_s=c.redistribution_s * m,
-            comm_bytes={k: v * m for k, v in c.comm_bytes.items()},
-            step_s=c.step_s * m,
-            phase_s={k: v * m for k, v in c.phase_s.items()},
-        )
-        nodes.append(dataclasses.replace(n, cost=cost))
-    return Summary(predicted, tuple(nodes))
-
-
 def _choose_levers(
     graph: OpGraph, priced: PricedGraph, values: dict, costs: CostOptions, opts: PlanOptions
 ) -> tuple[Chosen, int]:
@@ -703,7 +405,7 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
     assignment = None
     if name in ("megatron", "megatron-sp"):
         sp = True if name == "megatron-sp" else None
-        (search["config"], summary, assignment), _ = _best_megatron(
+        (search["config"], summary, assignment), _ = best_megatron(
             graph, mesh, spec, values, costs, budget, sp, distributed_optimizer=False
         )
         summary = per_step(summary, m)
@@ -727,7 +429,7 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
         search["seed"] = seed
     recompute = None
     if mode != "none" or name not in ("megatron", "megatron-sp"):
-        priced, (choice,) = _price_assignments(graph, [assignment], mesh, spec, values, costs)
+        priced, (choice,) = price_assignments(graph, [assignment], mesh, spec, values, costs)
         layers = layer_pricing(graph, priced, values, costs) if mode != "none" else None
         if mode != "none" and layers is None:
             raise ValueError(f"recompute={mode!r}: {graph.name} has no layer stack to recompute")

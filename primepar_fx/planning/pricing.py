@@ -76,7 +76,7 @@ class PricedGraph:
     def search_graph(self) -> CostGraph:
         """What the search solves: :attr:`cost_graph` with a virtual node per tensor whose consumers may share one
         re-layout (:mod:`primepar_fx.planning.sharing`), so that the objective of a choice is its predicted step
-        time. A solution's choice names these nodes too; :func:`~primepar_fx.planning.planner.summarize` ignores
+        time. A solution's choice names these nodes too; :func:`~primepar_fx.planning.summary.summarize` ignores
         them."""
         return add_share_nodes(self.cost_graph, self.flows, self.fanout)
 

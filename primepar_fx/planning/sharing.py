@@ -15,7 +15,7 @@ and its consumers ``v_1 .. v_n`` (graph order) makes it pairwise again. Its stat
 
 For any strategies of ``u`` and the consumers, the cheapest state of the virtual node is the pass-through one unless
 all consumers have one signature, and then the shared one, which costs what
-:func:`~primepar_fx.planning.planner.summarize` charges: the objective of every choice is its plan's predicted step
+:func:`~primepar_fx.planning.summary.summarize` charges: the objective of every choice is its plan's predicted step
 time, and the search's optimum is the best plan under sharing. The shared states are added only where the first
 consumer's edge is the same for all its strategies of the signature (it is, unless two strategies with one
 signature fuse their all-reduce differently) and where sharing saves something; a producer with none gets no node.

@@ -14,7 +14,7 @@
 
   An edge's cost in the priced graph is net of what fusing an all-reduce with the re-layout after it into a
   reduce-scatter saves (:mod:`primepar_fx.cost.scatter`). The parts of an :class:`Option` attribute that saving as
-  :func:`~primepar_fx.planning.planner.summarize` does for a plan: the re-layout counts whole in the redistribution, and
+  :func:`~primepar_fx.planning.summary.summarize` does for a plan: the re-layout counts whole in the redistribution, and
   the saving comes off the collectives of the node that runs the all-reduce: this node's (``collective_s``,
   ``node_s``, ``comm_bytes``) or a neighbour's (``neighbour_collective_s``). The objective is unchanged.
 
@@ -335,7 +335,7 @@ class _EdgeParts:
 
     ``edge_s`` are the edges' costs as the search sees them, net of reduce-scatter savings; ``redis_b`` the bytes
     they move, mean per device. The reduce-scatter savings (:mod:`primepar_fx.cost.scatter`) are attributed as
-    :func:`~primepar_fx.planning.planner.summarize` does, off the collectives of the node that runs the all-reduce
+    :func:`~primepar_fx.planning.summary.summarize` does, off the collectives of the node that runs the all-reduce
     (the producer in Forward, the consumer in Backward), not off the redistribution: ``own_s`` and ``own_b`` where
     that node is the explained one, ``others_s`` where it is a neighbour.
     """

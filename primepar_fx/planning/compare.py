@@ -1,0 +1,216 @@
+"""The baselines, priced with our cost model: Megatron-LM's best configuration (with its distributed optimizer and
+recomputation under a budget), data parallelism and FSDP (:func:`price_baselines`), and fixed assignments read
+back as plans (:func:`price_fixed`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sympy
+
+from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.model import CostOptions
+from primepar_fx.graph import OpGraph
+from primepar_fx.graph.layers import layer_units
+from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
+from primepar_fx.planning.levers import Recompute
+from primepar_fx.planning.plan import Baseline, Predicted
+from primepar_fx.planning.pricing import PricedGraph, price_graph
+from primepar_fx.planning.recompute import layer_pricing
+from primepar_fx.planning.summary import Summary, summarize
+
+log = logging.getLogger(__name__)
+
+
+def price_fixed(
+    graph: OpGraph, assignment: dict[str, PartitionSeq], mesh: DeviceMesh, cluster: ClusterSpec, values, opts
+) -> Summary:
+    priced, (choice,) = price_assignments(graph, [assignment], mesh, cluster, values, opts)
+    return summarize(graph, priced, choice, opts)
+
+
+def price_assignments(
+    graph: OpGraph,
+    assignments: Sequence[Mapping[str, PartitionSeq]],
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values,
+    opts,
+) -> tuple[PricedGraph, list[dict[str, int]]]:
+    """One pricing of every node's distinct sequences over ``assignments`` (a sequence for every node), and each
+    assignment as a choice of strategies in it. Costs are per sequence and per pair of sequences, so
+    :func:`summarize` of a choice gives what pricing its assignment alone gives, and the graph is walked once
+    instead of once per assignment."""
+    union: dict[str, list[PartitionSeq]] = {}
+    for assignment in assignments:
+        for name in graph.nodes:
+            seqs = union.setdefault(name, [])
+            if assignment[name] not in seqs:
+                seqs.append(assignment[name])
+    priced = price_graph(graph, mesh, cluster, values, opts, fixed=union)
+    return priced, [{n: union[n].index(a[n]) for n in graph.nodes} for a in assignments]
+
+
+def best_megatron(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+    sequence_parallel: bool | None = None,
+    also: Sequence[Mapping[str, PartitionSeq]] = (),
+    distributed_optimizer: bool = True,
+) -> tuple[tuple[dict[str, Any], Summary, dict[str, PartitionSeq]], list[Predicted]]:
+    """The fastest Megatron configuration (that fits ``memory_budget``, if any does) as ``(config, summary,
+    assignment)``, and the predictions of the assignments ``also``, priced with them.
+
+    ``sequence_parallel`` keeps only the configurations with (``True``) or without (``False``) it. Under a budget
+    each configuration with data parallelism is also tried with Megatron-LM's distributed optimizer (the master
+    copies and moments split over the ``dp`` replicas: ``"distributed_optimizer": true``); it moves as many bytes
+    as the all-reduce it replaces, so it ties in time and is kept only where the configuration fits with it and
+    not without. Every one of those is also tried with Megatron-LM's activation recomputation of every layer,
+    full and (where the model keeps attention scores) selective (``"recompute": "full"``), priced like ours
+    (:mod:`~primepar_fx.planning.recompute`); the fastest that fits wins, fewer levers breaking ties.
+    ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
+    state).
+    """
+    configs = [c for c in megatron_configs(mesh) if sequence_parallel in (None, c["sequence_parallel"])]
+    if not configs:
+        raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
+    assignments = megatron_assignments(graph, mesh, configs, values=values)
+    priced_graph, choices = price_assignments(graph, [*assignments, *also], mesh, cluster, values, opts)
+    variants: list[tuple[int, dict[str, Any], CostOptions, Any]] = [
+        (i, cfg, opts, None) for i, cfg in enumerate(configs)
+    ]
+    if memory_budget is not None and distributed_optimizer:
+        variants += [
+            (i, {**cfg, "distributed_optimizer": True}, dataclasses.replace(opts, optimizer_shards=cfg["dp"]), None)
+            for i, cfg in enumerate(configs)
+            if cfg["dp"] > 1
+        ]
+        # Megatron-LM's activation recomputation: full (every layer) and selective (attention scores)
+        layers = layer_pricing(graph, priced_graph, values, opts)
+        modes = [] if layers is None else ["full"] + (["selective"] if layers.selective_differs else [])
+        plain = list(variants)
+        for mode in modes:
+            assert layers is not None
+            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
+            applied = (layers, policy, layers.apply(policy))
+            variants += [(i, {**cfg, "recompute": mode}, costs, applied) for i, cfg, costs, _ in plain]
+    ranked = []
+    for k, (i, cfg, costs, rec) in enumerate(variants):
+        pred = variant_summary(graph, priced_graph, choices[i], costs, rec, nodes=False).predicted
+        log.info("%s: %.4g s, %.3g GiB", config_name(cfg), pred.step_time_s, pred.peak_memory_bytes / 2**30)
+        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
+        levers = ("distributed_optimizer" in cfg) + ("recompute" in cfg)
+        ranked.append((not fits, pred.step_time_s, levers, pred.peak_memory_bytes, k))
+    unfit, *_, best = min(ranked)
+    i, cfg, costs, rec = variants[best]
+    config = {**cfg, "name": config_name(cfg)}
+    if assignments[i].fallbacks:  # nodes where a split of the configuration did not divide, replicated there
+        config["fallback_nodes"] = len(assignments[i].fallback_nodes())
+    if memory_budget is not None:
+        config["fits_budget"] = not unfit
+    summary = variant_summary(graph, priced_graph, choices[i], costs, rec)
+    others = [summarize(graph, priced_graph, c, opts, nodes=False).predicted for c in choices[len(assignments) :]]
+    return (config, summary, assignments[i]), others
+
+
+def variant_summary(
+    graph: OpGraph,
+    priced: PricedGraph,
+    choice: dict[str, int],
+    costs: CostOptions,
+    rec: Any,
+    *,
+    nodes: bool = True,
+    extra: int = 0,
+) -> Summary:
+    """:func:`summarize` of a baseline's choice, with its recomputation ``rec`` (``(layers, policy, applied)``)
+    and ``extra`` bytes on its peak."""
+    if rec is None:
+        return summarize(graph, priced, choice, costs, nodes=nodes, extra_peak=extra)
+    layers, policy, applied = rec
+    extra += layers.extra_peak(policy, applied, choice)
+    return summarize(graph, applied, choice, costs, nodes=nodes, extra_peak=extra)
+
+
+#: how many layers' parameters FSDP holds gathered at once: the one running and the next, prefetched
+FSDP_GATHERED_LAYERS = 2
+
+
+def best_fsdp(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+    dp: Mapping[str, PartitionSeq],
+) -> Baseline:
+    """FSDP (ZeRO-3 data parallelism, each layer a unit): every parameter, gradient and optimizer state split over
+    all devices, a layer's parameters all-gathered before its Forward and again before its Backward and its
+    gradients reduce-scattered (``CostOptions.zero`` 3), :data:`FSDP_GATHERED_LAYERS` layers' parameters whole at
+    a time; with activation recomputation of every layer (full, or selective where the model keeps attention
+    scores) or none, the fastest that fits the budget (the fastest, marked not fitting, when none does)."""
+    costs = dataclasses.replace(opts, zero=3, optimizer_shards=1)
+    priced, (choice,) = price_assignments(graph, [dp], mesh, cluster, values, costs)
+    units = layer_units(graph)
+    if units is None:  # no layer stack: each node its own unit
+        groups = [[n] for n in graph.nodes]
+    else:  # the layers, and the root unit: the nodes outside the stack (embeddings, final norm, head)
+        groups = [list(u) for u in units.units] + [[n for n in graph.nodes if n not in units.layer_of]]
+    layer_bytes = [sum(priced.node_costs[n][choice[n]].param_bytes for n in g) for g in groups]
+    gathered = sum(sorted(layer_bytes, reverse=True)[:FSDP_GATHERED_LAYERS])
+    variants: list[tuple[str, Any]] = [("none", None)]
+    layers = layer_pricing(graph, priced, values, costs)
+    if layers is not None:
+        modes = ["full"] + (["selective"] if layers.selective_differs else [])
+        for mode in modes:
+            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
+            variants.append((mode, (layers, policy, layers.apply(policy))))
+    ranked = []
+    for k, (_, rec) in enumerate(variants):
+        pred = variant_summary(graph, priced, choice, costs, rec, nodes=False, extra=gathered).predicted
+        fits = memory_budget is None or pred.peak_memory_bytes <= memory_budget
+        ranked.append((not fits, pred.step_time_s, k, pred))
+    unfit, _, best, pred = min(ranked, key=lambda r: r[:3])
+    mode = variants[best][0]
+    config: dict[str, Any] = {"dp": mesh.size, "zero": 3, "recompute": mode}
+    config["name"] = f"fsdp{mesh.size} (ZeRO-3)" + (f" +{mode} recompute" if mode != "none" else "")
+    if memory_budget is not None:
+        config["fits_budget"] = not unfit
+    return Baseline("fsdp", config, pred, {n: str(s) for n, s in dp.items()})
+
+
+def price_baselines(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None = None,
+) -> dict[str, Baseline]:
+    """The best Megatron configuration, pure data parallelism and FSDP (:func:`best_fsdp`), priced with our cost
+    model.
+
+    With a memory budget, the best Megatron configuration is the fastest one that fits (the fastest overall,
+    marked ``"fits_budget": false``, when none does); data parallelism says whether it fits the same way.
+    """
+    out: dict[str, Baseline] = {}
+    dp = data_parallel_assignment(graph, mesh, values=values)
+    (config, summary, assignment), (dp_predicted,) = best_megatron(
+        graph, mesh, cluster, values, opts, memory_budget, also=[dp]
+    )
+    out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
+    dp_config: dict[str, Any] = {"dp": mesh.size}
+    if memory_budget is not None:
+        dp_config["fits_budget"] = dp_predicted.peak_memory_bytes <= memory_budget
+    out["data_parallel"] = Baseline("data_parallel", dp_config, dp_predicted, {n: str(s) for n, s in dp.items()})
+    out["fsdp"] = best_fsdp(graph, mesh, cluster, values, opts, memory_budget, dp)
+    return out

@@ -1,0 +1,138 @@
+"""A plan's whole-plan figures and per-node rows, read back from a priced graph and a choice (:func:`summarize`),
+and the same for a step of micro-batches (:func:`per_step`).
+
+The step time is the sum of node times (Eq. 7) and edge times (Eq. 8-9); the peak memory per device is every
+node's parameter state and stashed activations (all live at the end of Forward) plus the largest ring double
+buffer (only one ring runs at a time); the communication is the bytes one device sends per step (collectives and
+ring shifts, plus the mean per-device redistribution traffic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from primepar_fx.cost.model import CostOptions
+from primepar_fx.graph import OpGraph
+from primepar_fx.planning.plan import CostBreakdown, NodePlan, Predicted
+from primepar_fx.planning.pricing import PricedGraph
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """A plan's whole-plan figures and its per-node rows, read back from a priced graph and a choice."""
+
+    predicted: Predicted
+    nodes: tuple[NodePlan, ...]
+
+
+def summarize(
+    graph: OpGraph,
+    priced: PricedGraph,
+    choice: dict[str, int],
+    opts: CostOptions,
+    *,
+    nodes: bool = True,
+    extra_peak: int = 0,
+) -> Summary:
+    """Per-node cost breakdowns and the whole-plan prediction of one choice of strategies; with ``nodes=False``
+    the prediction only (the same numbers; ``Summary.nodes`` is empty), which is all a baseline that is not
+    kept needs. ``extra_peak``: how far recomputation in Backward lifts the peak above the end of Forward
+    (:meth:`~primepar_fx.planning.recompute.LayerPricing.extra_peak`)."""
+    world = priced.mesh.size
+    redis_s = {n: 0.0 for n in graph.nodes}
+    redis_bytes = {n: 0 for n in graph.nodes}
+    # an all-reduce fused into a reduce-scatter (cost.scatter): the edge cost has its saving subtracted; report
+    # it on the node that runs the collective, as seconds and bytes moved from all-reduce to reduce-scatter
+    saved_s = {n: 0.0 for n in graph.nodes}
+    saved, scattered = {n: 0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
+    # consumers that share the first consumer's re-layout (cost.share): their edge and input all-reduces do not run
+    unshared_s, unshared = {n: 0.0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
+    sharing = set()
+    for skip in priced.not_run(choice):
+        unshared_s[skip.v] += skip.reduce_s
+        unshared[skip.v] += skip.reduce_bytes
+        if skip.tied:  # a tied parameter's: the edge cost has the all-reduce's seconds off; report them here
+            redis_s[skip.v] += skip.reduce_s
+            continue
+        sharing.add((skip.u, skip.v))
+        redis_s[skip.v] -= skip.relayout_s
+        redis_bytes[skip.v] -= skip.relayout_bytes
+    for (u, v), sav in priced.scatter.items():
+        if (u, v) in sharing:
+            continue
+        i, j = choice[u], choice[v]
+        for owner, sec, nbytes, rs in (
+            (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
+            (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
+        ):
+            if rs[i, j]:
+                saved_s[owner] += float(sec[i, j])
+                redis_s[v] += float(sec[i, j])
+                saved[owner] += int(nbytes[i, j])
+                scattered[owner] += int(rs[i, j])
+    for (u, v), mat in priced.cost_graph.edge_cost.items():
+        redis_s[v] += float(mat[choice[u], choice[v]])
+        redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
+    plans, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
+    for name, node in graph.nodes.items():
+        c = priced.node_costs[name][choice[name]]
+        step_s = c.time_s - saved_s[name] - unshared_s[name] + redis_s[name]
+        total_s += step_s
+        static += c.state_bytes(opts) + c.stash_bytes
+        buffers = max(buffers, c.buffer_bytes)
+        comm += sum(c.comm_bytes.values()) - saved[name] - unshared[name] + redis_bytes[name] / world
+        if not nodes and 0.0 <= step_s < math.inf:
+            continue  # (a node whose time is not a finite number of seconds gets CostBreakdown's error below)
+        seq = priced.strategies[name][choice[name]]
+        kinds = dict(c.comm_bytes)
+        if scattered[name]:  # all-reduces that became reduce-scatters (plus a bias gradient's all-reduce)
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) - saved[name] - scattered[name]
+            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + scattered[name]
+        if unshared[name]:  # input-gradient all-reduces done once, by the first consumer of a shared re-layout
+            reduced = min(unshared[name], kinds.get("all-reduce", 0))  # (a tied parameter's, with ZeRO stage 1:
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) - reduced  # and its all-gather after the step)
+            if unshared[name] > reduced:
+                kinds["all-gather"] = kinds.get("all-gather", 0) - (unshared[name] - reduced)
+        if scattered[name] or unshared[name]:
+            kinds = {k: v for k, v in kinds.items() if v}
+        if redis_bytes[name]:
+            kinds["redistribution"] = redis_bytes[name] // world
+        cost = CostBreakdown(
+            compute_s=c.compute_s,
+            ring_s=c.ring_s,
+            collective_s=c.collective_s - saved_s[name] - unshared_s[name],
+            redistribution_s=redis_s[name],
+            memory_bytes=c.memory_bytes(opts),
+            comm_bytes=kinds,
+            step_s=step_s,
+            phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
+        )
+        plans.append(NodePlan(name, node.op, str(seq), cost))
+    peak = int(static + buffers + extra_peak)
+    return Summary(Predicted(total_s, peak, int(round(comm))), tuple(plans if nodes else ()))
+
+
+def per_step(summary: Summary, m: int) -> Summary:
+    """A summary priced at one of ``m`` micro-batches, as the whole step: every node's seconds and bytes ``m``
+    times (what runs once a step was priced at ``1/m`` a micro-batch); the peak is one micro-batch's."""
+    if m == 1:
+        return summary
+    p = summary.predicted
+    predicted = Predicted(p.step_time_s * m, p.peak_memory_bytes, p.comm_bytes * m)
+    nodes = []
+    for n in summary.nodes:
+        c = n.cost
+        cost = dataclasses.replace(
+            c,
+            compute_s=c.compute_s * m,
+            ring_s=c.ring_s * m,
+            collective_s=c.collective_s * m,
+            redistribution_s=c.redistribution_s * m,
+            comm_bytes={k: v * m for k, v in c.comm_bytes.items()},
+            step_s=c.step_s * m,
+            phase_s={k: v * m for k, v in c.phase_s.items()},
+        )
+        nodes.append(dataclasses.replace(n, cost=cost))
+    return Summary(predicted, tuple(nodes))
