@@ -237,7 +237,9 @@ def make_system(label: str, graph, config, rank: int, world: int, spec: str | No
             else:
                 module = torch.nn.parallel.DistributedDataParallel(module)
                 run["extra_state"] = tensor_bytes(module.parameters())  # its gradient buckets, one grad's worth
-    run |= {"module": module, "opt": torch.optim.AdamW(module.parameters(), lr=LR)}
+    # primepar's own optimizer: a plain AdamW, or a ZeRO plan's sharded one (`module.optimizer`)
+    opt = module.optimizer(torch.optim.AdamW, lr=LR) if label.startswith("primepar") else None
+    run |= {"module": module, "opt": opt or torch.optim.AdamW(module.parameters(), lr=LR)}
     run |= {"setup_s": time.perf_counter() - t0, "times": [], "wire": []}
     return run
 

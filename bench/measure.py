@@ -325,7 +325,9 @@ def memory_probe(
     opt.step()
     params = tensor_bytes(module.parameters())
     grads = tensor_bytes(p.grad for p in module.parameters())
+    grads += tensor_bytes(s.master.grad for s in getattr(opt, "shards", ()))  # ZeRO-2's reduce-scattered chunks
     state = tensor_bytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    state += tensor_bytes(s.master for s in getattr(opt, "shards", ()))  # a ZeRO optimizer's fp32 chunks
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

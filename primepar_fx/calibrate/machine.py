@@ -7,7 +7,10 @@ is given no cluster (and ``PRIMEPAR_CLUSTER`` names none), it prices on :func:`m
 * **measured where it runs.** Every rank of the default process group takes part. Each collective kind of
   :data:`~primepar_fx.cost.cluster.COLLECTIVES` is timed at :data:`SIZES` bytes per device as a step pays for it:
   a burst of back-to-back calls after one barrier, the mean per call, the median over reps, the *slowest* rank's
-  (a rank waits for its last peer; with ranks sharing cores, that wait is most of a message's cost). The compute
+  (a rank waits for its last peer; with ranks sharing cores, that wait is most of a message's cost). Group
+  collectives are timed over the world and over groups of every smaller size that divides it (all such groups
+  at once), so the fit tells a call's fixed latency from its latency per ring step: on gloo a 2-rank all-reduce
+  costs about half a 4-rank one, not the third that per-step latency alone would say. The compute
   kernels of :func:`~primepar_fx.calibrate.measure.measure_compute` (the quick set) run on every rank at once with
   the threads the ranks run with, so they share the cores as a step's do. It takes a few seconds, with a progress
   bar on rank 0.
@@ -33,6 +36,7 @@ import statistics
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +58,8 @@ SIZES = (4 * KiB, 128 * KiB, 1024 * KiB)
 #: timed reps (after one warm-up burst) and calls per burst
 REPS, BURST = 3, 4
 CACHE_ENV = "PRIMEPAR_CACHE_DIR"
+#: bumped when what is measured changes, so an older cached spec is measured again (2: several group sizes)
+CACHE_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -67,7 +73,7 @@ def cache_dir() -> Path:
 
 def cache_path(world_size: int, backend: str) -> Path:
     """The cached spec of this host for ``world_size`` ranks on ``backend`` under this torch."""
-    key = f"machine-{platform.node() or 'host'}-{backend}-w{world_size}-torch{torch.__version__}"
+    key = f"machine-v{CACHE_VERSION}-{platform.node() or 'host'}-{backend}-w{world_size}-torch{torch.__version__}"
     return cache_dir() / (re.sub(r"[^A-Za-z0-9_.+-]", "_", key) + ".json")
 
 
@@ -83,17 +89,47 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def group_sizes(world: int) -> list[int]:
+    """The group sizes timed for ``world`` ranks: the world and its proper divisors from 2 (a plan's digits make
+    groups of those sizes)."""
+    return [g for g in range(2, world + 1) if world % g == 0]
+
+
+def _groups(rank: int, world: int) -> dict[int, Any]:
+    """``{g: this rank's process group of g consecutive ranks}`` for :func:`group_sizes` (``None``: the world).
+    Every rank creates every group, as ``new_group`` requires."""
+    out: dict[int, Any] = {}
+    for g in group_sizes(world):
+        if g == world:
+            out[g] = None
+            continue
+        for first in range(0, world, g):
+            pg = dist.new_group(list(range(first, first + g)))
+            if first <= rank < first + g:
+                out[g] = pg
+    return out
+
+
 def _time_collectives(rank: int, world: int, device: torch.device, progress: Progress | None) -> dict:
-    """``{kind: [(bytes per device, seconds per call)]}``, the slowest rank's (module docstring)."""
+    """``{kind: {group size: [(bytes per device, seconds per call)]}}``, the slowest rank's (module docstring).
+
+    Each group collective is timed at every size of :func:`group_sizes`, all groups of a size at once (as a
+    plan's collectives over one digit run); the ring shift over the world only."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    samples: dict[str, list[tuple[int, float]]] = {}
+    groups = _groups(rank, world)
+    samples: dict[str, dict[int, list[tuple[int, float]]]] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # all_gather_into_tensor / reduce_scatter_tensor renames
         for kind in COLLECTIVES:
-            calls = [collective_call(kind, size, rank, world, device) for size in SIZES]
-            times = torch.zeros(len(SIZES), REPS, dtype=torch.float64)
+            sizes = {world: None} if kind == "p2p" else groups
+            calls = [
+                (g, collective_call(kind, size, rank, world, device, group, g))
+                for g, group in sizes.items()
+                for size in (SIZES if g == world else SIZES[:: len(SIZES) - 1])  # subgroups: smallest and largest
+            ]
+            times = torch.zeros(len(calls), REPS, dtype=torch.float64)
             for r in range(-1, REPS):  # rep -1 warms up
-                for i, (fn, _) in enumerate(calls):  # sizes interleaved
+                for i, (_, (fn, _)) in enumerate(calls):  # sizes and groups interleaved
                     dist.barrier()
                     t0 = time.perf_counter()
                     for _ in range(BURST):
@@ -104,9 +140,11 @@ def _time_collectives(rank: int, world: int, device: torch.device, progress: Pro
             times = times.to(device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             medians = [statistics.median(row) for row in times.cpu().tolist()]
-            samples[kind] = [(nbytes, t) for (_, nbytes), t in zip(calls, medians)]
+            samples[kind] = {}
+            for (g, (_, nbytes)), t in zip(calls, medians):
+                samples[kind].setdefault(g, []).append((nbytes, t))
             if progress is not None:
-                progress.step(f"{kind}: {medians[-1] * 1e3:.2f} ms at {SIZES[-1] // KiB} KiB")
+                progress.step(f"{kind}: {samples[kind][world][-1][1] * 1e3:.2f} ms at {SIZES[-1] // KiB} KiB")
     return samples
 
 
@@ -124,7 +162,7 @@ def measure_machine(base: ClusterSpec, world_size: int, rank: int) -> ClusterSpe
             progress.close()
     if rank != 0:
         return None
-    collectives = {kind: rounded(fit_collective(kind, world_size, rows)) for kind, rows in samples.items()}
+    collectives = {kind: rounded(fit_collective(kind, by_size)) for kind, by_size in samples.items()}
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()}-core CPU"
     source = (
         f"primepar_fx measured {world_size} {dist.get_backend()} ranks on {platform.node() or 'unknown host'} "

@@ -292,22 +292,28 @@ def measure_compute(
 # ---------------------------------------------------------------------------------------------------- collectives
 
 
-def collective_call(kind: str, nbytes: int, rank: int, world: int, device: torch.device) -> tuple[Callable, int]:
-    """A closure running one ``kind`` collective and the bytes per device it moves (cluster.py convention)."""
+def collective_call(
+    kind: str, nbytes: int, rank: int, world: int, device: torch.device, group: Any = None, group_size: int = 0
+) -> tuple[Callable, int]:
+    """A closure running one ``kind`` collective and the bytes per device it moves (cluster.py convention).
+
+    ``group`` (of ``group_size`` ranks): a group collective over that process group instead of the world; the ring
+    shift (``p2p``) always runs over the world."""
     import torch.distributed as dist
 
-    numel = max(world, nbytes // 4 // world * world)  # fp32, divisible by the group size
+    g = group_size if group is not None else world
+    numel = max(g, nbytes // 4 // g * g)  # fp32, divisible by the group size
     full = torch.ones(numel, device=device)
-    part = torch.ones(numel // world, device=device)
+    part = torch.ones(numel // g, device=device)
     if kind == "all-reduce":
-        return lambda: dist.all_reduce(full), numel * 4
+        return lambda: dist.all_reduce(full, group=group), numel * 4
     if kind == "all-gather":
-        return lambda: dist.all_gather_into_tensor(full, part), numel * 4
+        return lambda: dist.all_gather_into_tensor(full, part, group=group), numel * 4
     if kind == "reduce-scatter":
-        return lambda: dist.reduce_scatter_tensor(part, full), numel * 4
+        return lambda: dist.reduce_scatter_tensor(part, full, group=group), numel * 4
     if kind == "all-to-all":
         out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full), numel * 4
+        return lambda: dist.all_to_all_single(out, full, group=group), numel * 4
     recv = torch.empty_like(full)
 
     def shift() -> None:

@@ -8,7 +8,7 @@ presets in ``primepar_fx/cost/presets/*.json`` (:func:`load_cluster`, :func:`lis
 level it touches (:meth:`ClusterSpec.group_level`). Each level holds one :class:`LinearLatency` per collective
 kind, priced with the ring algorithm's bus factors (the nccl-tests convention)::
 
-    t(kind, g, n) = bytes_coeff * bus(kind, g) * n + fixed * steps(kind, g)
+    t(kind, g, n) = bytes_coeff * bus(kind, g) * n + fixed * steps(kind, g) + call
 
     kind            bus(kind, g)   steps(kind, g)
     all-reduce      2 (g-1) / g    2 (g-1)
@@ -21,6 +21,8 @@ where ``g`` is the group size, ``n`` the bytes per device of the full buffer (al
 all-gather: its output; reduce-scatter: its input; all-to-all: the send buffer; p2p: the message), and a group
 of one costs nothing. So ``bytes_coeff`` is seconds per byte of bus traffic (1 / bus bandwidth) and ``fixed``
 is seconds per ring step; both are independent of ``g`` and are what calibration fits (:func:`fit_collective`).
+``call`` (seconds per call, 0 in the presets) is fitted only from groups of several sizes: the machine's own
+measurement (:mod:`primepar_fx.calibrate.machine`) finds most of gloo's latency per call, not per step.
 Every group of the indicator runs at once, so a level's numbers are per device under full load (a node's NICs
 shared by its devices); a group that spans nodes pays the inter-node coefficients for all of its steps.
 
@@ -44,6 +46,8 @@ from importlib import resources
 from math import prod
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from primepar_fx.partition.mesh import DeviceMesh
 
@@ -168,27 +172,38 @@ def ring_factors(kind: str, group_size: int) -> tuple[float, int]:
 # ---------------------------------------------------------------------------------------------------- latency models
 @dataclass(frozen=True, slots=True)
 class LinearLatency(_Data):
-    """``t = bytes_coeff * nbytes + fixed``; for a collective, ``nbytes`` is bus traffic and ``fixed`` per step."""
+    """``t = bytes_coeff * nbytes + fixed + call``; for a collective, ``nbytes`` is bus traffic, ``fixed`` is paid
+    per ring step and ``call`` once per call whatever the group's size (module docstring). ``call`` is 0 unless a
+    fit over several group sizes measured it, and is left out of the JSON then."""
 
     bytes_coeff: float
     fixed: float
+    call: float = 0.0
 
     def __post_init__(self) -> None:
         _set(self, "bytes_coeff", _real("LinearLatency.bytes_coeff", self.bytes_coeff, "seconds per byte"))
         _set(self, "fixed", _real("LinearLatency.fixed", self.fixed, "seconds"))
+        _set(self, "call", _real("LinearLatency.call", self.call, "seconds"))
 
     def __call__(self, nbytes: float) -> float:
-        return self.bytes_coeff * _real("nbytes", nbytes, "bytes") + self.fixed
+        return self.bytes_coeff * _real("nbytes", nbytes, "bytes") + self.fixed + self.call
 
     def collective(self, kind: str, group_size: int, nbytes: float, *, bucketed: bool = False) -> float:
         """Seconds for a ``kind`` collective of ``nbytes`` per device over ``group_size`` devices; ``bucketed``: it
-        travels in a bucket with others (a parameter gradient), so its per-step latency is the bucket's, not its."""
+        travels in a bucket with others (a parameter gradient), so its per-call latency is the bucket's, not its."""
         bus, steps = ring_factors(kind, group_size)
-        return self.bytes_coeff * bus * _real("nbytes", nbytes, "bytes") + (0.0 if bucketed else self.fixed * steps)
+        if steps == 0:
+            return 0.0
+        latency = 0.0 if bucketed else self.fixed * steps + self.call
+        return self.bytes_coeff * bus * _real("nbytes", nbytes, "bytes") + latency
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"bytes_coeff": self.bytes_coeff, "fixed": self.fixed}
+        return out | ({"call": self.call} if self.call else {})
 
     @classmethod
     def from_dict(cls, data: Any) -> LinearLatency:
-        return cls(**_fields("LinearLatency", data, ("bytes_coeff", "fixed")))
+        return cls(**_fields("LinearLatency", data, ("bytes_coeff", "fixed"), ("call",)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,24 +228,40 @@ class ComputeModel(_Data):
         return cls(**_fields("ComputeModel", data, ("flops_coeff", "bytes_coeff"), ("fixed",)))
 
 
-def fit_collective(kind: str, group_size: int, samples: Iterable[tuple[float, float]]) -> LinearLatency:
-    """Least-squares fit of measured ``(nbytes_per_device, seconds)`` to the ring model at ``group_size``.
+def fit_collective(
+    kind: str,
+    group_size: int | Mapping[int, Iterable[tuple[float, float]]],
+    samples: Iterable[tuple[float, float]] = (),
+) -> LinearLatency:
+    """Least-squares fit of measured ``(nbytes_per_device, seconds)`` to the ring model (module docstring).
 
-    Returns per-bus-byte and per-step coefficients, so the result prices any group size. Both are clamped to be
-    non-negative (a negative intercept refits through the origin). Needs at least two distinct sizes.
+    ``fit_collective(kind, g, samples)``: samples at one group size ``g``; the latency is all per ring step
+    (``call = 0``). ``fit_collective(kind, {g: samples, ...})``: samples at two or more group sizes, which also
+    separates the latency paid once per call from the latency per ring step (a group of 2 does not cost a third
+    of a group of 4's 6 steps where the per-call part dominates, as on gloo). Coefficients are non-negative (a
+    negative one is dropped and the rest refitted). Needs at least two distinct message sizes.
     """
-    bus, steps = ring_factors(kind, group_size)
-    if steps == 0:
-        raise ValueError("group_size must be >= 2 to fit a collective (a group of one moves nothing)")
-    pts = [(bus * _real("samples nbytes", n, "bytes"), _real("samples seconds", t, "seconds")) for n, t in samples]
-    if len({x for x, _ in pts}) < 2:
-        raise ValueError(f"samples need at least two distinct message sizes to fit {kind}, got {len(pts)} sample(s)")
-    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    intercept = my - slope * mx
-    if intercept < 0:
-        slope, intercept = sum(x * y for x, y in pts) / sum(x * x for x, _ in pts), 0.0
-    return LinearLatency(max(slope, 0.0), max(intercept, 0.0) / steps)
+    by_size = dict(group_size) if isinstance(group_size, Mapping) else {group_size: samples}
+    rows: list[tuple[float, float, float]] = []  # (bus bytes, ring steps, seconds)
+    for g, pts in by_size.items():
+        bus, steps = ring_factors(kind, g)
+        if steps == 0:
+            raise ValueError("group_size must be >= 2 to fit a collective (a group of one moves nothing)")
+        rows += [
+            (bus * _real("samples nbytes", n, "bytes"), steps, _real("samples seconds", t, "seconds")) for n, t in pts
+        ]
+    if len({x for x, _, _ in rows}) < 2:
+        raise ValueError(f"samples need at least two distinct message sizes to fit {kind}, got {len(rows)} sample(s)")
+    terms = ["bytes_coeff", "fixed"] + (["call"] if len({s for _, s, _ in rows}) > 1 else [])
+    column = {"bytes_coeff": lambda r: r[0], "fixed": lambda r: r[1], "call": lambda r: 1.0}
+    while True:
+        x = np.array([[column[t](r) for t in terms] for r in rows])
+        coef = np.linalg.lstsq(x, np.array([r[2] for r in rows]), rcond=None)[0]
+        if terms and coef.min() < 0:
+            terms.pop(int(coef.argmin()))  # a negative coefficient: leave it out (0) and refit the rest
+            continue
+        fit = dict(zip(terms, (float(c) for c in coef)))
+        return LinearLatency(fit.get("bytes_coeff", 0.0), fit.get("fixed", 0.0), fit.get("call", 0.0))
 
 
 # ---------------------------------------------------------------------------------------------------- link levels
@@ -303,7 +334,7 @@ class LinkLevel(_Data):
         the busiest peer carries ``1/m`` of the bytes, so the rate is ``bytes_coeff * max(1, peer_factor / m)``.
         """
         lat = self.collectives["p2p"]
-        return lat.fixed * messages, lat.bytes_coeff * max(1.0, self.peer_factor / max(messages, 1))
+        return (lat.fixed + lat.call) * messages, lat.bytes_coeff * max(1.0, self.peer_factor / max(messages, 1))
 
     def p2p_time(self, nbytes: float, messages: int = 1) -> float:
         """Seconds to receive ``nbytes`` in ``messages`` equal point-to-point messages from distinct peers at once."""

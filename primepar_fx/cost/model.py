@@ -442,7 +442,8 @@ def _p2p_distinct(
         if not mask.any():
             continue
         link = cluster.levels[level]
-        fixed, unit = link.collectives["p2p"].fixed, link.collectives["p2p"].bytes_coeff
+        p2p = link.collectives["p2p"]
+        fixed, unit = p2p.fixed + p2p.call, p2p.bytes_coeff
         if link.peer_factor > 1:  # few messages: the busiest peer's links bind (LinkLevel.p2p_coefficients)
             unit = unit * np.maximum(1.0, link.peer_factor / np.maximum(count, 1))
         out = np.maximum(out, np.where(mask, count * fixed + received * (itemsize * unit), 0.0).max(axis=-1))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -306,12 +307,30 @@ def choose_recompute(
     # the budget binds: the fastest of no recomputation, selective, and full on the fewest first layers that fit
     needs: list[float] = []
     found = [_try(layers, Recompute.uniform(stack, count, "none"), memory_budget, alpha, method, needs)]
+
+    def best_cost() -> float:
+        return min((c.solution.cost for c in found if c is not None), default=math.inf)
+
+    def bounded(policy: Recompute) -> tuple[Chosen | None, bool]:
+        """The plan under ``policy``, and whether a budgeted search found it. The policy's fastest plan without
+        a budget bounds it from below: that plan is the answer where it fits, and the policy is skipped
+        (``None``) where the bound is no faster than the best plan found; only otherwise does the budgeted
+        search (several DP runs) run."""
+        bound = _solve_policy(layers, policy, None, alpha, method)
+        if bound.solution.memory <= memory_budget:
+            return bound, False
+        if bound.solution.cost >= best_cost():
+            return None, False
+        return _try(layers, policy, memory_budget, alpha, method, needs), True
+
     if layers.selective_differs:
-        found.append(_try(layers, Recompute.uniform(stack, count, "selective"), memory_budget, alpha, method, needs))
+        found.append(bounded(Recompute.uniform(stack, count, "selective"))[0])
     k = _fewest_full(layers, memory_budget)
     while k is not None:  # more layers recomputed free memory for faster partitions: k, 2k, 4k, ..., all
-        got = _try(layers, Recompute.uniform(stack, count, "full", k), memory_budget, alpha, method, needs)
+        got, searched = bounded(Recompute.uniform(stack, count, "full", k))
         found.append(got)
+        if not searched:  # recomputing more layers only adds time to every plan: no larger k can beat this bound
+            break
         k = None if k == count else min(count, 2 * k if got is not None else k + 1)
     best = min((c for c in found if c is not None), key=lambda c: c.solution.cost, default=None)
     if best is None:

@@ -18,7 +18,7 @@ import os
 import torch
 
 import primepar_fx
-from primepar_fx.calibrate.machine import cache_path
+from primepar_fx.calibrate.machine import cache_path, group_sizes
 from primepar_fx.cost.cluster import COLLECTIVES, load_cluster
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.runtime.testing import spawn
@@ -59,7 +59,7 @@ def _run(rank: int, world: int, cache: str) -> dict:
         out["source"] = spec.source
         level0 = spec.levels[0].collectives
         out["kinds"] = sorted(level0)
-        out["positive"] = all(level0[k].fixed > 0 or level0[k].bytes_coeff > 0 for k in level0)
+        out["positive"] = all(level0[k].fixed + level0[k].call > 0 or level0[k].bytes_coeff > 0 for k in level0)
         path.write_text("{not json")
     torch.distributed.barrier()
     again = _compile()
@@ -69,6 +69,11 @@ def _run(rank: int, world: int, cache: str) -> dict:
     given = _compile(plan=again.plan if rank == 0 else None)
     out["given_cluster"] = given.plan.cluster
     return out
+
+
+def test_the_machine_is_timed_at_every_group_size_a_mesh_makes():
+    assert group_sizes(2) == [2] and group_sizes(4) == [2, 4] and group_sizes(6) == [2, 3, 6]
+    assert group_sizes(8) == [2, 4, 8] and group_sizes(1) == []
 
 
 def test_compile_without_a_cluster_measures_this_machine_once_and_reuses_it(tmp_path):

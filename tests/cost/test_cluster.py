@@ -421,6 +421,28 @@ def test_fit_collective_recovers_per_step_coefficients():
         fit_collective("p2p", 2, [(MiB, 1e-3), (MiB, 2e-3)])
 
 
+def test_fit_collective_over_group_sizes_separates_latency_per_call_from_per_step():
+    """Measured at two group sizes, a fit recovers all three coefficients; at one it cannot tell them apart, and
+    prices a group of 2 at a third of a group of 4's latency (what the machine's measurement corrects)."""
+    true = LinearLatency(2e-10, 3e-4, 9e-4)
+    assert true.collective("all-reduce", 4, 0) == pytest.approx(6 * 3e-4 + 9e-4)
+    assert true.collective("all-reduce", 1, MiB) == 0.0 and true(MiB) == pytest.approx(2e-10 * MiB + 1.2e-3)
+    by_size = {g: [(n, true.collective("all-reduce", g, n)) for n in (4096, MiB)] for g in (2, 4)}
+    fit = fit_collective("all-reduce", by_size)
+    assert (fit.bytes_coeff, fit.fixed, fit.call) == pytest.approx((2e-10, 3e-4, 9e-4))
+    one = fit_collective("all-reduce", 4, by_size[4])
+    assert one.call == 0 and one.collective("all-reduce", 4, MiB) == pytest.approx(
+        true.collective("all-reduce", 4, MiB)
+    )
+    assert one.collective("all-reduce", 2, 0) == pytest.approx(one.collective("all-reduce", 4, 0) / 3)
+    # all of the latency per call (a negative per-step term is dropped, not kept)
+    flat = {g: [(n, 1e-3 + 1e-10 * n) for n in (4096, MiB)] for g in (2, 4)}
+    fit = fit_collective("all-gather", flat)
+    assert fit.fixed == 0 and fit.call > 0 and fit.bytes_coeff > 0
+    # the spec's JSON keeps "call" only where it is measured; both load back
+    assert "call" not in one.to_dict() and LinearLatency.from_dict(true.to_dict()) == true
+
+
 # ---------------------------------------------------------------------------------------------------- compute
 def test_default_compute_models_follow_peak_and_bandwidth():
     dev = load_cluster("v100-paper").device

@@ -124,6 +124,34 @@ def test_auto_recomputes_only_when_the_budget_needs_it() -> None:
     assert "recompute full on" in mid.summary_table().splitlines()[0]
 
 
+@pytest.mark.parametrize("share", [0.35, 0.75])
+def test_auto_is_the_fastest_of_every_policy_it_may_skip(share: float) -> None:
+    """Auto skips a policy whose fastest plan without a budget is no faster than the best found, and stops
+    recomputing more layers once such a bound fits: the answer is still the fastest over no recomputation,
+    selective, and full on every number of first layers (each searched under the budget)."""
+    from primepar_fx.planning.recompute import _solve_policy
+
+    lp, free, full = layers(), plan(recompute="none"), plan(recompute="full")
+    low, high = full.predicted.peak_memory_bytes, free.predicted.peak_memory_bytes
+    budget = int(low + share * (high - low))
+    spec, values = resolve_cluster("cpu-gloo"), {B: SIZES["batch"], S: SIZES["seq"]}
+    priced = price_graph(graph(), spec.mesh(4), spec, values, CostOptions())
+    auto = choose_recompute(
+        graph(), priced, values, CostOptions(), choice="auto", memory_budget=budget, alpha=0.0, method="dp"
+    )
+    stack, count = lp.units.stack, len(lp.units)
+    policies = [Recompute.uniform(stack, count, "none"), Recompute.uniform(stack, count, "selective")]
+    policies += [Recompute.uniform(stack, count, "full", k) for k in range(1, count + 1)]
+    costs = []
+    for policy in policies:
+        try:
+            costs.append(_solve_policy(lp, policy, budget, 0.0, "dp").solution.cost)
+        except InfeasibleBudget:
+            pass
+    assert auto.solution.memory <= budget
+    assert auto.solution.cost == pytest.approx(min(costs), rel=1e-9)
+
+
 def test_zero_auto_is_stage_2_only_where_the_plan_needs_it() -> None:
     free = plan(recompute="none")
     assert free.zero == 0
