@@ -67,7 +67,8 @@ def solve_for_peak(
             sol = relaxed
         else:
             try:
-                sol = solve(sub, memory_budget=memory_budget - cap, method=method)  # type: ignore[arg-type]
+                cutoff = math.inf if best is None else best[0]  # a cap that cannot beat the best stops early
+                sol = solve(sub, memory_budget=memory_budget - cap, method=method, cutoff=cutoff)  # type: ignore[arg-type]
             except InfeasibleBudget as exc:
                 smallest = min(smallest, exc.min_memory + cap)
                 continue

@@ -104,8 +104,12 @@ def solve_budget_dp(
     alpha: float = 0.0,
     options: DPOptions | None = None,
     max_runs: int = 64,
+    cutoff: float = math.inf,
 ) -> BudgetResult:
-    """The cheapest plan within ``budget`` the Lagrangian search finds, with a proven lower bound."""
+    """The cheapest plan within ``budget`` the Lagrangian search finds, with a proven lower bound.
+
+    ``cutoff``: the caller has a plan of that cost already. Once the lower bound reaches it, no plan here can be
+    cheaper, so the search stops with what it has (its cost is then >= ``cutoff``, and not proven optimal)."""
     solver = DPSolver(graph, options)
     seen: list[_Plan] = []
 
@@ -123,7 +127,7 @@ def solve_budget_dp(
     hi = best = _Plan(choice, evaluate(graph, choice, alpha), least)
     seen.append(hi)
     bound, runs = lo.cost, 2
-    while runs < max_runs and best.cost - bound > TOLERANCE * max(1.0, abs(best.cost)):
+    while runs < max_runs and best.cost - bound > TOLERANCE * max(1.0, abs(best.cost)) and bound < cutoff:
         lam = (hi.cost - lo.cost) / (lo.memory - hi.memory)
         plan, runs = run(lam), runs + 1
         value, crossing = plan.cost + lam * plan.memory, hi.cost + lam * hi.memory
@@ -138,7 +142,7 @@ def solve_budget_dp(
         else:
             lo = plan
     result = BudgetResult(best.choice, best.cost, best.memory, bound, runs)
-    if result.proven_optimal:
+    if result.proven_optimal or bound >= cutoff:
         return result
     px = solver.proxied  # the crossover cuts where the DP does, on the graph with its proxies
     mixed = _crossover(

@@ -42,12 +42,14 @@ log = logging.getLogger(__name__)
 Method = Literal["dp", "ilp", "auto"]
 
 
-def _dp(red: Reduced, budget: float | None, alpha: float, options: DPOptions | None) -> tuple[dict, bool, float]:
+def _dp(
+    red: Reduced, budget: float | None, alpha: float, options: DPOptions | None, cutoff: float = math.inf
+) -> tuple[dict, bool, float]:
     """DP plan on the reduced graph, whether it is proven optimal, and its lower bound."""
     if budget is None:
         res = DPSolver(red.graph, options).minimise(alpha)
         return res.choice, True, evaluate(red.graph, res.choice, alpha)
-    res = solve_budget_dp(red.graph, budget, alpha=alpha, options=options)
+    res = solve_budget_dp(red.graph, budget, alpha=alpha, options=options, cutoff=cutoff)
     log.info("DP under budget: %d runs, cost %.6g, bound %.6g", res.runs, res.cost, res.bound)
     return res.choice, res.proven_optimal, res.bound
 
@@ -68,9 +70,10 @@ def _auto(
     options: DPOptions | None,
     time_limit: float | None,
     ilp_max_variables: int,
+    cutoff: float = math.inf,
 ) -> tuple[dict, bool, float, str]:
     try:
-        choice, proven, bound = _dp(red, budget, alpha, options)
+        choice, proven, bound = _dp(red, budget, alpha, options, cutoff)
     except TableTooLarge as err:
         size = ilp_size(red.graph)
         if size > ilp_max_variables:
@@ -80,7 +83,7 @@ def _auto(
             ) from None
         log.info("DP tables too large (%s); solving the ILP instead", err)
         return (*_ilp(red, budget, alpha, time_limit), -math.inf, "ilp")
-    if proven or ilp_size(red.graph) > ilp_max_variables:
+    if proven or bound >= cutoff or ilp_size(red.graph) > ilp_max_variables:
         return choice, proven, bound, "dp"
     ilp_choice, ilp_proven = _ilp(red, budget, alpha, time_limit)
     if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
@@ -97,8 +100,13 @@ def solve(
     options: DPOptions | None = None,
     time_limit: float | None = None,
     ilp_max_variables: int = 200_000,
+    cutoff: float = math.inf,
 ) -> Solution:
-    """The cheapest plan (see the module docstring); ``time_limit`` (seconds) applies to the ILP only."""
+    """The cheapest plan (see the module docstring); ``time_limit`` (seconds) applies to the ILP only.
+
+    ``cutoff`` (with a budget, DP and auto): the caller already has a plan of that cost. The search may stop as
+    soon as it proves that nothing here is cheaper; the plan it returns then costs at least ``cutoff`` (within
+    budget, not proven optimal). Below the cutoff the answer is the same as without it."""
     if method not in ("dp", "ilp", "auto"):
         raise ValueError(f"method must be 'dp', 'ilp' or 'auto', got {method!r}")
     if not math.isfinite(alpha) or alpha < 0:
@@ -108,12 +116,12 @@ def solve(
     start = time.perf_counter()
     red = reduce_graph(graph)
     if method == "dp":
-        choice, proven, bound = _dp(red, memory_budget, alpha, options)
+        choice, proven, bound = _dp(red, memory_budget, alpha, options, cutoff)
     elif method == "ilp":
         choice, proven = _ilp(red, memory_budget, alpha, time_limit)
         bound = -math.inf
     else:
-        choice, proven, bound, method = _auto(red, memory_budget, alpha, options, time_limit, ilp_max_variables)
+        choice, proven, bound, method = _auto(red, memory_budget, alpha, options, time_limit, ilp_max_variables, cutoff)
     choice = red.lift(choice)
     cost, memory = evaluate(graph, choice, alpha), plan_memory(graph, choice)
     if memory_budget is not None and memory > memory_budget:

@@ -262,6 +262,21 @@ def test_the_dp_never_returns_a_plan_above_the_budget_and_stays_within_the_ilp_b
     assert_close(solve(graph, method="auto", memory_budget=budget).cost, ilp.cost)
 
 
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), slack=st.floats(0.05, 0.5))
+def test_a_cutoff_above_the_optimum_changes_nothing_and_one_below_it_stops_early(seed, slack):
+    """``cutoff``: a caller's better plan. Above the budgeted optimum the answer is the same; at or below it the
+    search returns a plan no cheaper than the cutoff, within budget, in no more DP runs."""
+    graph = fig6_stack(1, seed=seed, max_p=3)
+    least, free = smallest_memory(graph), solve(graph, method="dp").memory
+    budget = least + slack * (free - least)
+    plain = solve(graph, method="auto", memory_budget=budget)
+    above = solve(graph, method="auto", memory_budget=budget, cutoff=plain.cost * 1.01 + 1e-9)
+    assert_close(above.cost, plain.cost)
+    below = solve(graph, method="dp", memory_budget=budget, cutoff=plain.cost * 0.99)
+    assert below.memory <= budget and below.cost >= plain.cost * (1 - REL) - REL
+
+
 def test_an_impossible_budget_raises_infeasible_budget_naming_the_smallest_memory():
     graph = fig6_stack(2, seed=5)
     least = smallest_memory(graph)
