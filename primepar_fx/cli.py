@@ -6,8 +6,9 @@
     primepar-fx dump MODEL --world-size N [--plan plan.json|searched|megatron|prime|...] [--batch B --seq S] -o DIR
 
 MODEL is a zoo name (``primepar-fx explain --list`` shows them), ``hf:FAMILY`` for a tiny Hugging Face model
-(gpt2, llama, opt, bloom; needs ``transformers``), or ``package.module:callable`` returning a module, or a tuple
-``(module, args, kwargs)`` with example inputs.
+(gpt2, llama, opt, bloom; needs ``transformers``), a Hugging Face ``config.json`` (``path/to/config.json`` or
+``hf:path/to/config.json``: the model built offline on the meta device; ``--layers N`` keeps its first N layers), or
+``package.module:callable`` returning a module, or a tuple ``(module, args, kwargs)`` with example inputs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger("primepar_fx")
+
+
+MODEL_HELP = "zoo name, hf:FAMILY, a Hugging Face config.json, or package.module:callable"
 
 
 class CliError(Exception):
@@ -93,13 +97,30 @@ def _example_inputs(
 
 
 def load_model(
-    spec: str, *, meta: bool = True, batch: int = 2, seq: int = 16
+    spec: str, *, meta: bool = True, batch: int = 2, seq: int = 16, layers: int | None = None
 ) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
     """Resolve a MODEL argument to ``(module, example_args, example_kwargs, name)``; example inputs of ``batch`` x
-    ``seq`` tokens unless a ``package.module:callable`` returns its own."""
-    from primepar_fx.models import ZOO, build, build_hf_tiny, load_model_spec
+    ``seq`` tokens unless a ``package.module:callable`` returns its own. ``layers`` cuts a Hugging Face config
+    file's model to its first layers."""
+    from primepar_fx.models import ZOO, build, build_hf_tiny, from_config, is_config_file, load_model_spec
 
-    if spec in ZOO:
+    if layers is not None and not is_config_file(spec):
+        raise CliError("--layers applies to a Hugging Face config file (path/to/config.json)")
+    if is_config_file(spec):
+        path = spec[3:] if spec.startswith("hf:") else spec
+        try:
+            model = from_config(path, layers=layers, device="meta" if meta else "cpu")
+        except (ValueError, ImportError) as e:
+            raise CliError(str(e)) from None
+        name = os.path.splitext(os.path.basename(path))[0]
+        if name == "config":  # a checkpoint directory's config.json: name it by the directory
+            name = os.path.basename(os.path.dirname(os.path.abspath(path))) or name
+        if layers is not None:
+            name = f"{name}-{layers}l"
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        args, kwargs = _example_inputs(model, device, batch, seq)
+        return model, args, kwargs, name
+    elif spec in ZOO:
         model = build(spec, device="meta" if meta else None)
     elif spec.startswith("hf:"):
         try:
@@ -158,7 +179,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise CliError("give both --batch and --seq, or neither")
     mesh = _mesh(args)
     t0 = time.perf_counter()
-    model, ex_args, ex_kwargs, name = load_model(args.model)
+    model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
     _check_seq(model, args.seq, name)
     replicate = not args.full_capture
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
@@ -225,7 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         fallback=args.fallback,
         progress=sys.stderr.isatty(),
     )
-    model, ex_args, ex_kwargs, name = load_model(args.model)
+    model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
     _check_seq(model, args.seq, name)
     replicate = not args.full_capture
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
@@ -372,7 +393,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
             f"{args.plan} is for B={given.batch}, S={given.seq} on {given.world_size} devices, not "
             f"B={batch}, S={seq} on {args.world_size}"
         )
-    model, ex_args, ex_kwargs, name = load_model(args.model, batch=batch, seq=seq)
+    model, ex_args, ex_kwargs, name = load_model(args.model, batch=batch, seq=seq, layers=args.layers)
     graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback)
     if (graph.captured.example_batch, graph.captured.example_seq) != (batch, seq):
         raise CliError(
@@ -393,6 +414,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", "-n", type=positive_int, default=1, help="number of devices (default 1)")
     p.add_argument("--digits", type=digit_list, help="device-ID digit radices, most significant first, e.g. 3,2,2")
     p.add_argument("--fallback", choices=["replicate"], help="run ops without a rule replicated")
+    p.add_argument(
+        "--layers", type=positive_int, help="a Hugging Face config file's model cut to its first N layers (quick look)"
+    )
     p.add_argument(
         "--full-capture",
         action="store_true",
@@ -426,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_explain_parser(sub: Any) -> None:
     e = sub.add_parser("explain", help="per-node table: op, symbolic shape, FLOPs, legal partition sequences")
-    e.add_argument("model", nargs="?", help="zoo name, hf:FAMILY, or package.module:callable")
+    e.add_argument("model", nargs="?", help=MODEL_HELP)
     e.add_argument("--list", action="store_true", help="list the zoo models and exit")
     _add_model_args(e)
     e.add_argument("--devices-per-node", type=positive_int, help="devices per node (node digits come first)")
@@ -437,7 +461,7 @@ def _add_explain_parser(sub: Any) -> None:
 
 def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="search the cheapest plan and compare it with Megatron and data parallelism")
-    pl.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
+    pl.add_argument("model", help=MODEL_HELP)
     _add_model_args(pl)
     pl.add_argument(
         "--cluster",
@@ -523,8 +547,11 @@ def _add_plan_parser(sub: Any) -> None:
 
 def _add_dump_parser(sub: Any) -> None:
     d = sub.add_parser("dump", help="write the captured graph, plan, per-node table, per-rank code and a picture")
-    d.add_argument("model", help="zoo name, hf:FAMILY, or package.module:callable")
+    d.add_argument("model", help=MODEL_HELP)
     d.add_argument("--world-size", "-n", type=positive_int, required=True, help="number of ranks")
+    d.add_argument(
+        "--layers", type=positive_int, help="a Hugging Face config file's model cut to its first N layers (quick look)"
+    )
     d.add_argument(
         "--plan",
         default="searched",

@@ -266,3 +266,36 @@ def test_plan_for_more_devices_than_a_preset_names_adds_its_nodes(capsys, tmp_pa
     assert plan.world_size == 64 and plan.cluster == "h100-dgx"
     rc, _, err = run(capsys, *base, "-n", "36")
     assert rc == 2 and "not a whole number of its 8-device nodes" in err, err
+
+
+CONFIG_7B = "tests/data/llama-2-7b-config.json"
+
+
+def test_plan_takes_a_hugging_face_config_file_cut_to_its_first_layers(capsys, tmp_path) -> None:
+    """A checkpoint's config.json, as a user has it: the model built offline on the meta device, ``--layers`` for
+    a quick look; the plan names the file and has the real model's widths."""
+    from primepar_fx.planning.plan import Plan
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", CONFIG_7B, "-n", "2", "--batch", "2", "--seq", "256", "--dtype", "bf16", "--layers", "1"]
+    argv += ["--cluster", "h100-dgx"]
+    rc, text, err = run(capsys, *argv, "-o", str(out))
+    assert rc == 0 and "vs best Megatron" in text, err
+    plan = Plan.load(out)
+    assert plan.model == "llama-2-7b-config-1l" and plan.world_size == 2 and plan.seq == 256
+    rc, text, _ = run(capsys, "explain", f"hf:{CONFIG_7B}", "--layers", "1", "--batch", "2", "--seq", "256")
+    assert rc == 0 and "32000" in text and "11008" in text
+
+
+def test_a_bad_config_file_or_layers_flag_gets_one_clear_error(capsys, tmp_path) -> None:
+    broken, untyped = tmp_path / "broken.json", tmp_path / "untyped.json"
+    broken.write_text("{not json")
+    untyped.write_text('{"hidden_size": 64}')
+    for argv, message in (
+        (["explain", str(broken)], "broken.json is not JSON"),
+        (["explain", str(untyped)], "untyped.json: a Hugging Face config needs a 'model_type'"),
+        (["explain", str(tmp_path / "missing.json")], "cannot read Hugging Face config .*missing.json"),
+        (["explain", "gpt2-tiny", "--layers", "2"], "--layers applies to a Hugging Face config file"),
+    ):
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2 and re.fullmatch(f"error: .*{message}.*\n", err), (argv, err)

@@ -7,7 +7,14 @@
 
 from __future__ import annotations
 
-from primepar_fx.models.hf import HF_FAMILIES, build_hf_tiny, hf_example_inputs, load_model_spec
+from primepar_fx.models.hf import (
+    HF_FAMILIES,
+    build_hf_tiny,
+    from_config,
+    hf_example_inputs,
+    is_config_file,
+    load_model_spec,
+)
 from primepar_fx.models.reference import Decoder, DecoderConfig
 from primepar_fx.models.zoo import ZOO, build, dynamic_shapes, example_inputs, get_config
 
@@ -20,7 +27,9 @@ __all__ = [
     "build_hf_tiny",
     "dynamic_shapes",
     "example_inputs",
+    "from_config",
     "get_config",
     "hf_example_inputs",
+    "is_config_file",
     "load_model_spec",
 ]

@@ -95,6 +95,66 @@ def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> n
     return model
 
 
+def from_config(
+    config: str | os.PathLike[str] | dict[str, Any], *, layers: int | None = None, device: str | torch.device = "meta"
+) -> nn.Module:
+    """The causal LM of a Hugging Face ``config.json`` (a path, or its parsed dict), built offline with random
+    weights (on the meta device by default: shapes only, nothing allocated), ``use_cache=False``, in ``train()``.
+
+    ``layers``: keep only the first ``layers`` decoder layers (a quick look at a large model; per-layer lists such
+    as ``layer_types`` are cut to match). Every checkpoint on the Hub ships such a file; ``model_type`` says which
+    ``transformers`` class to build. Raises ``ValueError`` naming the file and the field that is wrong.
+    """
+    import json
+
+    where = "config" if isinstance(config, dict) else str(config)
+    if isinstance(config, dict):
+        data = dict(config)
+    else:
+        try:
+            with open(config, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read Hugging Face config {where}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ValueError(f"{where}: a Hugging Face config needs a 'model_type' (e.g. \"llama\"), and has none")
+    transformers = _import_transformers()
+    model_type = data.pop("model_type")
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **data)
+    except ValueError as exc:
+        raise ValueError(f"{where}: model_type {model_type!r} is not one transformers knows ({exc})") from None
+    if layers is not None:
+        depth = getattr(hf_config, "num_hidden_layers", None)
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+        if depth is None:
+            raise ValueError(f"{where}: {model_type} configs have no num_hidden_layers to cut to {layers}")
+        hf_config.num_hidden_layers = min(layers, depth)
+        for name in ("layer_types", "mlp_only_layers"):
+            value = getattr(hf_config, name, None)
+            if isinstance(value, list) and len(value) == depth:
+                setattr(hf_config, name, value[: hf_config.num_hidden_layers])
+    hf_config.use_cache = False
+    try:
+        with torch.device(device), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"{where}: transformers has no causal LM for model_type {model_type!r} ({exc})") from None
+    model.train()
+    logger.debug("built %s from %s (%d layers)", type(model).__name__, where, hf_config.num_hidden_layers)
+    return model
+
+
+def is_config_file(spec: str) -> bool:
+    """Whether a MODEL argument names a Hugging Face config file: ``path/to/config.json`` or ``hf:path/...json``."""
+    path = spec[3:] if spec.startswith("hf:") else spec
+    return path.endswith(".json")
+
+
 def hf_example_inputs(
     model: nn.Module, batch: int, seq: int, *, seed: int = 0
 ) -> tuple[tuple[()], dict[str, torch.Tensor]]:

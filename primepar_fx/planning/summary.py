@@ -27,6 +27,15 @@ class Summary:
     nodes: tuple[NodePlan, ...]
 
 
+#: seconds below which a difference of prices is rounding, not time (a re-layout priced, then taken back)
+ROUNDING_S = 1e-12
+
+
+def _unrounded(seconds: float) -> float:
+    """``seconds``, with a rounding residue just below zero read as 0 (a sum less its parts can land at -1e-22)."""
+    return 0.0 if -ROUNDING_S < seconds < 0.0 else seconds
+
+
 def summarize(
     graph: OpGraph,
     priced: PricedGraph,
@@ -78,7 +87,7 @@ def summarize(
     plans, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
     for name, node in graph.nodes.items():
         c = priced.node_costs[name][choice[name]]
-        step_s = c.time_s - saved_s[name] - unshared_s[name] + redis_s[name]
+        step_s = _unrounded(c.time_s - saved_s[name] - unshared_s[name] + redis_s[name])
         total_s += step_s
         static += c.state_bytes(opts) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
@@ -102,8 +111,8 @@ def summarize(
         cost = CostBreakdown(
             compute_s=c.compute_s,
             ring_s=c.ring_s,
-            collective_s=c.collective_s - saved_s[name] - unshared_s[name],
-            redistribution_s=redis_s[name],
+            collective_s=_unrounded(c.collective_s - saved_s[name] - unshared_s[name]),
+            redistribution_s=_unrounded(redis_s[name]),
             memory_bytes=c.memory_bytes(opts),
             comm_bytes=kinds,
             step_s=step_s,
