@@ -5,7 +5,9 @@ Systems, all training the same reference decoder (:data:`CONFIG`, Llama style, o
 
 * ``primepar (no options)``: what ``primepar_fx.compile(model, args)`` does, a search on this machine as its ranks
   measured it (:mod:`primepar_fx.calibrate.machine`; measured on the first run, then read from the cache);
-  ``primepar data_parallel``: the forced data-parallel plan (its gradients in DDP-style buckets).
+  ``primepar data_parallel``: the forced data-parallel plan (its gradients in DDP-style buckets), also with ZeRO
+  stage 1 and 2 (``+ZeRO-1``, ``+ZeRO-2``). Every primepar row trains with ``module.optimizer(AdamW)``: plain AdamW,
+  or the sharded optimizer of a ZeRO plan.
 * ``primepar searched``: the plan :func:`~primepar_fx.compiler.module.compile_graph` searches on ``cpu-gloo``,
   and ``primepar searched (calibrated)`` with ``--spec``, a cluster spec from ``primepar-fx calibrate`` on this machine,
   also under a memory budget (``(calibrated, budget)``: the predicted peak of Megatron dp1 x mp4 +SP on that spec);
@@ -71,6 +73,7 @@ from primepar_fx.compiler.module import compile_graph
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.planning.planner import forced_plan
 from primepar_fx.runtime.testing import spawn
 
 #: Llama style (RMSNorm, SwiGLU, rotary, no biases, untied embeddings), separate q/k/v, plain multi-head attention
@@ -123,9 +126,12 @@ MEGATRON_TP = "primepar megatron dp1 x mp4 +SP"  # dtensor tp's layout, planned 
 BUDGETED = "primepar searched (calibrated, budget)"  # within the predicted peak of MEGATRON_TP
 NO_OPTIONS = "primepar (no options)"  # compile(model, args): searched on this machine as measured (cached)
 DATA_PARALLEL = "primepar data_parallel"
+#: data parallelism with ZeRO: the optimizer steps 1/world of the state on each rank, its updates all-gathered
+ZERO_DP = {f"{DATA_PARALLEL} +ZeRO-{k}": k for k in (1, 2)}
 SYSTEMS = (
     NO_OPTIONS,
     DATA_PARALLEL,
+    *ZERO_DP,
     "primepar searched",
     "primepar searched (calibrated)",
     BUDGETED,
@@ -213,6 +219,10 @@ def make_system(label: str, graph, config, rank: int, world: int, spec: str | No
             plan, budget = None, plan.predicted.peak_memory_bytes
         if label == DATA_PARALLEL:
             plan = "data_parallel"
+        if label in ZERO_DP:
+            plan = forced_plan(
+                graph, "data_parallel", world_size=world, cluster=cluster, batch=batch, seq=seq, zero=ZERO_DP[label]
+            )
         if label == NO_OPTIONS:
             module = compile_graph(graph)
         else:
@@ -421,7 +431,9 @@ PRED_HEADERS = [
 def targets(result: dict) -> list[list[str]]:
     """Issue 6's targets for every primepar row: step time at most, peak memory and bytes below ``dtensor tp``'s."""
     rows = result["rows"]
-    ref = next(r for r in rows if r["system"] == REFERENCE)
+    ref = next((r for r in rows if r["system"] == REFERENCE), None)
+    if ref is None:  # a run of some --systems without the reference: nothing to compare with
+        return []
     out = []
     for r in rows:
         if r["system"].startswith("primepar"):
@@ -528,79 +540,87 @@ def markdown(saved: dict, png: str | None) -> str:
 
 READING = """## Reading the results
 
-* **Issue 16 (runtime speed), measured in the run above:**
-  * `primepar data_parallel` takes **1.00x** DDP's step time (432 against 432 ms), with the same bus bytes
+* **Issue 16 (runtime speed), measured in the run above** (the machine otherwise idle):
+  * `primepar data_parallel` takes **1.03x** DDP's step time (293 against 283 ms), with the same bus bytes
     (21902 KiB). Its parameter gradients travel in DDP-style buckets, asynchronously during backward
     (`runtime/gradsync.py`), and `.grad` is a slice of its bucket as with DDP's `gradient_as_bucket_view` (no copy
-    back): 3 messages a step (the loss's one all-reduce and two buckets) against DDP's 2. Where the time goes is
-    DDP's (computing 188 against 186 ms, blocked 73 against 54: the loss all-reduce, which DDP does not do).
+    back): 3 messages a step (the loss's one all-reduce and two buckets) against DDP's 2. Computing takes about
+    DDP's time (125 against 121 ms a rank); blocked, 54 against 41 ms: the loss all-reduce, which DDP does not do
+    (primepar returns the global mean loss on every rank, exactly one device's; DDP each rank's own).
   * `primepar (no options)`, what `compile(model, args)` does, measures this machine on its ranks the first time
-    (cached after) and picks data parallelism with the token embedding replicated (18 nodes replicated): every
-    rank looks up the whole batch, so the table's gradient needs no all-reduce, and the first norm all-gathers
-    its input gradient instead (786 KiB, synchronously at the end of backward): 21134 KiB in 6 messages, 3.5%
-    fewer bytes than DDP, **1.06x** DDP's time (458 ms). Target (<= 1.0x) **missed**. The cost model predicts
-    this plan 0.15% faster than plain data parallelism (194.3 against 194.6 ms): a tie it cannot resolve, where
-    the measured difference (6% here, -1% in the run before) is the same order as the noise between runs.
-  * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout, takes **0.69x** `dtensor tp`'s time and sends
-    **0.93x its bytes** (27.8 MiB in 75 messages against 30.0 MiB in 37). The readers of one normed input (q, k
+    (cached after) and now picks data parallelism's traffic: 21902 KiB in 3 messages, **1.05x** DDP (298 ms),
+    target (<= 1.0x) **missed**. The run before this change picked a plan that computes the loss on half the
+    ranks' rows and sends 1 MiB more (22926 KiB, 4 messages, 1.07x): the machine's spec timed collectives over
+    the whole world only and priced a 2-rank all-reduce at a third of a 4-rank one, where gloo here takes about
+    half. It now times every group size a mesh makes and fits a latency per call apart from the one per ring
+    step (`calibrate/machine.py`). The three rows with data parallelism's traffic (no options, `data_parallel`,
+    `searched (calibrated)`) take 285 to 298 ms: the same plan, and the spread is this machine's noise.
+  * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout, takes **0.73x** `dtensor tp`'s time and sends
+    **0.93x its bytes** (27.8 MiB in 76 messages against 30.0 MiB in 37). The readers of one normed input (q, k
     and v; gate and up) share one all-gather and one reduce-scatter of their summed gradient (`passes/share.py`),
     as DTensor does, and the plan prices exactly that; it sends less than DTensor because its loss is
     vocabulary-parallel (DTensor gathers the whole logits).
+  * Data parallelism with ZeRO (`+ZeRO-1`, `+ZeRO-2`, `module.optimizer`: each rank steps a quarter of AdamW's
+    state) is slower here (1.12x and 1.15x DDP): gloo's reduce-scatter and all-gather write 1.5x an
+    all-reduce's bytes to the wire, and the optimizer step is a small part of a rank's computing.
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
-* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.61x `dtensor tp`'s time, 1.55x its bytes,
-  1.7x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
+* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.62x `dtensor tp`'s time, 1.55x its bytes,
+  1.8x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
   `no options`) and the step-fitted spec (`calibrated`) both pick data parallelism.
-* **Under Megatron dp1 x mp4 +SP's memory** (`calibrated, budget`: 62.1 MiB predicted) the step-fitted spec picks
-  a plan with 6.4 MiB of parameters a rank: 0.53x `dtensor tp`'s time, 0.69x its bytes and 0.82x its peak, all
-  three of issue 6's targets.
+* **Under Megatron dp1 x mp4 +SP's memory** (`calibrated, budget`: 62.1 MiB predicted) the step-fitted spec now
+  picks data parallelism with ZeRO-2 (predicted 60.5 MiB): 0.40x `dtensor tp`'s time, 0.71x its bytes and
+  1.24x its peak. It measures **66.0 MiB, over the 62.1 MiB budget**: the memory model leaves out Backward's
+  and the optimizer's temporaries (docs/benchmarks/memory.md), which set the peak of a lean plan.
 * **Breakdown** (ms per step and rank, table above): DTensor dispatches every op through Python and computes
-  405 ms on the main thread against primepar's 233 on the same layout; primepar is also blocked less (387
-  against 483 ms).
-* **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.45x the ring volume
-  (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31), while its all-reduce and point-to-point sends are
-  within 0.5% of it.
+  242 ms on the main thread against primepar's 153 on the same layout; primepar is also blocked less (305
+  against 380 ms).
+* **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.5x the ring volume
+  (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31, ZeRO-2 32 against 21), while its all-reduce and
+  point-to-point sends are within 0.5% of it.
 * **Memory.** Data parallelism holds every parameter, its gradient and AdamW's state on every rank (57 MiB of
   the 86 MiB peak); `dtensor tp` holds the LM head's whole output (no loss parallelism: 4 MiB of logits, and
   their gradient) and whole gradients of the vocabulary-sharded embedding (4.3 MiB of gradients for 3.6 MiB
   of parameters).
 * **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.35x, two bucket
-  all-reduces a step), then FSDP2 (0.50x, 14 calls) and tensor parallelism without sequence parallelism
-  (0.70x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
+  all-reduces a step), then FSDP2 (0.52x, 14 calls) and tensor parallelism without sequence parallelism
+  (0.68x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
   These are not GPU numbers: with NVLink a message costs microseconds and the ranking may differ.
 * **The GPT-2-style model** (fused qkv, biases, tied embeddings) is on
-  [baselines-gpt2.md](baselines-gpt2.md). **Not measured here:** runs at other loads: one run, load average 3.9
-  before and 4.3 after.
-* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 186-405 ms of a
-  425-1229 ms step, so compute is visible, and all eleven systems run in under 4 minutes.
+  [baselines-gpt2.md](baselines-gpt2.md). **Not measured here:** runs at other loads: one run, load average 1.8
+  before and 3.8 after (the four ranks).
+* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 121-242 ms of a
+  280-822 ms step, so compute is visible, and all thirteen systems run in under 3 minutes.
 """
 
 READING_GPT2 = """## Reading the results
 
-* **Issue 16 (runtime speed) on a GPT-2-style model**, measured in the run above:
+* **Issue 16 (runtime speed) on a GPT-2-style model**, measured in the run above (the machine otherwise idle):
   * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout (column-parallel fused qkv with whole heads per rank,
-    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.61x** `dtensor tp`'s
+    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.64x** `dtensor tp`'s
     time and sends **0.90x its bytes** (27.2 MiB against 30.2 MiB). The fused qkv projection has one reader, so
     the shared re-layouts matter here for the residual stream and the tied embedding's readers only.
-  * `primepar data_parallel` takes **1.05x** DDP's step time (424 against 404 ms) and sends DDP's bytes exactly
-    (20241 KiB), in 4 messages against 2. The tied embedding's weight, read by the token lookup and by the LM
-    head, now has its two gradient parts summed locally and all-reduced once, in a bucket, as DDP does (the run
-    before sent 1.5 MiB more, in 6 messages: 1.11x). The two messages left are the loss all-reduce (primepar
-    returns the global loss on every rank, DDP each rank's own) and the learned position table's gradient: its
-    lookup has no batch dimension and runs replicated, so the gradient of its output is summed over the batch
-    ranks in the graph, synchronously, before the lookup's backward. Computing 179 ms against DDP's 179,
-    blocked 81 against 56.
-  * `primepar (no options)` picks the same traffic (20241 KiB in 4 messages, 7 nodes replicated): **1.06x** DDP
-    (428 ms), target (<= 1.0x) **missed**, by those two messages and noise of the same order (the three primepar
-    rows with this traffic take 410 to 428 ms).
+  * `primepar data_parallel` takes **1.04x** DDP's step time (293 against 280 ms) and sends DDP's bytes exactly
+    (20241 KiB), in 4 messages against 2. Computing takes the same (122 against 123 ms a rank); the difference is
+    blocked time (55 against 38 ms): the two extra messages, both synchronous. One is the loss all-reduce
+    (primepar returns the global loss on every rank, DDP each rank's own). The other is the learned position
+    table's: its lookup has no batch dimension and runs replicated, so the gradient of its output is summed over
+    the batch ranks in the graph, before the lookup's backward, where DDP sums the table's gradient in a bucket.
+    Moving such a sum past the lookup's (linear) backward into the bucket is the next step; it is not built.
+  * `primepar (no options)` plans on this machine as its ranks measured it (group collectives timed at 2 and 4
+    ranks) and picks the same traffic (20241 KiB in 4 messages, 7 nodes replicated): **1.04x** DDP (290 ms),
+    target (<= 1.0x) **missed** by those two messages.
+  * Data parallelism with ZeRO (`+ZeRO-1`, `+ZeRO-2`: the optimizer steps a quarter of the state on each rank)
+    is slower here (1.14x and 1.22x DDP): gloo's reduce-scatter and all-gather write 1.5x the all-reduce's bytes
+    to the wire, and AdamW's step is a small part of a rank's computing on this model.
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
 * **DTensor TP on a tied, fused-qkv model** needs three things torchtitan's Llama plan does not: the attention
   told its local head count (4 heads of 8 per rank at 4 ranks, as torchtitan sets ``n_heads`` per rank), the
   learned position table row-parallel with its output split by sequence (dim 0 of its ``(S, h)`` output), and the
   LM head re-tied to the token table's sharded weight after `parallelize_module` (both are split by vocabulary
   rows). With them every system's first loss is the same (to 1e-6).
-* **Among PyTorch's systems** DDP is the fastest here (0.30x `dtensor tp`), then FSDP2 (0.50x) and tensor
-  parallelism without sequence parallelism (0.58x), as on the Llama-style model ([baselines.md](baselines.md)).
-* **Not measured here:** runs at other loads: one run, load average 2.0 before and 4.8 after.
+* **Among PyTorch's systems** DDP is the fastest here (0.31x `dtensor tp`), then FSDP2 (0.47x) and tensor
+  parallelism without sequence parallelism (0.55x), as on the Llama-style model ([baselines.md](baselines.md)).
+* **Not measured here:** runs at other loads: one run, load average 4.1 before and 4.4 after (the four ranks).
 """
 
 MEASURED = """## How each figure is measured
