@@ -181,7 +181,7 @@ def test_relative_imports_resolve_to_the_module_they_name(source, tmp_path):
 
 def test_the_tests_mirror_the_packages():
     tests = PACKAGE.parent / "tests"
-    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("golden", "__pycache__")}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("golden", "data", "__pycache__")}
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert folders <= packages, f"test folders without a package: {sorted(folders - packages)}"
     for folder in folders:

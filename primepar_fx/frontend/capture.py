@@ -32,6 +32,7 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
+from primepar_fx.frontend.inplace import functionalize_inplace
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.utils.gcpause import gc_paused
 
@@ -152,6 +153,7 @@ def capture(
     dynamic_shapes = _dynamic_shapes(bound, batch_dim, seq_dim, seq_max)
     log.info("exporting %s (batch=%d, seq=%d, seq_max=%s)", model_name, batch, seq, seq_max)
     program = _export(model, args, kwargs, dynamic_shapes if dynamic else None, fake_cache, (batch, seq))
+    functionalize_inplace(program.graph_module)
     _renumber_program(program)
     captured = _captured(
         program,

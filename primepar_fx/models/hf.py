@@ -17,7 +17,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-HF_FAMILIES = ("gpt2", "llama", "opt", "bloom")
+HF_FAMILIES = ("gpt2", "llama", "opt", "bloom", "falcon")
 
 TINY_VOCAB = 128
 TINY_HIDDEN = 64
@@ -58,6 +58,12 @@ def _tiny_config(transformers: Any, family: str, layers: int) -> Any:
             ffn_dim=4 * TINY_HIDDEN, word_embed_proj_dim=TINY_HIDDEN, max_position_embeddings=TINY_MAX_POSITIONS,
             dropout=0.0, attention_dropout=0.0, layerdrop=0.0, **common,
         )  # fmt: skip
+    if family == "falcon":  # the 7B layout: parallel attention and MLP, one shared key/value head, rotary
+        return transformers.FalconConfig(
+            hidden_size=TINY_HIDDEN, num_hidden_layers=layers, num_attention_heads=TINY_HEADS,
+            max_position_embeddings=TINY_MAX_POSITIONS, new_decoder_architecture=False, multi_query=True,
+            parallel_attn=True, hidden_dropout=0.0, attention_dropout=0.0, **common,
+        )  # fmt: skip
     return transformers.BloomConfig(
         hidden_size=TINY_HIDDEN, n_layer=layers, n_head=TINY_HEADS, hidden_dropout=0.0, attention_dropout=0.0,
         attn_implementation="eager", **common,
@@ -69,11 +75,12 @@ _MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
     "opt": "OPTForCausalLM",
     "bloom": "BloomForCausalLM",
+    "falcon": "FalconForCausalLM",
 }
 
 
 def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> nn.Module:
-    """A randomly initialised tiny causal LM of ``family`` (one of gpt2, llama, opt, bloom).
+    """A randomly initialised tiny causal LM of ``family`` (one of :data:`HF_FAMILIES`).
 
     Hidden 64, ``layers`` layers (default 2), 4 heads, vocab 128, at most 64 positions, ``use_cache=False``,
     in ``train()`` mode with every dropout probability at 0.0 so runs are deterministic.

@@ -155,6 +155,15 @@ def test_four_ranks_hugging_face(family):
     _assert_bytes_match(report, plans)
 
 
+def test_falcon_with_in_place_updates_trains_like_one_device():
+    """Falcon adds the attention output into the MLP's in place (``mlp_output += attention_output``): captured
+    out of place (frontend/inplace.py), it trains on 2 ranks under random plans and Megatron's as one device."""
+    plans = ["random:3", "random:11", "megatron"]
+    report = spawn(check_plans, 2, "hf:falcon", plans, timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, plans)
+    _assert_bytes_match(report, plans)
+
+
 def test_eight_ranks_prime_with_a_split():
     plans = ["prime", "megatron"]
     report = spawn(check_plans, 8, "llama-tiny", plans, timeout=TIMEOUT)

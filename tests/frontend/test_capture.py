@@ -267,3 +267,48 @@ def test_llama2_70b_captures_on_meta() -> None:
     for node in captured.gm.graph.nodes:
         for shape in node.meta[META_SHAPES]:
             assert all(size.free_symbols <= ALLOWED_SYMBOLS for size in shape), node.name
+
+
+class _InPlace(nn.Module):
+    """``y += z`` on an intermediate (rewritten), and, with ``mode``, an update the caller or a view could see."""
+
+    def __init__(self, mode: str = "") -> None:
+        super().__init__()
+        self.a, self.b, self.mode = nn.Linear(8, 8), nn.Linear(8, 8), mode
+        self.register_buffer("seen", torch.zeros(8), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if self.mode == "view":  # a view taken before the update and read after it
+            v = y.view(-1)
+            y += self.b(x)
+            return (y * 2).sum() + v.sum()
+        y += self.b(x)
+        y /= 3.0
+        if self.mode == "buffer":  # the module's own state: the caller sees this update
+            self.seen.add_(1.0)
+        return (y * 2).sum()
+
+
+def _mutable_ops(captured: Captured) -> list[str]:
+    return [
+        str(n.target)
+        for n in captured.gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+    ]
+
+
+def test_in_place_updates_of_intermediates_are_captured_out_of_place() -> None:
+    torch.manual_seed(0)
+    model, x = _InPlace(), torch.randn(2, 4, 8)
+    captured = capture(model, (x,))
+    assert _mutable_ops(captured) == []
+    ops = [str(n.target) for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert "aten.add.Tensor" in ops and "aten.div.Tensor" in ops
+    assert torch.equal(captured.program.module()(x), model(x))
+
+
+@pytest.mark.parametrize("mode, kept", [("view", "aten.add_.Tensor"), ("buffer", "aten.add_.Tensor")])
+def test_in_place_updates_another_name_could_see_are_left_as_they_are(mode: str, kept: str) -> None:
+    captured = capture(_InPlace(mode), (torch.randn(2, 4, 8),))
+    assert kept in _mutable_ops(captured)

@@ -1,0 +1,100 @@
+"""In-place ATen ops rewritten to their out-of-place forms where nothing else can see the mutation.
+
+``torch.export`` keeps a model's in-place updates of its own intermediates (``x += y`` becomes
+``aten.add_.Tensor``; ``x /= n`` ``aten.div_.Tensor``). Every dimension rule describes an out-of-place op, so
+rather than one rule per in-place variant, :func:`functionalize_inplace` rewrites each such node into the op
+without the trailing underscore (same overload, same arguments) and points every later reader of the mutated
+tensor at the new value. The graph then computes the same numbers, functionally, and the out-of-place rule
+partitions it.
+
+The rewrite is safe only when the mutated tensor has no other name. It is made when the tensor written (the
+op's first argument, the only one its schema marks written) is
+
+* the fresh result of an earlier op: not a graph input (a parameter, buffer or user input, whose mutation the
+  caller would see), and not the output of a view op (whose base would change too);
+* not read through a view taken before the in-place op and used after it (that view would go stale).
+
+Any other in-place op is left as it is; analysis then names it with its model source line
+(:class:`~primepar_fx.rules.MissingRuleError`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+
+def _writes(op: torch._ops.OpOverload) -> list[int]:
+    """Positions of the arguments the op's schema marks written."""
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """Whether ``node``'s result may share storage with an input (a view op, or anything not a known ATen op)."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        return True
+    return any(r.alias_info is not None for r in op._schema.returns)
+
+
+def _stale_view(target: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether a view of ``target`` (or a view of one, ...) taken before ``node`` is read after it."""
+    stack = [u for u in target.users if u is not node and order[u] < order[node] and _aliases_input(u)]
+    seen: set[fx.Node] = set()
+    while stack:
+        view = stack.pop()
+        if view in seen:
+            continue
+        seen.add(view)
+        for reader in view.users:
+            if order[reader] > order[node]:
+                return True
+            if _aliases_input(reader):
+                stack.append(reader)
+    return False
+
+
+def out_of_place(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The out-of-place twin of an in-place op (``aten.add_.Tensor`` -> ``aten.add.Tensor``), or ``None``."""
+    base = op._schema.name.split("::")[-1]
+    if not base.endswith("_") or base.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, base[:-1], None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable:
+        return None
+    if len(twin._schema.arguments) != len(op._schema.arguments):
+        return None
+    return twin
+
+
+def functionalize_inplace(gm: fx.GraphModule) -> list[str]:
+    """Rewrite the safe in-place nodes of ``gm`` (module docstring) in place; the names of the nodes rewritten."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    rewritten = []
+    for node in list(gm.graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+            continue
+        twin = out_of_place(op)
+        if twin is None or _writes(op) != [0] or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        target = node.args[0]
+        if target.op != "call_function" or _aliases_input(target):
+            continue
+        later = [u for u in target.users if u is not node and order[u] > order[node]]
+        if _stale_view(target, node, order):
+            continue  # a view taken before the update and read after it would see the old value
+        node.target = twin
+        for user in later:
+            user.replace_input_with(target, node)
+        rewritten.append(node.name)
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+        log.info("rewrote %d in-place op(s) out of place: %s", len(rewritten), ", ".join(rewritten))
+    return rewritten
