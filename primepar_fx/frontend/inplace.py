@@ -90,6 +90,7 @@ def functionalize_inplace(gm: fx.GraphModule) -> list[str]:
         if _stale_view(target, node, order):
             continue  # a view taken before the update and read after it would see the old value
         node.target = twin
+        node.name = gm.graph._graph_namespace.create_name(twin._schema.name.split("::")[-1], None)  # add_ -> add_<k>
         for user in later:
             user.replace_input_with(target, node)
         rewritten.append(node.name)
