@@ -21,6 +21,7 @@ Any other in-place op is left as it is; analysis then names it with its model so
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch import fx
@@ -34,8 +35,11 @@ def _writes(op: torch._ops.OpOverload) -> list[int]:
 
 
 def _aliases_input(node: fx.Node) -> bool:
-    """Whether ``node``'s result may share storage with an input (a view op, or anything not a known ATen op)."""
+    """Whether ``node``'s result may share storage with an input: a view op, or anything not a known ATen op (an
+    item of a multi-output op, such as ``topk``'s values, is fresh when that op's results are)."""
     op = node.target
+    if op is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0].op != "call_function" or _aliases_input(node.args[0])
     if not isinstance(op, torch._ops.OpOverload):
         return True
     return any(r.alias_info is not None for r in op._schema.returns)
