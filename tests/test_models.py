@@ -242,7 +242,19 @@ def test_hf_tiny_models_export_with_dynamic_batch_and_seq(family):
 
 def test_unknown_hf_family_is_rejected():
     with pytest.raises(ValueError, match="gpt2"):
-        build_hf_tiny("t5")
+        build_hf_tiny("t5")  # an encoder-decoder: no causal LM
+
+
+def test_any_causal_lm_family_gets_a_tiny_config():
+    from primepar_fx.models import hf_families
+
+    families = hf_families()
+    assert families[: len(HF_FAMILIES)] == list(HF_FAMILIES) and "mistral" in families and "t5" not in families
+    model = build_hf_tiny("mistral", layers=3)
+    config = model.config
+    assert type(model).__name__ == "MistralForCausalLM" and config.num_hidden_layers == 3
+    assert (config.hidden_size, config.num_attention_heads, config.vocab_size) == (64, 4, 128)
+    assert config.use_cache is False and model.training
 
 
 # --- model specs -----------------------------------------------------------------------------------------

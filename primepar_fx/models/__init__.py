@@ -12,6 +12,7 @@ from primepar_fx.models.hf import (
     build_hf_tiny,
     from_config,
     hf_example_inputs,
+    hf_families,
     is_config_file,
     load_model_spec,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "from_config",
     "get_config",
     "hf_example_inputs",
+    "hf_families",
     "is_config_file",
     "load_model_spec",
 ]

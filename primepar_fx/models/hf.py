@@ -79,26 +79,66 @@ _MODEL_CLASSES = {
 }
 
 
+#: what a tiny config of any other family sets (transformers' common names; a family maps them to its own)
+TINY_GENERIC = {
+    "hidden_size": TINY_HIDDEN,
+    "num_attention_heads": TINY_HEADS,
+    "num_key_value_heads": TINY_HEADS // 2,
+    "head_dim": TINY_HIDDEN // TINY_HEADS,
+    "intermediate_size": 2 * TINY_HIDDEN,
+    "max_position_embeddings": TINY_MAX_POSITIONS,
+    "rotary_dim": TINY_HIDDEN // TINY_HEADS,  # GPT-J, CodeGen: rotary on the whole head
+    "tie_word_embeddings": False,
+}
+_DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout")
+
+
+def hf_families() -> list[str]:
+    """Every ``model_type`` transformers can build a tiny causal LM of (:func:`build_hf_tiny`), the curated
+    :data:`HF_FAMILIES` first."""
+    transformers = _import_transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return [*HF_FAMILIES, *sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(HF_FAMILIES))] if transformers else []
+
+
 def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> nn.Module:
-    """A randomly initialised tiny causal LM of ``family`` (one of :data:`HF_FAMILIES`).
+    """A randomly initialised tiny causal LM of ``family``: one of :data:`HF_FAMILIES` (configs written out
+    here), or any other ``model_type`` transformers has a causal LM for (its config's defaults with
+    :data:`TINY_GENERIC` on top; a family whose own names differ may need a config file instead, see
+    :func:`from_config`).
 
     Hidden 64, ``layers`` layers (default 2), 4 heads, vocab 128, at most 64 positions, ``use_cache=False``,
     in ``train()`` mode with every dropout probability at 0.0 so runs are deterministic.
     Weights come from ``seed`` without disturbing the caller's global RNG state.
     """
-    if family not in HF_FAMILIES:
-        raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {HF_FAMILIES}")
     transformers = _import_transformers()
-    config = _tiny_config(transformers, family, layers)
-    model_cls = getattr(transformers, _MODEL_CLASSES[family])
+    if family in HF_FAMILIES:
+        config = _tiny_config(transformers, family, layers)
+        model_cls = getattr(transformers, _MODEL_CLASSES[family])
+        build = model_cls
+    else:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ValueError(
+                f"unknown Hugging Face family {family!r}; choose one of {HF_FAMILIES}, or any model_type with a "
+                "causal LM in transformers (primepar_fx.models.hf_families() lists them)"
+            )
+        common = {"vocab_size": TINY_VOCAB, "use_cache": False, "num_hidden_layers": layers, **_SPECIAL_TOKENS}
+        config = transformers.AutoConfig.for_model(family, **TINY_GENERIC, **common)
+        for name in _DROPOUTS:
+            if isinstance(getattr(config, name, None), float):
+                setattr(config, name, 0.0)
+        build = transformers.AutoModelForCausalLM.from_config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config)
+        model = build(config)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     model.train()
-    logger.debug("built tiny %s (%d parameters)", model_cls.__name__, sum(p.numel() for p in model.parameters()))
+    logger.debug("built tiny %s (%d parameters)", type(model).__name__, sum(p.numel() for p in model.parameters()))
     return model
 
 
