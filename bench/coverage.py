@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -57,16 +58,19 @@ def check(family: str, timeout: float) -> dict:
     exact_bytes = abs(r["sent_planned_total"] - r["predicted_total"]) <= 0.01 * max(1.0, r["predicted_total"])
     result = "equal to one device" if same and exact_bytes else "differs" if not same else "bytes differ"
     prime = sum(p.startswith("P") for p in r["partitions"].values())
-    note = f"{len(r['partitions'])} nodes, {prime} P(SxS); bytes sent = predicted" if exact_bytes else ""
+    sent, predicted = int(r["sent_planned_total"]), int(r["predicted_total"])
+    note = f"{len(r['partitions'])} nodes, {prime} P(SxS); " + (
+        "bytes sent = predicted" if exact_bytes else f"{sent:,} bytes sent, {predicted:,} predicted"
+    )
     return {"family": family, "model": model, "result": result, "note": note}
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    for line in text.splitlines():  # the ranks' error: the last line naming an error type
-        if "Error" in line and ":" in line:
-            text = line
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:220].replace("|", "/")
+    """The error a rank raised (the last ``SomethingError: message`` line), without its module path."""
+    found = re.findall(r"(\w+(?:Error|Exception)): (.*)", str(e))
+    kind, text = found[-1] if found else (type(e).__name__, str(e).strip().split("\n")[0])
+    text = re.sub(r"\(model source: \S*/site-packages/", "(model source: ", text)
+    return f"{kind}: {text}"[:240].replace("|", "/")
 
 
 def main() -> None:

@@ -90,7 +90,6 @@ TINY_GENERIC = {
     "rotary_dim": TINY_HIDDEN // TINY_HEADS,  # GPT-J, CodeGen: rotary on the whole head
     "tie_word_embeddings": False,
 }
-_DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout")
 
 
 def hf_families() -> list[str]:
@@ -127,8 +126,8 @@ def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> n
             )
         common = {"vocab_size": TINY_VOCAB, "use_cache": False, "num_hidden_layers": layers, **_SPECIAL_TOKENS}
         config = transformers.AutoConfig.for_model(family, **TINY_GENERIC, **common)
-        for name in _DROPOUTS:
-            if isinstance(getattr(config, name, None), float):
+        for name, value in list(vars(config).items()):  # every dropout (functional ones too) and layer drop off
+            if isinstance(value, float) and any(k in name for k in ("dropout", "pdrop", "layerdrop")):
                 setattr(config, name, 0.0)
         build = transformers.AutoModelForCausalLM.from_config
     with torch.random.fork_rng(devices=[]):
