@@ -86,8 +86,8 @@ def insert_redistributions(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModu
             continue
         for k, a in enumerate(list(node.all_input_nodes)):
             if op.inputs[k] is None:
-                if op.kind == "factory":
-                    continue  # new_ones(x, size) reads only x's dtype and device
+                if op.kind in ("factory", "pointwise"):
+                    continue  # new_ones(x, size), type_as(y, x): read only x's dtype (and device), so any block will do
                 src = a.meta.get(SOURCE, a)
                 if not (src.op == "placeholder" or info(src) is not None) or "val" not in src.meta:
                     continue  # a size, not a tensor

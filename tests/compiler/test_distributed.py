@@ -155,11 +155,14 @@ def test_four_ranks_hugging_face(family):
     _assert_bytes_match(report, plans)
 
 
-def test_falcon_with_in_place_updates_trains_like_one_device():
+@pytest.mark.parametrize("family", ["falcon", "gemma"])
+def test_falcon_and_gemma_train_like_one_device_and_send_what_is_predicted(family):
     """Falcon adds the attention output into the MLP's in place (``mlp_output += attention_output``): captured
-    out of place (frontend/inplace.py), it trains on 2 ranks under random plans and Megatron's as one device."""
+    out of place (frontend/inplace.py). Gemma's norms end in ``type_as(y, x)``, which reads only ``x``'s dtype:
+    the runtime leaves ``x`` where it is, as the plan prices it (it used to gather all of it). Both train on 2
+    ranks under random plans and Megatron's as one device, sending the bytes predicted."""
     plans = ["random:3", "random:11", "megatron"]
-    report = spawn(check_plans, 2, "hf:falcon", plans, timeout=TIMEOUT)
+    report = spawn(check_plans, 2, f"hf:{family}", plans, timeout=TIMEOUT)
     _assert_trains_like_one_device(report, plans)
     _assert_bytes_match(report, plans)
 
