@@ -69,7 +69,7 @@ def _first_line(e: BaseException) -> str:
     """The error a rank raised (the last ``SomethingError: message`` line), without its module path."""
     found = re.findall(r"(\w+(?:Error|Exception)): (.*)", str(e))
     kind, text = found[-1] if found else (type(e).__name__, str(e).strip().split("\n")[0])
-    text = re.sub(r"\(model source: \S*/site-packages/", "(model source: ", text)
+    text = re.sub(r"\S*/site-packages/", "", text)
     return f"{kind}: {text}"[:240].replace("|", "/")
 
 

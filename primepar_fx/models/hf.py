@@ -125,6 +125,8 @@ def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> n
                 "causal LM in transformers (primepar_fx.models.hf_families() lists them)"
             )
         common = {"vocab_size": TINY_VOCAB, "use_cache": False, "num_hidden_layers": layers, **_SPECIAL_TOKENS}
+        if family == "gpt_neo":  # one attention type per layer, listed: every layer global
+            common["attention_types"] = [[["global"], layers]]
         config = transformers.AutoConfig.for_model(family, **TINY_GENERIC, **common)
         for name, value in list(vars(config).items()):  # every dropout (functional ones too) and layer drop off
             if isinstance(value, float) and any(k in name for k in ("dropout", "pdrop", "layerdrop")):
