@@ -92,6 +92,15 @@ TINY_GENERIC = {
 }
 
 
+#: families that train on 2 ranks equal to one device from their tiny config (docs/coverage.md, bench/coverage.py);
+#: CI checks a rotating pair of them (tests/compiler/test_distributed.py)
+COVERED_FAMILIES = (
+    *HF_FAMILIES, "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "stablelm",
+    "starcoder2", "olmo", "olmo2", "gpt_neox", "gptj", "codegen", "cohere", "glm", "granite", "helium", "nemotron",
+    "xglm", "biogpt", "persimmon", "arcee", "smollm3",
+)  # fmt: skip
+
+
 def hf_families() -> list[str]:
     """Every ``model_type`` transformers can build a tiny causal LM of (:func:`build_hf_tiny`), the curated
     :data:`HF_FAMILIES` first."""

@@ -167,6 +167,29 @@ def test_falcon_and_gemma_train_like_one_device_and_send_what_is_predicted(famil
     _assert_bytes_match(report, plans)
 
 
+def rotating_pair(families: tuple[str, ...], day: int) -> list[str]:
+    """Two of ``families`` for the day ``day`` (an ordinal): every family comes round within len/2 days."""
+    k = (2 * day) % len(families)
+    return [families[k], families[(k + 1) % len(families)]]
+
+
+def test_a_rotating_pair_of_covered_families_trains_like_one_device():
+    """Two families of docs/coverage.md's matrix a day (``PRIMEPAR_COVERAGE_FAMILIES=a,b`` picks them), on 2 ranks
+    under a random plan, as bench/coverage.py checks all of them."""
+    import datetime
+    import os
+
+    from primepar_fx.models.hf import COVERED_FAMILIES
+
+    assert {f for day in (7, 8) for f in rotating_pair(("a", "b", "c", "d"), day)} == {"a", "b", "c", "d"}
+    chosen = os.environ.get("PRIMEPAR_COVERAGE_FAMILIES")
+    families = chosen.split(",") if chosen else rotating_pair(COVERED_FAMILIES, datetime.date.today().toordinal())
+    for family in families:
+        report = spawn(check_plans, 2, f"hf:{family}", ["random:3"], timeout=TIMEOUT)
+        _assert_trains_like_one_device(report, ["random:3"])
+        _assert_bytes_match(report, ["random:3"])
+
+
 def test_eight_ranks_prime_with_a_split():
     plans = ["prime", "megatron"]
     report = spawn(check_plans, 8, "llama-tiny", plans, timeout=TIMEOUT)
