@@ -638,7 +638,10 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         """Read and validate a plan written by :meth:`save`; errors name the field path and the file."""
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise PlanError("plan", f"not a JSON text file: byte {e.start} is not UTF-8 (in {os.fspath(path)})") from None
         try:
             return cls.from_json(text)
         except PlanError as e:

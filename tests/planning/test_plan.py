@@ -389,6 +389,17 @@ def test_load_names_the_file(tmp_path):
         Plan.load(path)
 
 
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [(b"\x80\x04\x95 binary", r"not a JSON text file: byte 0 is not UTF-8"), (b"plan: yaml", r"not valid JSON")],
+)
+def test_a_binary_or_non_json_file_is_a_plan_error_naming_it(tmp_path, content, reason):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(content)
+    with pytest.raises(PlanError, match=reason + r".*weights\.bin"):
+        Plan.load(path)
+
+
 def test_plans_are_frozen_and_inputs_are_copied():
     search = {"method": "dp"}
     plan = _plan(search=search)
