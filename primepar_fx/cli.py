@@ -224,6 +224,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_digits(args)
     if args.output and os.path.isdir(args.output):
         raise CliError(f"-o {args.output} is a folder; give the plan's file name, e.g. {args.output}/plan.json")
+    if args.report and os.path.isdir(args.report):
+        raise CliError(f"--report {args.report} is a folder; give the report's file name, e.g. {args.report}/plan.html")
     options = PlanOptions.make(  # every option checked before the capture
         cluster=args.cluster,
         world_size=args.world_size,
@@ -284,6 +286,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}")
+    if args.report:
+        from primepar_fx.report.html import write_report
+
+        print(f"wrote {write_report(args.report, graph, plan)}")
     took = plan.search
     if "groupings" in took:  # past three digits: each grouping priced and searched, the cheapest kept
         kept = "x".join(map(str, plan.digits))
@@ -543,6 +549,7 @@ def _add_plan_parser(sub: Any) -> None:
     )
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument("-o", "--output", help="write the plan JSON here")
+    pl.add_argument("--report", metavar="HTML", help="write a self-contained HTML report of the plan here")
     pl.set_defaults(func=cmd_plan)
 
 

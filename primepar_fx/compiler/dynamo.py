@@ -33,6 +33,7 @@ from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
+from primepar_fx.report.trace import trace_plan
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,9 @@ class _ShapeCache:
             options = with_machine_cluster(self.options, self.plan, measure=self.measure)
             chosen = agree_plan(graph, self.plan, options)
             self.state["plan"] = chosen
-        runner = _Runner(wrapped, graph, rank_graph_for(graph, chosen, rank, whole_params=True))
+        rank_graph = rank_graph_for(graph, chosen, rank, whole_params=True)
+        trace_plan(graph, chosen, rank, rank_graph)
+        runner = _Runner(wrapped, graph, rank_graph)
         self.cache[self.key(concrete)] = runner
         return runner
 

@@ -53,6 +53,7 @@ from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
+from primepar_fx.report.trace import trace_plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.gradsync import GradientBuckets
 from primepar_fx.runtime.groups import ProcessGroups
@@ -490,7 +491,9 @@ def compile_graph(
     wait = timedelta(seconds=timeout) if timeout is not None else None
     chosen = agree_plan(graph, plan, options)
     mesh = DeviceMesh(tuple(chosen.digits))
-    module = PrimeParModule(graph, chosen, rank_graph_for(graph, chosen, rank, timeout=wait), mesh, rank, timeout=wait)
+    rank_graph = rank_graph_for(graph, chosen, rank, timeout=wait)
+    trace_plan(graph, chosen, rank, rank_graph)
+    module = PrimeParModule(graph, chosen, rank_graph, mesh, rank, timeout=wait)
     if wait is not None and world > 1:  # once the module is built: a compile that fails changes nothing
         _set_default_timeout(wait)
     if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code

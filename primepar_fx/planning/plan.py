@@ -641,7 +641,8 @@ class Plan:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise PlanError("plan", f"not a JSON text file: byte {e.start} is not UTF-8 (in {os.fspath(path)})") from None
+            reason = f"not a JSON text file: byte {e.start} is not UTF-8 (in {os.fspath(path)})"
+            raise PlanError("plan", reason) from None
         try:
             return cls.from_json(text)
         except PlanError as e:

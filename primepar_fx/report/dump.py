@@ -8,8 +8,9 @@
   bytes per kind and memory (the plan's :class:`~primepar_fx.planning.plan.CostBreakdown`);
 * ``rank{r}.py``: each rank's rewritten code (``print_readable`` of its GraphModule);
 * ``passes.md``: the op counts after each graph pass (rank 0's);
-* ``graph.dot`` and, when graphviz's ``dot`` is installed, ``graph.svg``: the graph coloured by partition, each
-  edge labelled with the redistribution bytes the cost model predicts for it.
+* ``report.html``: all of it on one self-contained page (:mod:`primepar_fx.report.html`);
+* ``graph.svg`` (drawn here, :mod:`primepar_fx.report.svg`) and ``graph.dot`` (the same for graphviz): the graph
+  coloured by partition, each edge labelled with the redistribution bytes the cost model predicts for it.
 
 Per-rank graphs come from the caller (``rank_graphs``) or are built here for every rank under the "fake" process
 group (:func:`fake_rank_graphs`), which creates groups but moves no data: a world of any size on one CPU process.
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
-import subprocess
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,15 +36,10 @@ from primepar_fx.partition import DeviceMesh
 from primepar_fx.planning.options import CPU_CLUSTER, resolve_cluster
 from primepar_fx.planning.plan import COMM_KINDS, PHASES, MiB, Plan
 from primepar_fx.report.explain import fmt_count, fmt_shape, price_plan
+from primepar_fx.report.html import MAX_GRAPH_NODES, partition_colours, write_report
+from primepar_fx.report.svg import Box, layered_graph
 
 log = logging.getLogger(__name__)
-
-#: one fill colour per distinct partition, in order of first use (then generated)
-PALETTE = (
-    "#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
-    "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f", "#a6cee3", "#fbb4ae", "#decbe4", "#fed9a6",
-)  # fmt: skip
-DOT_TIMEOUT_S = 120
 
 
 # ---------------------------------------------------------------------------------------------- per-rank graphs
@@ -202,12 +196,6 @@ def _passes_note(rank_graphs: Mapping[int, Any], world: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the picture
-def _colour(i: int) -> str:
-    if i < len(PALETTE):
-        return PALETTE[i]
-    return f"{(i * 0.618034) % 1:.3f} 0.35 0.95"  # graphviz HSV: spread hues by the golden ratio
-
-
 def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
@@ -234,8 +222,8 @@ def edge_redistribution_bytes(graph: OpGraph, plan: Plan, cluster: Any = None) -
 def graph_dot(graph: OpGraph, plan: Plan, edge_bytes: Mapping[tuple[str, str], int]) -> str:
     """DOT text of the partitioned graph: one colour per distinct partition (with a legend), edge labels in bytes."""
     parts = {n.name: n.partition for n in plan.nodes}
-    order = list(dict.fromkeys(parts[n] for n in graph.nodes))
-    colour = {p: _colour(i) for i, p in enumerate(order)}
+    colour = partition_colours(graph, plan)
+    order = list(colour)
     lines = [
         f"digraph {_quote(plan.model)} {{",
         "  rankdir=TB; nodesep=0.25; ranksep=0.35;",
@@ -266,23 +254,26 @@ def graph_dot(graph: OpGraph, plan: Plan, edge_bytes: Mapping[tuple[str, str], i
     return "\n".join(lines) + "\n"
 
 
-def render_svg(dot_path: Path) -> Path | None:
-    """``dot -Tsvg`` next to ``dot_path``; ``None`` (and a warning) when graphviz is missing or fails."""
-    svg = dot_path.with_suffix(".svg")
-    svg.unlink(missing_ok=True)  # never leave an earlier dump's picture next to this one's graph.dot
-    exe = shutil.which("dot")
-    if exe is None:
-        log.warning("graphviz's dot is not installed: wrote %s but no SVG (apt-get install graphviz)", dot_path)
-        return None
-    try:
-        subprocess.run(
-            [exe, "-Tsvg", str(dot_path), "-o", str(svg)], check=True, capture_output=True, timeout=DOT_TIMEOUT_S
-        )
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        err = getattr(e, "stderr", b"") or b""
-        log.warning("dot failed on %s: %s", dot_path, err.decode(errors="replace").strip() or e)
-        return None
-    return svg
+def graph_svg(graph: OpGraph, plan: Plan, edge_bytes: Mapping[tuple[str, str], int]) -> str:
+    """The picture of :func:`graph_dot`, drawn here (:func:`~primepar_fx.report.svg.layered_graph`): no graphviz."""
+    parts = {n.name: n.partition for n in plan.nodes}
+    colour = partition_colours(graph, plan)
+    boxes = {}
+    for name, node in graph.nodes.items():
+        op = node.op.removeprefix("aten.").removesuffix(".default")
+        boxes[name] = Box((name, op, parts[name]), colour[parts[name]], f"{name}\n{node.op}\n{parts[name]}")
+    data_edges = set(graph.graph.edges)
+    labels = {e: f"{fmt_count(b)} B" for e, b in edge_bytes.items() if b and e in data_edges}
+    tied = {
+        e: "tied parameter" + (f" {fmt_count(b)} B" if b else "") for e, b in edge_bytes.items() if e not in data_edges
+    }
+    counts = {p: sum(1 for n in graph.nodes if parts[n] == p) for p in colour}
+    legend = [(f"{p} ({counts[p]} node{'s' if counts[p] != 1 else ''})", c) for p, c in colour.items()]
+    title = (
+        f"{plan.model}: {plan.world_size} devices {list(plan.digits)}, B={plan.batch}, S={plan.seq}; "
+        "red edges: redistribution bytes per device"
+    )
+    return layered_graph(graph.graph, boxes, title=title, edge_labels=labels, extra_edges=tied, legend=legend)
 
 
 # ---------------------------------------------------------------------------------------------- entry points
@@ -316,14 +307,20 @@ def dump(
     written[2].write_text(nodes_table(graph, plan), encoding="utf-8")
     counts = list(getattr(rank_graphs[min(rank_graphs)], "pass_counts", None) or [])
     written[3].write_text(passes_table(counts, _passes_note(rank_graphs, plan.world_size)), encoding="utf-8")
-    for rank in sorted(rank_graphs):
-        written.append(_write_rank(out, rank, rank_graphs[rank], plan))
+    codes = {rank: rank_code(rank_graphs[rank], rank, plan) for rank in sorted(rank_graphs)}
+    for rank, code in codes.items():
+        written.append(out / f"rank{rank}.py")
+        written[-1].write_text(code, encoding="utf-8")
     dot = out / "graph.dot"
-    dot.write_text(graph_dot(graph, plan, edge_redistribution_bytes(graph, plan, cluster)), encoding="utf-8")
+    edge_bytes = edge_redistribution_bytes(graph, plan, cluster)
+    dot.write_text(graph_dot(graph, plan, edge_bytes), encoding="utf-8")
     written.append(dot)
-    svg = render_svg(dot)
-    if svg is not None:
-        written.append(svg)
+    svg = out / "graph.svg"
+    picture = graph_svg(graph, plan, edge_bytes)
+    svg.write_text(picture, encoding="utf-8")
+    written.append(svg)
+    embedded = picture if len(graph.nodes) <= MAX_GRAPH_NODES else None
+    written.append(write_report(out / "report.html", graph, plan, graph_picture=embedded, rank_codes=codes))
     log.info("wrote the dump of %s into %s (%d files)", plan.model, out, len(written))
     return written
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from xml.etree import ElementTree
 
 import pytest
 
@@ -17,12 +17,13 @@ from primepar_fx.cli import main
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import forced_plan, plan_graph
-from primepar_fx.report import dump as dump_mod
 from primepar_fx.report.dump import dump, dump_module, edge_redistribution_bytes, fake_rank_graphs, normalize_code
 
 WORLD, BATCH, SEQ = 4, 8, 64
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gpt2_tiny_megatron_rank0.py"
-FILES = ("captured.txt", "plan.json", "nodes.md", "passes.md", "graph.dot") + tuple(f"rank{r}.py" for r in range(4))
+FILES = ("captured.txt", "plan.json", "nodes.md", "passes.md", "graph.dot", "graph.svg", "report.html") + tuple(
+    f"rank{r}.py" for r in range(4)
+)
 
 
 @functools.cache
@@ -68,7 +69,7 @@ def table_rows(text: str) -> list[list[str]]:
 def test_dump_of_gpt2_tiny_megatron_writes_every_file(megatron_dir: Path) -> None:
     for name in FILES:
         assert (megatron_dir / name).stat().st_size > 0, name
-    assert (megatron_dir / "graph.svg").exists() or not dump_mod.shutil.which("dot")
+    assert (megatron_dir / "graph.svg").read_text().startswith("<svg ")
     assert Plan.load(megatron_dir / "plan.json").nodes == forced("megatron-sp").nodes
     assert "class GraphModule" in (megatron_dir / "captured.txt").read_text()
 
@@ -102,11 +103,12 @@ def test_passes_table_totals_match_the_pass_counts(megatron_dir: Path) -> None:
 
 def test_picture_mentions_every_node_and_labels_edges_that_move_data(prime_dir: Path) -> None:
     dot = (prime_dir / "graph.dot").read_text()
-    svg = prime_dir / "graph.svg"
+    svg = (prime_dir / "graph.svg").read_text()
     for name in graph().nodes:
         assert f'"{name}" [label=' in dot, name
-        if svg.exists():
-            assert f"<title>{name}</title>" in svg.read_text(), name
+        assert f"<title>{name}\n" in svg, name
+    assert re.search(r'fill="#c0392b">[\d.]+k? B</text>', svg), "the SVG labels the same edges"
+    assert "P2x2 (9 nodes)" in svg
     assert re.search(r'-> "\w+" \[label="[\d.]+k? B"', dot), "some edge of the prime plan redistributes"
     assert "P2x2 (9 nodes)" in dot, "the legend counts each partition's nodes"
 
@@ -120,12 +122,13 @@ def test_edge_labels_add_up_to_each_nodes_redistribution() -> None:
         assert abs(sum(incoming) - want) <= len(incoming), node.name  # each side rounds down per device
 
 
-def test_missing_graphviz_leaves_the_dot_file_and_warns(tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(dump_mod.shutil, "which", lambda _: None)
-    with caplog.at_level(logging.WARNING, logger="primepar_fx.report.dump"):
-        files = dump(graph(), forced("megatron"), tmp_path, rank_graphs=fake_rank_graphs(graph(), forced("megatron")))
-    assert (tmp_path / "graph.dot").exists() and not (tmp_path / "graph.svg").exists()
-    assert tmp_path / "graph.svg" not in files and "dot is not installed" in caplog.text
+def test_the_picture_needs_no_graphviz(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no dot (nor anything else) to run
+    files = dump(graph(), forced("megatron"), tmp_path, rank_graphs=fake_rank_graphs(graph(), forced("megatron")))
+    svg = tmp_path / "graph.svg"
+    assert svg in files and (tmp_path / "graph.dot") in files
+    ElementTree.fromstring(svg.read_text())  # well-formed XML
+    assert all(f"<title>{name}\n" in svg.read_text() for name in graph().nodes)
 
 
 def test_rank_graphs_need_the_plans_sizes_to_be_the_captured_ones() -> None:
