@@ -149,7 +149,7 @@ def baselines_section(plan: Plan) -> str:
     table = [
         [
             name,
-            f"{p.step_time_s * 1e3:.4g}",
+            _ms(p.step_time_s),
             f"{p.step_time_s / ours.step_time_s:.2f}x" if ours.step_time_s > 0 else "-",
             format_bytes(p.peak_memory_bytes),
             f"{p.peak_memory_bytes / ours.peak_memory_bytes:.2f}x" if ours.peak_memory_bytes else "-",
@@ -158,14 +158,21 @@ def baselines_section(plan: Plan) -> str:
         ]
         for name, _, p, fits in rows
     ]
-    head = ["system", "step ms", "its time / ours", "peak memory", "its memory / ours", "sent per device", "fits"]
+    head = ["system", "step", "its time / ours", "peak memory", "its memory / ours", "sent per device", "fits"]
     names = [name for name, *_ in rows]
     marker = ("budget", budget / MiB) if isinstance(budget, int | float) and budget > 0 else None
     peak = [p.peak_memory_bytes / MiB for _, _, p, _ in rows]
     if marker is not None and marker[1] > 20 * max(peak):
         marker = None  # a budget far above every plan would squash the bars
-    charts = bar_chart("Predicted step time", names, {"step": [p.step_time_s * 1e3 for _, _, p, _ in rows]}, "ms")
-    charts += bar_chart("Predicted peak memory per device", names, {"peak": peak}, "MiB", marker=marker)
+    seconds = max(p.step_time_s for _, _, p, _ in rows) >= 10
+    steps = [p.step_time_s * (1 if seconds else 1e3) for _, _, p, _ in rows]
+    charts = bar_chart("Predicted step time", names, {"step": steps}, "s" if seconds else "ms")
+    gib = max(peak + [marker[1] if marker else 0.0]) >= 10 * 1024
+    if gib:
+        peak = [v / 1024 for v in peak]
+        marker = (marker[0], marker[1] / 1024) if marker else None
+    unit = "GiB" if gib else "MiB"
+    charts += bar_chart("Predicted peak memory per device", names, {"peak": peak}, unit, marker=marker)
     return (
         "<h2>Against the baselines</h2>"
         '<p class="note">Every row is priced by the same cost model on the same cluster; a baseline is the best '
@@ -274,6 +281,10 @@ def search_section(graph: OpGraph, plan: Plan) -> str:
     return "<h2>The searched space and the search</h2>" + _facts([(k, v) for k, v in facts if v != "-"])
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds:.4g} s" if seconds >= 10 else f"{seconds * 1e3:.4g} ms"
+
+
 def _seconds(x: Any) -> str:
     return f"{x:.2f} s" if isinstance(x, int | float) else "-"
 
@@ -313,7 +324,7 @@ def report_html(
             ("devices", f"{plan.world_size}, digits {list(plan.digits)} of {plan.cluster}"),
             ("batch, sequence, dtype", f"B={plan.batch}, S={plan.seq}, {plan.dtype}"),
             ("training state", plan.cost_options().describe_state() + "".join(f"; {e}" for e in extra)),
-            ("predicted step", f"{p.step_time_s * 1e3:.4g} ms"),
+            ("predicted step", _ms(p.step_time_s)),
             ("predicted peak memory per device", format_bytes(p.peak_memory_bytes)),
             ("sent per device per step", f"{fmt_count(p.comm_bytes)} B"),
             ("nodes", f"{len(plan.nodes)}, {sum(1 for n in plan.nodes if 'P' in n.partition)} with P(S x S)"),

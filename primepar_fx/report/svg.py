@@ -30,6 +30,11 @@ def _num(x: float) -> str:
     return f"{x:.1f}".rstrip("0").rstrip(".")
 
 
+def fmt_value(x: float) -> str:
+    """A chart number: thousands grouped from 10,000 on, else four significant digits."""
+    return f"{x:,.0f}" if abs(x) >= 1e4 else f"{x:.4g}"
+
+
 def _text_w(text: str, size: float = 11) -> float:
     return len(text) * CHAR_W * size / 11
 
@@ -93,7 +98,7 @@ def bar_chart(
     for t in ticks:
         tx = _num(x_of(t))
         out.append(f'<line x1="{tx}" y1="{top_y}" x2="{tx}" y2="{bottom}" stroke="#e3e3e3"/>')
-        out.append(f'<text x="{tx}" y="{bottom + 14}" text-anchor="middle" fill="#555">{t:g}</text>')
+        out.append(f'<text x="{tx}" y="{bottom + 14}" text-anchor="middle" fill="#555">{fmt_value(t)}</text>')
     out.append(f'<text x="{_num(left + plot_w / 2)}" y="{bottom + 29}" text-anchor="middle" fill="#555">'
                f"{escape(unit)}</text>")  # fmt: skip
     for r, cat in enumerate(categories):
@@ -109,7 +114,7 @@ def bar_chart(
                     f'height="{bar_h}" fill="{SERIES[i % len(SERIES)]}"><title>{tip}</title></rect>'
                 )
             acc += v
-        out.append(f'<text x="{_num(x_of(acc) + 4)}" y="{_num(y0 + 11)}" fill="#333">{totals[r]:.4g}</text>')
+        out.append(f'<text x="{_num(x_of(acc) + 4)}" y="{_num(y0 + 11)}" fill="#333">{fmt_value(totals[r])}</text>')
     if marker is not None:
         mx = _num(x_of(marker[1]))
         out.append(
