@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from primepar_fx.frontend.capture import capture, config_seq_max
-from primepar_fx.graph import OpGraph, build_graph, check_fallback
+from primepar_fx.graph import OpGraph, check_fallback, graph_of
 from primepar_fx.graph.replicate import analyze_replicated
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.plan import Plan
@@ -46,8 +46,10 @@ def analyze(
         example_args = (example_args,)
     if replicate_layers:
         return analyze_replicated(model, example_args, example_kwargs, name=name, fallback=fallback, seq_max=seq_max)
-    captured = capture(model, example_args, example_kwargs, name=name, seq_max=seq_max)
-    return build_graph(captured, fallback=fallback)
+    return graph_of(
+        lambda static: capture(model, example_args, example_kwargs, name=name, seq_max=seq_max, static_seq=static),
+        fallback=fallback,
+    )
 
 
 def plan(

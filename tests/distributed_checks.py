@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from primepar_fx.compiler.module import compile_graph
 from primepar_fx.frontend.capture import capture
-from primepar_fx.graph import build_graph
+from primepar_fx.graph import graph_of
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import PartitionSeq
 from primepar_fx.planning.plan import Plan
@@ -96,7 +96,7 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
 
     model, _, _ = make(model_name)
-    graph = build_graph(capture(model, args, kwargs))
+    graph = graph_of(lambda static: capture(model, args, kwargs, static_seq=static))
     report = {"reference_loss": float(ref_loss.detach())}
     for plan in plans:
         budget = None
@@ -166,7 +166,7 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
     ref_losses = _steps(ref, list(ref.parameters()), args, kwargs, steps)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     model, _, _ = make(model_name)
-    graph = build_graph(capture(model, args, kwargs))
+    graph = graph_of(lambda static: capture(model, args, kwargs, static_seq=static))
     report = {}
     for plan in plans:
         module = compile_graph(graph, plan=with_levers(graph, world, plan))

@@ -48,7 +48,7 @@ from primepar_fx.compiler.microbatch import run_micro_batches, split_inputs
 from primepar_fx.cost.blocks import ZERO_STAGES
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
-from primepar_fx.graph import OpGraph, build_graph
+from primepar_fx.graph import OpGraph, graph_of
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
 from primepar_fx.planning.options import PlanOptions, parse_plan
@@ -448,7 +448,7 @@ def compile(
     parse_plan(plan)
     _check_timeout(timeout)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    graph = build_graph(capture(model, args, example_kwargs), fallback=fallback)
+    graph = graph_of(lambda static: capture(model, args, example_kwargs, static_seq=static), fallback=fallback)
     options = with_machine_cluster(options, plan, measure=cluster is None)
     module = compile_graph(graph, plan=plan, options=options, world_size=world_size, timeout=timeout)
     program = graph.captured.program

@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import sysconfig
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class Captured:
         model_name: a name for logs and reports.
         call: how the example called ``model.forward``: the signature, and the names of the parameters given
             positionally and by keyword; ``None`` when the signature takes ``*args`` or ``**kwargs``.
+        static_seq: the sequence length is the example's, an integer in every shape (the model's code would not
+            let it stay symbolic); ``symbol_map`` then has no ``S``.
     """
 
     program: ExportedProgram
@@ -84,6 +87,7 @@ class Captured:
     example_seq: int
     model_name: str
     call: tuple[inspect.Signature, tuple[str, ...], tuple[str, ...]] | None = None
+    static_seq: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ capture
@@ -115,6 +119,8 @@ def capture(
     seq_max: int | None = None,
     name: str | None = None,
     dynamic: bool = True,
+    static_seq: bool = False,
+    seq_fallback: bool = True,
     fake_cache: bool = True,
 ) -> Captured:
     """Export ``model`` with a symbolic batch (dim ``batch_dim``) and sequence length (dim ``seq_dim``).
@@ -125,6 +131,11 @@ def capture(
 
     ``dynamic=False`` captures at the example's sizes (no ``B``/``S`` symbols: every size is an integer), for
     graphs that are already specialised, such as the first graph ``torch.compile`` hands a backend.
+
+    ``static_seq=True`` keeps the batch symbolic and captures the sequence at the example's length (``S`` an
+    integer everywhere). ``capture`` falls back to that by itself, with a :class:`StaticSeqWarning` naming the
+    model line, when export cannot keep ``S`` symbolic; ``seq_fallback=False`` raises the
+    :class:`ShapeSpecializationError` instead.
 
     ``fake_cache=False`` traces without FakeTensor's dispatch cache. The cache pays when many layers repeat the
     same ops (a whole deep model) and costs when few do (filling it costs more than its few hits return), so the
@@ -137,7 +148,8 @@ def capture(
 
     Raises:
         ValueError: unusable example inputs (no tensor, a batch or sequence of 1, equal batch and sequence sizes).
-        ShapeSpecializationError: the model's code pinned or constrained the batch or sequence length.
+        ShapeSpecializationError: the model's code pinned or constrained the batch (or, with
+            ``seq_fallback=False``, the sequence) length.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"capture() expects a torch.nn.Module, got {type(model).__name__}")
@@ -152,15 +164,26 @@ def capture(
     call = _call_of(signature, args, kwargs)
     dynamic_shapes = _dynamic_shapes(bound, batch_dim, seq_dim, seq_max)
     log.info("exporting %s (batch=%d, seq=%d, seq_max=%s)", model_name, batch, seq, seq_max)
-    program = _export(model, args, kwargs, dynamic_shapes if dynamic else None, fake_cache, (batch, seq))
+    if static_seq and dynamic:
+        dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
+    try:
+        program = _export(model, args, kwargs, dynamic_shapes if dynamic else None, fake_cache, (batch, seq))
+    except ShapeSpecializationError as e:
+        if not dynamic or static_seq or not seq_fallback or e.dims != ("seq",):
+            raise
+        warn_static_seq(model_name, seq, _why_specialised(model, e))
+        static_seq = True
+        dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
+        program = _export(model, args, kwargs, dynamic_shapes, fake_cache, (batch, seq))
     functionalize_inplace(program.graph_module)
     _renumber_program(program)
     captured = _captured(
         program,
-        symbol_map=_symbol_map(program, batch_dim, seq_dim) if dynamic else {},
+        symbol_map=_symbol_map(program, batch_dim, None if static_seq else seq_dim) if dynamic else {},
         sizes=(batch, seq),
         model_name=model_name,
         call=call,
+        static_seq=static_seq,
     )
     log.info("captured %s: %d nodes", model_name, len(captured.gm.graph.nodes))
     return captured
@@ -187,14 +210,16 @@ def _checked_seq_max(model: nn.Module, seq: int, seq_max: int | None) -> int | N
     return seq_max
 
 
-def _dynamic_shapes(bound: dict[str, Any], batch_dim: int, seq_dim: int, seq_max: int | None) -> dict[str, Any]:
+def _dynamic_shapes(bound: dict[str, Any], batch_dim: int, seq_dim: int | None, seq_max: int | None) -> dict[str, Any]:
     """Export's ``dynamic_shapes`` for the bound arguments of ``forward``: ``Dim("batch")`` on dim ``batch_dim``
-    and ``Dim("seq", max=seq_max)`` on dim ``seq_dim`` of every tensor that has them."""
+    and ``Dim("seq", max=seq_max)`` on dim ``seq_dim`` (``None``: the sequence stays static) of every tensor that
+    has them."""
     batch_d = Dim("batch")
     seq_d = Dim("seq", max=seq_max) if seq_max is not None else Dim("seq")
+    marks = ((batch_dim, batch_d),) if seq_dim is None else ((batch_dim, batch_d), (seq_dim, seq_d))
 
     def spec(t: torch.Tensor) -> dict[int, Any] | None:
-        dims = {d: v for d, v in ((batch_dim, batch_d), (seq_dim, seq_d)) if t.dim() > d}
+        dims = {d: v for d, v in marks if t.dim() > d}
         return dims or None
 
     return {
@@ -246,6 +271,7 @@ def _captured(
     sizes: tuple[int, int],
     model_name: str,
     call: tuple[inspect.Signature, tuple[str, ...], tuple[str, ...]] | None,
+    static_seq: bool = False,
 ) -> Captured:
     """The :class:`Captured` of an exported and renumbered ``program``; ``sizes``: the example batch and seq."""
     sig = program.graph_signature
@@ -260,6 +286,7 @@ def _captured(
         user_inputs=tuple(sig.user_inputs),
         example_batch=sizes[0],
         example_seq=sizes[1],
+        static_seq=static_seq,
         model_name=model_name,
         call=call,
     )
@@ -365,8 +392,11 @@ def _shapes(tensors: list[torch.Tensor]) -> str:
     return ", ".join(str(tuple(t.shape)) for t in tensors)
 
 
-def _symbol_map(program: ExportedProgram, batch_dim: int, seq_dim: int) -> dict[sympy.Symbol, sympy.Symbol]:
-    """Map export's symbols to B and S through the first user input with both a batch and a sequence dim."""
+def _symbol_map(program: ExportedProgram, batch_dim: int, seq_dim: int | None) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Map export's symbols to B and S through the first user input with both a batch and a sequence dim
+    (``seq_dim=None``: the sequence is static, B only, through the first input with a batch dim)."""
+    if seq_dim is None:
+        return _batch_symbol(program, batch_dim)
     user_inputs = set(program.graph_signature.user_inputs)
     for node in program.graph_module.graph.nodes:
         val = node.meta.get("val")
@@ -395,6 +425,52 @@ def _symbol_map(program: ExportedProgram, batch_dim: int, seq_dim: int) -> dict[
     raise ValueError(f"no user input has both a batch dim ({batch_dim}) and a seq dim ({seq_dim}) after export")
 
 
+def _batch_symbol(program: ExportedProgram, batch_dim: int) -> dict[sympy.Symbol, sympy.Symbol]:
+    user_inputs = set(program.graph_signature.user_inputs)
+    for node in program.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and node.name in user_inputs and isinstance(val, torch.Tensor):
+            if val.dim() > batch_dim:
+                expr = val.shape[batch_dim].node.expr if isinstance(val.shape[batch_dim], torch.SymInt) else None
+                if not isinstance(expr, sympy.Symbol):
+                    raise ShapeSpecializationError(
+                        f"the batch dim of input {node.name} came out of export as {val.shape[batch_dim]}, not a "
+                        "plain symbol; the model's code fixed or derived it while tracing",
+                        dims=("batch",),
+                    )
+                return {expr: B}
+    raise ValueError(f"no user input has a batch dim ({batch_dim}) after export")
+
+
+class StaticSeqWarning(UserWarning):
+    """The model's code would not let the sequence length stay symbolic: it was captured at the example's."""
+
+
+def _why_specialised(model: nn.Module, e: ShapeSpecializationError) -> str:
+    """The model line that constrained the sequence when it lies in the model's own source files, else what export
+    found (a guard such as ``seq != 64``; export adds some guards after tracing, with no model line to show)."""
+    files = set()
+    for m in model.modules():
+        try:
+            files.add(inspect.getsourcefile(type(m)))
+        except TypeError:  # a class defined in C or at the prompt
+            pass
+    if e.location and any(f and e.location.startswith(f + ":") for f in files):
+        return f"{e.location} constrains it"
+    found = [line.strip().removeprefix("export: ") for line in str(e).splitlines() if line.startswith("  export: ")]
+    return f"export: {found[0]}" if found else "the model's code constrains it"
+
+
+def warn_static_seq(model_name: str, seq: int, why: str) -> None:
+    """Warn (and log) that ``model_name`` is captured at the example's sequence length ``seq``, and ``why``."""
+    message = (
+        f"{model_name}: the sequence length cannot stay symbolic ({why}); captured at the example's S={seq} "
+        f"instead, so plans and the compiled module are for S={seq} only"
+    )
+    warnings.warn(message, StaticSeqWarning, stacklevel=3)
+    log.warning("%s", message)
+
+
 # ------------------------------------------------------------------------------------ specialisation errors
 @dataclass(frozen=True, slots=True)
 class _ShapeEvent:
@@ -409,7 +485,7 @@ class _ShapeEvent:
 _SKIP_PREFIXES = (
     os.path.dirname(torch.__file__) + os.sep,
     sysconfig.get_paths()["stdlib"] + os.sep,
-    os.path.abspath(__file__),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # primepar_fx itself
 )
 
 
@@ -417,7 +493,7 @@ def _model_frame() -> str | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not os.path.abspath(filename).startswith(_SKIP_PREFIXES) and not filename.startswith("<frozen"):
+        if not os.path.abspath(filename).startswith(_SKIP_PREFIXES) and not filename.startswith("<"):
             code = linecache.getline(filename, frame.f_lineno).strip()
             loc = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
             return f"{loc}: {code}" if code else loc

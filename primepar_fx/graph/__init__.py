@@ -4,6 +4,6 @@
 * :mod:`~primepar_fx.graph.replicate` — capture two layers of a deep model and write out the whole graph.
 """
 
-from primepar_fx.graph.build import LayerStack, OpGraph, OpNode, build_graph, check_fallback
+from primepar_fx.graph.build import LayerStack, OpGraph, OpNode, build_graph, check_fallback, graph_of
 
-__all__ = ["LayerStack", "OpGraph", "OpNode", "build_graph", "check_fallback"]
+__all__ = ["LayerStack", "OpGraph", "OpNode", "build_graph", "check_fallback", "graph_of"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -18,11 +19,11 @@ import sympy
 import torch
 from torch import fx
 
-from primepar_fx.frontend.capture import Captured
+from primepar_fx.frontend.capture import Captured, warn_static_seq
 from primepar_fx.frontend.shapes import annotate, node_bytes, shape_of, shapes_of
-from primepar_fx.frontend.symbols import META_DTYPES, META_SHAPES
+from primepar_fx.frontend.symbols import META_DTYPES, META_SHAPES, S
 from primepar_fx.rules.apply import op_dims
-from primepar_fx.rules.registry import RuleContext, op_name, source_line
+from primepar_fx.rules.registry import RuleContext, RuleError, op_name, source_line
 from primepar_fx.rules.spec import OpDims, Shape
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,32 @@ def check_fallback(fallback: object) -> None:
     """``fallback`` must be ``None`` or ``"replicate"`` (what to do with an op that has no rule)."""
     if fallback not in (None, "replicate"):
         raise ValueError(f"unknown fallback {fallback!r}; the only one is 'replicate' (or None)")
+
+
+def graph_of(capture_fn: Callable[[bool], Captured], *, fallback: str | None = None) -> OpGraph:
+    """:func:`build_graph` of ``capture_fn(False)``, a capture with a symbolic ``S``; when a rule fails on it,
+    ``capture_fn(True)`` (the sequence at the example's length) is tried, and its graph kept with a
+    :class:`~primepar_fx.frontend.capture.StaticSeqWarning` that quotes the rule's error.
+
+    A model that slices a fixed buffer by the sequence length can give shapes such as ``2048 - Max(0, 2048 - S)``,
+    which no rule can match with ``S`` free; at one integer ``S`` they are plain numbers. When the static capture
+    fails as well, the first error is raised.
+    """
+    captured = capture_fn(False)
+    try:
+        return build_graph(captured, fallback=fallback)
+    except RuleError as e:
+        if captured.static_seq or S not in set(captured.symbol_map.values()):
+            raise
+        first = e
+    try:
+        static = capture_fn(True)
+        graph = build_graph(static, fallback=fallback)
+    except Exception:
+        raise first from None
+    why = str(first).splitlines()[0]
+    warn_static_seq(static.model_name, static.example_seq, f"with it symbolic, {why[:400]}")
+    return graph
 
 
 def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:

@@ -38,7 +38,7 @@ import networkx as nx
 from torch import fx, nn
 
 from primepar_fx.frontend.capture import capture, split_name
-from primepar_fx.graph import LayerStack, OpGraph, OpNode, build_graph
+from primepar_fx.graph import LayerStack, OpGraph, OpNode, graph_of
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,12 @@ def analyze_replicated(
                 break
             _set_submodule(model, fqn, nn.ModuleList(list(stack)[: first + 2]))
             try:
-                two = capture(model, example_args, example_kwargs, **whole, fake_cache=False)  # few layers: no cache
-                short = build_graph(two, fallback=fallback)
+                short = graph_of(  # few layers: no FakeTensor cache
+                    lambda static: capture(
+                        model, example_args, example_kwargs, **whole, fake_cache=False, static_seq=static
+                    ),
+                    fallback=fallback,
+                )
             finally:
                 _set_submodule(model, fqn, stack)
             try:
@@ -111,7 +115,9 @@ def analyze_replicated(
             except NotRepeated as exc:
                 log.info("layer stack %s: layer %d does not repeat layer %d (%s)", fqn, first + 1, first, exc)
         log.warning("layer stack %s does not repeat; capturing the whole model", fqn)
-    return build_graph(capture(model, example_args, example_kwargs, **whole), fallback=fallback)
+    return graph_of(
+        lambda static: capture(model, example_args, example_kwargs, **whole, static_seq=static), fallback=fallback
+    )
 
 
 # ------------------------------------------------------------------------------------------------ replication

@@ -97,7 +97,7 @@ TINY_GENERIC = {
 COVERED_FAMILIES = (
     *HF_FAMILIES, "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "stablelm",
     "starcoder2", "olmo", "olmo2", "gpt_neox", "gptj", "codegen", "cohere", "glm", "granite", "helium", "nemotron",
-    "xglm", "biogpt", "persimmon", "arcee", "smollm3",
+    "xglm", "biogpt", "persimmon", "arcee", "smollm3", "gpt_neo", "mpt",
 )  # fmt: skip
 
 

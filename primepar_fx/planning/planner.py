@@ -330,6 +330,13 @@ def _options(graph: OpGraph, options: PlanOptions | None, kwargs: dict[str, Any]
         raise TypeError(f"pass PlanOptions or keyword options, not both (got {sorted(kwargs)})")
     if options.world_size is None and options.digits is None:
         raise ValueError("a plan needs world_size (or digits)")
+    captured = graph.captured
+    if captured.static_seq and options.seq not in (None, captured.example_seq):
+        raise ValueError(
+            f"{graph.name} was captured at S={captured.example_seq} (its sequence length could not stay symbolic), "
+            f"so it cannot be planned at S={options.seq}: capture it with example inputs of sequence length "
+            f"{options.seq}"
+        )
     return options.replace(
         batch=graph.captured.example_batch if options.batch is None else options.batch,
         seq=graph.captured.example_seq if options.seq is None else options.seq,

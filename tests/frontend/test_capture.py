@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, StaticSeqWarning, capture
 from primepar_fx.frontend.shapes import annotate
 from primepar_fx.frontend.symbols import ALLOWED_SYMBOLS, META_SHAPES, B, S
 
@@ -197,7 +199,7 @@ def test_an_example_longer_than_seq_max_is_rejected() -> None:
 # ------------------------------------------------------------------------------------- specialisation
 def test_hard_coded_seq_view_is_reported_as_a_seq_specialization() -> None:
     with pytest.raises(ShapeSpecializationError) as info:
-        capture(HardCodedSeq(), (_ids(2, 16),))
+        capture(HardCodedSeq(), (_ids(2, 16),), seq_fallback=False)
     err = info.value
     assert err.dims == ("seq",)
     assert "seq" in str(err) and "constant 16" in str(err)
@@ -216,7 +218,7 @@ def test_hard_coded_batch_reshape_is_reported_as_a_batch_specialization() -> Non
 
 def test_a_python_branch_on_seq_is_reported_with_its_source_line() -> None:
     with pytest.raises(ShapeSpecializationError) as info:
-        capture(BranchOnSeq(), (_ids(2, 16),))
+        capture(BranchOnSeq(), (_ids(2, 16),), seq_fallback=False)
     assert info.value.dims == ("seq",)
     assert "if ids.shape[1] > 8" in (info.value.location or "")
     assert "export suggests" in str(info.value)
@@ -226,8 +228,27 @@ def test_a_specialization_error_is_a_value_error_and_leaves_logging_as_it_was() 
     logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level, filters = logger.level, list(logger.filters)
     with pytest.raises(ValueError):
-        capture(HardCodedSeq(), (_ids(2, 16),))
+        capture(HardCodedSeq(), (_ids(2, 16),), seq_fallback=False)
     assert (logger.level, logger.filters) == (level, filters)
+
+
+@pytest.mark.parametrize(
+    ("model", "line"), [(HardCodedSeq, "x.view(x.shape[0], 16, -1)"), (BranchOnSeq, "if ids.shape[1] > 8")]
+)
+def test_a_constrained_seq_falls_back_to_the_examples_with_a_warning_naming_the_line(model, line) -> None:
+    with pytest.warns(StaticSeqWarning, match=re.escape(line)) as record:
+        captured = capture(model(), (_ids(2, 16),))
+    assert "captured at the example's S=16" in str(record[0].message)
+    assert captured.static_seq and list(captured.symbol_map.values()) == [B]
+    annotate(captured)
+    shapes = [n.meta[META_SHAPES] for n in captured.gm.graph.nodes if META_SHAPES in n.meta]
+    assert all(S not in sympy.sympify(d).free_symbols for shape in shapes for d in shape if shape)
+    assert any(B in sympy.sympify(d).free_symbols for shape in shapes for d in shape if shape), "B stays symbolic"
+
+
+def test_a_static_seq_can_be_asked_for() -> None:
+    captured = capture(TinyBlock(), (_ids(2, 16),), static_seq=True)
+    assert captured.static_seq and list(captured.symbol_map.values()) == [B]
 
 
 # ------------------------------------------------------------------------------------ the model zoo

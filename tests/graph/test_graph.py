@@ -116,3 +116,64 @@ def test_explain_counts_are_the_enumerated_partition_space() -> None:
         assert rows[node.name].sequences == want
     lin = next(n for n in graph.nodes.values() if n.target is torch.ops.aten.linear.default)
     assert rows[lin.name].sequences == 5 * 5 + 1  # {B, S, N, K, R} on each of 2 digits, plus P2x2
+
+
+# ------------------------------------------------------------------------------------- a static S as fallback
+class _SeqBranch(torch.nn.Module):
+    """A model whose Python branch on the sequence length keeps S from staying symbolic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 7:
+            return self.lin(x).sum() * 2
+        return self.lin(x).sum()
+
+
+def test_a_rule_failure_with_a_symbolic_seq_is_retried_at_the_examples(monkeypatch) -> None:
+    """A shape that only an integer S makes plain (MPT's ``1 - Max(0, 1 - S)``) fails a rule; graph_of captures
+    again with a static S and warns, quoting the rule's error. When that fails too, the first error is raised."""
+    from primepar_fx.frontend.capture import StaticSeqWarning, capture
+    from primepar_fx.graph import build as build_mod
+    from primepar_fx.graph import graph_of
+    from primepar_fx.rules.registry import RuleError
+
+    real = build_mod.build_graph
+
+    def fussy(captured, **kwargs):
+        if not captured.static_seq:
+            raise RuleError("rule for aten.add.Tensor failed at node 'add': cannot broadcast 1 - Max(0, 1 - S)")
+        return real(captured, **kwargs)
+
+    monkeypatch.setattr(build_mod, "build_graph", fussy)
+    model, x = torch.nn.Linear(8, 8), torch.randn(2, 4, 8)
+    with pytest.warns(StaticSeqWarning, match=r"cannot broadcast 1 - Max\(0, 1 - S\)\); captured at the example.s S=4"):
+        graph = graph_of(lambda static: capture(model, (x,), static_seq=static))
+    assert graph.captured.static_seq and graph.nodes["linear"].out_shapes[0] == (B, 4, 8)
+
+    def broken(captured, **kwargs):
+        raise RuleError(f"static={captured.static_seq}")
+
+    monkeypatch.setattr(build_mod, "build_graph", broken)
+    with pytest.raises(RuleError, match="static=False"):
+        graph_of(lambda static: capture(model, (x,), static_seq=static))
+
+
+def test_a_static_seq_graph_plans_and_compiles_at_its_seq_only() -> None:
+    import primepar_fx
+    from primepar_fx.frontend.capture import StaticSeqWarning
+    from primepar_fx.planning.planner import plan_graph
+
+    with pytest.warns(StaticSeqWarning, match=r"if x.shape\[1\] == 7"):
+        graph = analyze(_SeqBranch(), (torch.randn(2, 4, 8),))
+    assert graph.nodes["linear"].out_shapes[0] == (B, 4, 8)
+    with pytest.raises(ValueError, match="captured at S=4 .* cannot be planned at S=8"):
+        plan_graph(graph, world_size=2, cluster="cpu-gloo", seq=8)
+    assert plan_graph(graph, world_size=2, cluster="cpu-gloo", batch=6, method="dp").seq == 4
+    with pytest.warns(StaticSeqWarning):
+        module = primepar_fx.compile(_SeqBranch(), (torch.randn(2, 4, 8),), world_size=1)
+    module(torch.randn(3, 4, 8)).backward()
+    with pytest.raises(ValueError, match="dim 1 has size 5 but the compiled model .* fixes it at 4"):
+        module(torch.randn(3, 5, 8))
