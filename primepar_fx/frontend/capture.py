@@ -462,13 +462,15 @@ def _why_specialised(model: nn.Module, e: ShapeSpecializationError) -> str:
 
 
 def warn_static_seq(model_name: str, seq: int, why: str) -> None:
-    """Warn (and log) that ``model_name`` is captured at the example's sequence length ``seq``, and ``why``."""
+    """Warn that ``model_name`` is captured at the example's sequence length ``seq``, and ``why``."""
     message = (
         f"{model_name}: the sequence length cannot stay symbolic ({why}); captured at the example's S={seq} "
         f"instead, so plans and the compiled module are for S={seq} only"
     )
-    warnings.warn(message, StaticSeqWarning, stacklevel=3)
-    log.warning("%s", message)
+    level, frame = 1, sys._getframe(0)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1  # shown at the caller's line, outside primepar_fx
+    warnings.warn(message, StaticSeqWarning, stacklevel=level)
 
 
 # ------------------------------------------------------------------------------------ specialisation errors
@@ -482,11 +484,8 @@ class _ShapeEvent:
     location: str | None  # the innermost model frame (outside torch and the standard library)
 
 
-_SKIP_PREFIXES = (
-    os.path.dirname(torch.__file__) + os.sep,
-    sysconfig.get_paths()["stdlib"] + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # primepar_fx itself
-)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # primepar_fx itself
+_SKIP_PREFIXES = (os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep, _PACKAGE)
 
 
 def _model_frame() -> str | None:
