@@ -15,7 +15,8 @@ from primepar_fx.compiler.module import (
     gather_state_dict,
     load_state_dict,
 )
-from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.frontend.capture import Captured, capture
+from primepar_fx.frontend.specialize import ShapeSpecializationError, StaticSeqWarning
 from primepar_fx.graph import OpGraph, OpNode, build_graph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
 from primepar_fx.planning.plan import Plan
@@ -40,6 +41,7 @@ __all__ = [
     "Replicate",
     "ShapeSpecializationError",
     "Split",
+    "StaticSeqWarning",
     "analyze",
     "backend",
     "compile",

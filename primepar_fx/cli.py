@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: PRIMEPAR_LOG={level} is not a log level (DEBUG, INFO, WARNING, ERROR)", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    from primepar_fx.frontend.capture import ShapeSpecializationError
+    from primepar_fx.frontend.specialize import ShapeSpecializationError
     from primepar_fx.rules.registry import MissingRuleError, RuleError
     from primepar_fx.search import SearchError
 

@@ -15,15 +15,8 @@ the length), export fails with a constraint violation; :func:`capture` re-raises
 from __future__ import annotations
 
 import inspect
-import linecache
 import logging
-import os
 import re
-import sys
-import sysconfig
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,27 +27,19 @@ from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
 from primepar_fx.frontend.inplace import functionalize_inplace
+from primepar_fx.frontend.specialize import (
+    DIM_NAMES,
+    ShapeSpecializationError,
+    is_constraint_violation,
+    record_shape_events,
+    specialization_error,
+    warn_static_seq,
+    why_specialised,
+)
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
-
-_SYMBOLIC_SHAPES_LOGGER = "torch.fx.experimental.symbolic_shapes"
-_DIM_NAMES = ("batch", "seq")
-
-
-class ShapeSpecializationError(ValueError):
-    """The batch or sequence length could not stay symbolic: the model's code fixed or constrained it.
-
-    Attributes:
-        dims: the dims concerned (``"batch"``, ``"seq"``).
-        location: the model source line responsible, when it is known.
-    """
-
-    def __init__(self, message: str, *, dims: tuple[str, ...] = (), location: str | None = None) -> None:
-        super().__init__(message)
-        self.dims = dims
-        self.location = location
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +156,7 @@ def capture(
     except ShapeSpecializationError as e:
         if not dynamic or static_seq or not seq_fallback or e.dims != ("seq",):
             raise
-        warn_static_seq(model_name, seq, _why_specialised(model, e))
+        warn_static_seq(model_name, seq, why_specialised(model, e))
         static_seq = True
         dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
         program = _export(model, args, kwargs, dynamic_shapes, fake_cache, (batch, seq))
@@ -247,12 +232,12 @@ def _export(
 ) -> ExportedProgram:
     """``torch.export.export`` (non-strict), a constraint violation re-raised as :class:`ShapeSpecializationError`
     naming the model line that caused it (``sizes``: the example batch and seq, to find the symbols concerned)."""
-    with _record_shape_events() as events, torch._dynamo.config.patch(fake_tensor_cache_enabled=fake_cache):
+    with record_shape_events() as events, torch._dynamo.config.patch(fake_tensor_cache_enabled=fake_cache):
         try:
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:
-            if _is_constraint_violation(exc):
-                raise _specialization_error(str(exc), events, {"batch": sizes[0], "seq": sizes[1]}) from exc
+            if is_constraint_violation(exc):
+                raise specialization_error(str(exc), events, {"batch": sizes[0], "seq": sizes[1]}) from exc
             raise
 
 
@@ -419,7 +404,7 @@ def _symbol_map(program: ExportedProgram, batch_dim: int, seq_dim: int | None) -
             raise ShapeSpecializationError(
                 f"the batch and seq dims of input {node.name} share the symbol {next(iter(mapping))}: "
                 "the model's code made them equal",
-                dims=_DIM_NAMES,
+                dims=DIM_NAMES,
             )
         return mapping
     raise ValueError(f"no user input has both a batch dim ({batch_dim}) and a seq dim ({seq_dim}) after export")
@@ -440,171 +425,3 @@ def _batch_symbol(program: ExportedProgram, batch_dim: int) -> dict[sympy.Symbol
                     )
                 return {expr: B}
     raise ValueError(f"no user input has a batch dim ({batch_dim}) after export")
-
-
-class StaticSeqWarning(UserWarning):
-    """The model's code would not let the sequence length stay symbolic: it was captured at the example's."""
-
-
-def _why_specialised(model: nn.Module, e: ShapeSpecializationError) -> str:
-    """The model line that constrained the sequence when it lies in the model's own source files, else what export
-    found (a guard such as ``seq != 64``; export adds some guards after tracing, with no model line to show)."""
-    files = set()
-    for m in model.modules():
-        try:
-            files.add(inspect.getsourcefile(type(m)))
-        except TypeError:  # a class defined in C or at the prompt
-            pass
-    if e.location and any(f and e.location.startswith(f + ":") for f in files):
-        return f"{e.location} constrains it"
-    found = [line.strip().removeprefix("export: ") for line in str(e).splitlines() if line.startswith("  export: ")]
-    return f"export: {found[0]}" if found else "the model's code constrains it"
-
-
-def warn_static_seq(model_name: str, seq: int, why: str) -> None:
-    """Warn that ``model_name`` is captured at the example's sequence length ``seq``, and ``why``."""
-    message = (
-        f"{model_name}: the sequence length cannot stay symbolic ({why}); captured at the example's S={seq} "
-        f"instead, so plans and the compiled module are for S={seq} only"
-    )
-    level, frame = 1, sys._getframe(0)
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1  # shown at the caller's line, outside primepar_fx
-    warnings.warn(message, StaticSeqWarning, stacklevel=level)
-
-
-# ------------------------------------------------------------------------------------ specialisation errors
-@dataclass(frozen=True, slots=True)
-class _ShapeEvent:
-    """One ShapeEnv event logged while tracing: a new symbol, a guard or a replacement."""
-
-    kind: str  # "symbol", "guard" or "replacement"
-    text: str  # the symbol, the guard expression or "sym = target"
-    value: str  # the example value of a new symbol or the replacement target ("" for a guard)
-    location: str | None  # the innermost model frame (outside torch and the standard library)
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # primepar_fx itself
-_SKIP_PREFIXES = (os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep, _PACKAGE)
-
-
-def _model_frame() -> str | None:
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not os.path.abspath(filename).startswith(_SKIP_PREFIXES) and not filename.startswith("<"):
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            loc = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            return f"{loc}: {code}" if code else loc
-        frame = frame.f_back
-    return None
-
-
-@contextmanager
-def _record_shape_events() -> Iterator[list[_ShapeEvent]]:
-    """Record ShapeEnv symbols, guards and replacements, with the model line each came from.
-
-    Lowers the ShapeEnv logger to INFO for the duration and drops, through a filter, every record that the
-    logger's previous level would have dropped, so nothing new reaches the user's handlers.
-    """
-    logger = logging.getLogger(_SYMBOLIC_SHAPES_LOGGER)
-    old_level, threshold = logger.level, logger.getEffectiveLevel()
-    events: list[_ShapeEvent] = []
-
-    def keep(record: logging.LogRecord) -> bool:
-        try:
-            event = _event_of(record)
-        except Exception:  # a changed log format must never break capture
-            event = None
-        if event is not None:
-            events.append(event)
-        return record.levelno >= threshold
-
-    logger.addFilter(keep)
-    logger.setLevel(min(threshold, logging.INFO))
-    try:
-        yield events
-    finally:
-        logger.removeFilter(keep)
-        logger.setLevel(old_level)
-
-
-def _event_of(record: logging.LogRecord) -> _ShapeEvent | None:
-    msg, args = record.msg, record.args
-    if not isinstance(msg, str) or not isinstance(args, tuple):
-        return None
-    if msg.startswith("create_symbol") and len(args) >= 2:
-        return _ShapeEvent("symbol", str(args[0]), str(args[1]), None)
-    if msg.startswith("set_replacement") and len(args) >= 2:
-        return _ShapeEvent("replacement", str(args[0]), str(args[1]), _model_frame())
-    if "[guard added]" in msg and len(args) >= 2 and "suppressed" not in str(args[0]):
-        return _ShapeEvent("guard", str(args[1]), "", _model_frame())
-    return None
-
-
-def _is_constraint_violation(exc: BaseException) -> bool:
-    error_type = getattr(exc, "error_type", None)
-    if error_type is not None and getattr(error_type, "name", "") == "CONSTRAINT_VIOLATION":
-        return True
-    text = str(exc)
-    return "Constraints violated" in text or "specialized" in text or "Suggested fixes" in text
-
-
-def _specialization_error(
-    message: str, events: list[_ShapeEvent], examples: dict[str, int]
-) -> ShapeSpecializationError:
-    named = re.search(r"Constraints violated \(([^)]*)\)", message)
-    dims = tuple(d.strip() for d in named.group(1).split(",")) if named else ()
-    dims = tuple(d for d in dims if d in _DIM_NAMES) or tuple(d for d in _DIM_NAMES if d in message)
-    pinned = re.search(r"specialized it to be a constant \((-?\d+)\)", message)
-    findings = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- ")]
-    fixes = _suggested_fixes(message)
-
-    symbols = {e.text for e in events if e.kind == "symbol" and e.value in {str(examples[d]) for d in dims}}
-    location = _culprit(events, symbols, pinned.group(1) if pinned else None)
-    what = " and ".join(f"{d} (example size {examples[d]})" for d in dims) or "batch/seq"
-    if pinned:
-        head = f"torch.export specialised the {what} dim to the constant {pinned.group(1)}"
-    else:
-        head = f"torch.export could not keep the {what} dim fully dynamic: the model's code constrains it"
-    parts = [f"{head}; primepar_fx needs the batch and sequence lengths symbolic."]
-    if location:
-        parts.append(f"  model source line: {location}")
-    parts.extend(f"  export: {f}" for f in findings[:4])
-    if fixes:
-        parts.append(f"  export suggests: {'; '.join(fixes)}")
-    parts.append(
-        "Fix: compute sizes from the input (x.shape[0] / x.shape[1], or -1 in view/reshape) instead of hard-coding "
-        "a batch or sequence length, and avoid Python branches on the sequence length (if x.shape[1] > ...). "
-        "A model that really needs a sequence length of a special form (e.g. a multiple of 8) cannot be captured "
-        "with a free S."
-    )
-    return ShapeSpecializationError("\n".join(parts), dims=dims, location=location)
-
-
-def _suggested_fixes(message: str) -> list[str]:
-    lines = message.splitlines()
-    for i, line in enumerate(lines):
-        if line.strip().startswith("Suggested fixes"):
-            fixes = []
-            for follow in lines[i + 1 :]:
-                if not follow.startswith(" ") or not follow.strip():
-                    break
-                fixes.append(follow.strip())
-            return fixes
-    return []
-
-
-def _culprit(events: list[_ShapeEvent], symbols: set[str], constant: str | None) -> str | None:
-    """The model line of the event that pinned (or else first constrained) one of ``symbols``."""
-
-    def mentions(text: str) -> bool:
-        return any(re.search(rf"\b{re.escape(s)}\b", text) for s in symbols)
-
-    ranked = [e for e in events if e.kind == "replacement" and e.text in symbols and e.value == constant]
-    ranked += [e for e in events if e.kind == "guard" and mentions(e.text)]
-    ranked += [e for e in events if e.kind == "replacement" and e.text in symbols]
-    for event in ranked:
-        if event.location:
-            return event.location
-    return None

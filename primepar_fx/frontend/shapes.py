@@ -21,6 +21,7 @@ import sympy
 import torch
 from torch import fx
 
+from primepar_fx.frontend.specialize import ShapeSpecializationError
 from primepar_fx.frontend.symbols import (
     ALLOWED_SYMBOLS,
     META_DTYPES,
@@ -33,7 +34,7 @@ from primepar_fx.frontend.symbols import (
 )
 
 if TYPE_CHECKING:
-    from primepar_fx.frontend.capture import Captured, ShapeSpecializationError
+    from primepar_fx.frontend.capture import Captured
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ def annotate(captured: Captured) -> None:
         ShapeSpecializationError: a shape mentions a symbol other than ``B``/``S``, or the ShapeEnv replaced
             the batch or sequence symbol by a constant.
     """
-    from primepar_fx.frontend.capture import ShapeSpecializationError  # runtime import: capture imports this module
-
     symbol_map = dict(captured.symbol_map)
     shape_env = None
     for node in captured.gm.graph.nodes:

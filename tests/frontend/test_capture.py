@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, StaticSeqWarning, capture
+from primepar_fx.frontend.capture import Captured, capture
 from primepar_fx.frontend.shapes import annotate
+from primepar_fx.frontend.specialize import ShapeSpecializationError, StaticSeqWarning
 from primepar_fx.frontend.symbols import ALLOWED_SYMBOLS, META_SHAPES, B, S
 
 VOCAB, HIDDEN, HEADS = 64, 32, 4

@@ -7,7 +7,7 @@ import sympy
 import torch
 from torch import nn
 
-from primepar_fx.frontend.capture import Captured, ShapeSpecializationError, capture
+from primepar_fx.frontend.capture import Captured, capture
 from primepar_fx.frontend.shapes import (
     annotate,
     evaluate,
@@ -19,6 +19,7 @@ from primepar_fx.frontend.shapes import (
     source_line,
     sym_expr,
 )
+from primepar_fx.frontend.specialize import ShapeSpecializationError
 from primepar_fx.frontend.symbols import META_DTYPES, META_SHAPES, META_SYMVALUE, B, S
 
 IN, OUT = 8, 4

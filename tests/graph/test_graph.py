@@ -135,7 +135,8 @@ class _SeqBranch(torch.nn.Module):
 def test_a_rule_failure_with_a_symbolic_seq_is_retried_at_the_examples(monkeypatch) -> None:
     """A shape that only an integer S makes plain (MPT's ``1 - Max(0, 1 - S)``) fails a rule; graph_of captures
     again with a static S and warns, quoting the rule's error. When that fails too, the first error is raised."""
-    from primepar_fx.frontend.capture import StaticSeqWarning, capture
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.frontend.specialize import StaticSeqWarning
     from primepar_fx.graph import build as build_mod
     from primepar_fx.graph import graph_of
     from primepar_fx.rules.registry import RuleError
@@ -163,7 +164,7 @@ def test_a_rule_failure_with_a_symbolic_seq_is_retried_at_the_examples(monkeypat
 
 def test_a_static_seq_graph_plans_and_compiles_at_its_seq_only() -> None:
     import primepar_fx
-    from primepar_fx.frontend.capture import StaticSeqWarning
+    from primepar_fx.frontend.specialize import StaticSeqWarning
     from primepar_fx.planning.planner import plan_graph
 
     with pytest.warns(StaticSeqWarning, match=r"if x.shape\[1\] == 7"):
