@@ -37,9 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -49,6 +47,19 @@ from typing import Any
 
 import numpy as np
 
+from primepar_fx.cost.specdata import (
+    SpecData,
+    check_keys,
+    data_hash,
+    fields,
+    integer,
+    plain,
+    real,
+    set_field,
+    text,
+    toml_table,
+    within,
+)
 from primepar_fx.partition.mesh import DeviceMesh
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p")
@@ -64,88 +75,6 @@ DEFAULT_LINK_EFFICIENCY = {"all-reduce": 0.8, "all-gather": 0.8, "reduce-scatter
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
-# ---------------------------------------------------------------------------------------------------- validation
-def _real(where: str, value: Any, unit: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{where} must be a finite number ({unit}), got {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise ValueError(f"{where} must be {'> 0' if positive else '>= 0'} ({unit}), got {value!r}")
-    return float(value) + 0.0  # + 0.0 folds -0.0 into 0.0
-
-
-def _int(where: str, value: Any, unit: str) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{where} must be an integer ({unit}), got {value!r}")
-    if value < 1:
-        raise ValueError(f"{where} must be >= 1 ({unit}), got {value}")
-    return value
-
-
-def _str(where: str, value: Any, *, nonempty: bool = True) -> str:
-    if not isinstance(value, str) or (nonempty and not value.strip()):
-        raise ValueError(f"{where} must be a {'non-empty ' if nonempty else ''}string, got {value!r}")
-    return value
-
-
-def _set(obj: object, name: str, value: Any) -> None:
-    object.__setattr__(obj, name, value)
-
-
-def _plain(obj: Any, top: bool = True) -> Any:
-    """Dataclasses, tuples and dicts as plain JSON data (field order kept); a nested spec object by its own
-    ``to_dict`` (which may leave out fields at their default)."""
-    if not top and isinstance(obj, _Data):
-        return obj.to_dict()
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name), False) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (tuple, list)):
-        return [_plain(v, False) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _plain(v, False) for k, v in obj.items()}
-    return obj
-
-
-def _keys(where: str, mapping: Any, allowed: tuple[str, ...], required: tuple[str, ...], what: str) -> None:
-    """Check the keys of a mapping field: all in ``allowed``, none of ``required`` missing."""
-    if not isinstance(mapping, Mapping):
-        raise ValueError(f"{where} must map {what} {list(allowed)}, got {type(mapping).__name__}")
-    unknown = sorted(str(k) for k in mapping if k not in allowed)
-    if unknown:
-        raise ValueError(f"{where} has unknown {what} {unknown}; use {list(allowed)}")
-    missing = [k for k in required if k not in mapping]
-    if missing:
-        raise ValueError(f"{where} is missing {what} {missing}")
-
-
-def _fields(where: str, data: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Check a parsed JSON/TOML object: a mapping with every required field and no unknown one."""
-    _keys(where, data, required + optional, required, "field(s)")
-    return dict(data)
-
-
-def _data_hash(self: _Data) -> int:
-    return hash(json.dumps(self.to_dict(), sort_keys=True))
-
-
-class _Data:
-    """Shared by the spec dataclasses: their plain-data view for JSON and TOML."""
-
-    __slots__ = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-
-def _within(where: str, fn: Any, *args: Any) -> Any:
-    """Call ``fn`` and prefix any ValueError with the path of the object being built."""
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
 def dtype_key(dtype: object) -> str:
     """``"bf16"`` for ``torch.bfloat16``, ``"bfloat16"`` or ``"bf16"`` (and likewise fp32, fp16, tf32)."""
     name = str(dtype).removeprefix("torch.")
@@ -159,7 +88,7 @@ def ring_factors(kind: str, group_size: int) -> tuple[float, int]:
     """``(bus(kind, g), steps(kind, g))`` of the ring algorithm (module docstring); ``(0, 0)`` for ``g = 1``."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(COLLECTIVES)}")
-    g = _int("group_size", group_size, "devices")
+    g = integer("group_size", group_size, "devices")
     if g == 1:
         return 0.0, 0
     if kind == "p2p":
@@ -171,7 +100,7 @@ def ring_factors(kind: str, group_size: int) -> tuple[float, int]:
 
 # ---------------------------------------------------------------------------------------------------- latency models
 @dataclass(frozen=True, slots=True)
-class LinearLatency(_Data):
+class LinearLatency(SpecData):
     """``t = bytes_coeff * nbytes + fixed + call``; for a collective, ``nbytes`` is bus traffic, ``fixed`` is paid
     per ring step and ``call`` once per call whatever the group's size (module docstring). ``call`` is 0 unless a
     fit over several group sizes measured it, and is left out of the JSON then."""
@@ -181,12 +110,12 @@ class LinearLatency(_Data):
     call: float = 0.0
 
     def __post_init__(self) -> None:
-        _set(self, "bytes_coeff", _real("LinearLatency.bytes_coeff", self.bytes_coeff, "seconds per byte"))
-        _set(self, "fixed", _real("LinearLatency.fixed", self.fixed, "seconds"))
-        _set(self, "call", _real("LinearLatency.call", self.call, "seconds"))
+        set_field(self, "bytes_coeff", real("LinearLatency.bytes_coeff", self.bytes_coeff, "seconds per byte"))
+        set_field(self, "fixed", real("LinearLatency.fixed", self.fixed, "seconds"))
+        set_field(self, "call", real("LinearLatency.call", self.call, "seconds"))
 
     def __call__(self, nbytes: float) -> float:
-        return self.bytes_coeff * _real("nbytes", nbytes, "bytes") + self.fixed + self.call
+        return self.bytes_coeff * real("nbytes", nbytes, "bytes") + self.fixed + self.call
 
     def collective(self, kind: str, group_size: int, nbytes: float, *, bucketed: bool = False) -> float:
         """Seconds for a ``kind`` collective of ``nbytes`` per device over ``group_size`` devices; ``bucketed``: it
@@ -195,7 +124,7 @@ class LinearLatency(_Data):
         if steps == 0:
             return 0.0
         latency = 0.0 if bucketed else self.fixed * steps + self.call
-        return self.bytes_coeff * bus * _real("nbytes", nbytes, "bytes") + latency
+        return self.bytes_coeff * bus * real("nbytes", nbytes, "bytes") + latency
 
     def to_dict(self) -> dict[str, Any]:
         out = {"bytes_coeff": self.bytes_coeff, "fixed": self.fixed}
@@ -203,11 +132,11 @@ class LinearLatency(_Data):
 
     @classmethod
     def from_dict(cls, data: Any) -> LinearLatency:
-        return cls(**_fields("LinearLatency", data, ("bytes_coeff", "fixed"), ("call",)))
+        return cls(**fields("LinearLatency", data, ("bytes_coeff", "fixed"), ("call",)))
 
 
 @dataclass(frozen=True, slots=True)
-class ComputeModel(_Data):
+class ComputeModel(SpecData):
     """``t = flops_coeff * flops + bytes_coeff * bytes + fixed`` for one op family (seconds)."""
 
     flops_coeff: float
@@ -215,17 +144,17 @@ class ComputeModel(_Data):
     fixed: float = 0.0
 
     def __post_init__(self) -> None:
-        _set(self, "flops_coeff", _real("ComputeModel.flops_coeff", self.flops_coeff, "seconds per FLOP"))
-        _set(self, "bytes_coeff", _real("ComputeModel.bytes_coeff", self.bytes_coeff, "seconds per byte"))
-        _set(self, "fixed", _real("ComputeModel.fixed", self.fixed, "seconds"))
+        set_field(self, "flops_coeff", real("ComputeModel.flops_coeff", self.flops_coeff, "seconds per FLOP"))
+        set_field(self, "bytes_coeff", real("ComputeModel.bytes_coeff", self.bytes_coeff, "seconds per byte"))
+        set_field(self, "fixed", real("ComputeModel.fixed", self.fixed, "seconds"))
 
     def __call__(self, flops: float, nbytes: float) -> float:
-        flops, nbytes = _real("flops", flops, "FLOPs"), _real("nbytes", nbytes, "bytes")
+        flops, nbytes = real("flops", flops, "FLOPs"), real("nbytes", nbytes, "bytes")
         return self.flops_coeff * flops + self.bytes_coeff * nbytes + self.fixed
 
     @classmethod
     def from_dict(cls, data: Any) -> ComputeModel:
-        return cls(**_fields("ComputeModel", data, ("flops_coeff", "bytes_coeff"), ("fixed",)))
+        return cls(**fields("ComputeModel", data, ("flops_coeff", "bytes_coeff"), ("fixed",)))
 
 
 def fit_collective(
@@ -248,7 +177,7 @@ def fit_collective(
         if steps == 0:
             raise ValueError("group_size must be >= 2 to fit a collective (a group of one moves nothing)")
         rows += [
-            (bus * _real("samples nbytes", n, "bytes"), steps, _real("samples seconds", t, "seconds")) for n, t in pts
+            (bus * real("samples nbytes", n, "bytes"), steps, real("samples seconds", t, "seconds")) for n, t in pts
         ]
     if len({x for x, _, _ in rows}) < 2:
         raise ValueError(f"samples need at least two distinct message sizes to fit {kind}, got {len(rows)} sample(s)")
@@ -266,7 +195,7 @@ def fit_collective(
 
 # ---------------------------------------------------------------------------------------------------- link levels
 @dataclass(frozen=True, slots=True)
-class LinkLevel(_Data):
+class LinkLevel(SpecData):
     """One level of the network. ``bandwidth`` (bytes/s per device, one direction) is informational.
 
     ``peer_bandwidth`` (bytes/s, one direction) is what one device can send to *one* peer of this level, where that
@@ -282,23 +211,23 @@ class LinkLevel(_Data):
     peer_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        _str("LinkLevel.name", self.name)
-        _set(self, "bandwidth", _real("LinkLevel.bandwidth", self.bandwidth, "bytes/s per device", positive=True))
+        text("LinkLevel.name", self.name)
+        set_field(self, "bandwidth", real("LinkLevel.bandwidth", self.bandwidth, "bytes/s per device", positive=True))
         if self.peer_bandwidth is not None:
-            peer = _real("LinkLevel.peer_bandwidth", self.peer_bandwidth, "bytes/s to one peer", positive=True)
+            peer = real("LinkLevel.peer_bandwidth", self.peer_bandwidth, "bytes/s to one peer", positive=True)
             if peer > self.bandwidth:
                 raise ValueError(
                     f"LinkLevel.peer_bandwidth ({peer:g} bytes/s to one peer) cannot exceed the level's bandwidth "
                     f"({self.bandwidth:g} bytes/s per device); leave it out when one peer can use all of it"
                 )
-            _set(self, "peer_bandwidth", peer)
-        _keys("LinkLevel.collectives", self.collectives, COLLECTIVES, COLLECTIVES, "collective kind(s)")
+            set_field(self, "peer_bandwidth", peer)
+        check_keys("LinkLevel.collectives", self.collectives, COLLECTIVES, COLLECTIVES, "collective kind(s)")
         for k, v in self.collectives.items():
             if not isinstance(v, LinearLatency):
                 raise ValueError(f"LinkLevel.collectives[{k!r}] must be a LinearLatency, got {type(v).__name__}")
-        _set(self, "collectives", {k: self.collectives[k] for k in COLLECTIVES})
+        set_field(self, "collectives", {k: self.collectives[k] for k in COLLECTIVES})
 
-    __hash__ = _data_hash  # dict fields: hash the canonical JSON (consistent with ==)
+    __hash__ = data_hash  # dict fields: hash the canonical JSON (consistent with ==)
 
     @classmethod
     def from_bandwidth(
@@ -309,10 +238,10 @@ class LinkLevel(_Data):
         ``fixed`` is the per-ring-step latency in seconds; coefficients are rounded to 6 significant digits.
         """
         eff = {**DEFAULT_LINK_EFFICIENCY, **(efficiency or {})}
-        bw = _real("bandwidth", bandwidth, "bytes/s", positive=True)
+        bw = real("bandwidth", bandwidth, "bytes/s", positive=True)
         lat = {}
         for kind in COLLECTIVES:
-            bus_bw = _real(f"efficiency[{kind!r}]", eff[kind], "fraction of bandwidth", positive=True) * bw
+            bus_bw = real(f"efficiency[{kind!r}]", eff[kind], "fraction of bandwidth", positive=True) * bw
             lat[kind] = LinearLatency(float(f"{1 / bus_bw:.6g}"), fixed)
         return cls(name, bw, lat)
 
@@ -339,25 +268,25 @@ class LinkLevel(_Data):
     def p2p_time(self, nbytes: float, messages: int = 1) -> float:
         """Seconds to receive ``nbytes`` in ``messages`` equal point-to-point messages from distinct peers at once."""
         fixed, coeff = self.p2p_coefficients(messages)
-        return fixed + coeff * _real("nbytes", nbytes, "bytes")
+        return fixed + coeff * real("nbytes", nbytes, "bytes")
 
     def to_dict(self) -> dict[str, Any]:
-        d = _plain(self)
+        d = plain(self)
         if d["peer_bandwidth"] is None:
             del d["peer_bandwidth"]  # the default: spec files that predate the field stay canonical
         return d
 
     @classmethod
     def from_dict(cls, data: Any) -> LinkLevel:
-        d = _fields("LinkLevel", data, ("name", "bandwidth", "collectives"), ("peer_bandwidth",))
-        _keys("LinkLevel.collectives", d["collectives"], COLLECTIVES, (), "collective kind(s)")
-        lat = {k: _within(f"collectives[{k!r}]", LinearLatency.from_dict, v) for k, v in d["collectives"].items()}
+        d = fields("LinkLevel", data, ("name", "bandwidth", "collectives"), ("peer_bandwidth",))
+        check_keys("LinkLevel.collectives", d["collectives"], COLLECTIVES, (), "collective kind(s)")
+        lat = {k: within(f"collectives[{k!r}]", LinearLatency.from_dict, v) for k, v in d["collectives"].items()}
         return cls(**{**d, "collectives": lat})
 
 
 # ---------------------------------------------------------------------------------------------------- devices
 @dataclass(frozen=True, slots=True)
-class DeviceSpec(_Data):
+class DeviceSpec(SpecData):
     """One accelerator: peak FLOP/s per dtype, memory bandwidth (bytes/s) and capacity (bytes), compute models.
 
     ``compute`` keys are an op family (``"matmul"``) or a family and dtype (``"matmul:bf16"``); the latter wins.
@@ -372,14 +301,14 @@ class DeviceSpec(_Data):
     compute: dict[str, ComputeModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _str("DeviceSpec.name", self.name)
-        _keys("DeviceSpec.peak_flops", self.peak_flops, DTYPES, REQUIRED_DTYPES, "dtype(s)")
-        pf = {k: _real(f"DeviceSpec.peak_flops[{k!r}]", v, "FLOP/s", positive=True) for k, v in self.peak_flops.items()}
-        _set(self, "peak_flops", {k: pf[k] for k in DTYPES if k in pf})
-        mem_bw = _real("DeviceSpec.memory_bandwidth", self.memory_bandwidth, "bytes/s", positive=True)
-        _set(self, "memory_bandwidth", mem_bw)
-        _set(self, "memory_capacity", _int("DeviceSpec.memory_capacity", self.memory_capacity, "bytes"))
-        _set(self, "op_overhead", _real("DeviceSpec.op_overhead", self.op_overhead, "seconds"))
+        text("DeviceSpec.name", self.name)
+        check_keys("DeviceSpec.peak_flops", self.peak_flops, DTYPES, REQUIRED_DTYPES, "dtype(s)")
+        pf = {k: real(f"DeviceSpec.peak_flops[{k!r}]", v, "FLOP/s", positive=True) for k, v in self.peak_flops.items()}
+        set_field(self, "peak_flops", {k: pf[k] for k in DTYPES if k in pf})
+        mem_bw = real("DeviceSpec.memory_bandwidth", self.memory_bandwidth, "bytes/s", positive=True)
+        set_field(self, "memory_bandwidth", mem_bw)
+        set_field(self, "memory_capacity", integer("DeviceSpec.memory_capacity", self.memory_capacity, "bytes"))
+        set_field(self, "op_overhead", real("DeviceSpec.op_overhead", self.op_overhead, "seconds"))
         if not isinstance(self.compute, Mapping):
             raise ValueError("DeviceSpec.compute must map op families to ComputeModel")
         for key, model in self.compute.items():
@@ -389,9 +318,9 @@ class DeviceSpec(_Data):
                 raise ValueError(f"DeviceSpec.compute key {key!r} must be {msg}")
             if not isinstance(model, ComputeModel):
                 raise ValueError(f"DeviceSpec.compute[{key!r}] must be a ComputeModel, got {type(model).__name__}")
-        _set(self, "compute", dict(sorted(self.compute.items())))
+        set_field(self, "compute", dict(sorted(self.compute.items())))
 
-    __hash__ = _data_hash  # dict fields: hash the canonical JSON (consistent with ==)
+    __hash__ = data_hash  # dict fields: hash the canonical JSON (consistent with ==)
 
     def peak(self, dtype: object) -> float:
         """Peak FLOP/s for ``dtype``; tf32 falls back to fp32 when not given."""
@@ -426,11 +355,11 @@ class DeviceSpec(_Data):
     @classmethod
     def from_dict(cls, data: Any) -> DeviceSpec:
         required = ("name", "peak_flops", "memory_bandwidth", "memory_capacity")
-        d = _fields("DeviceSpec", data, required, ("op_overhead", "compute"))
+        d = fields("DeviceSpec", data, required, ("op_overhead", "compute"))
         compute = d.get("compute", {})
         if not isinstance(compute, Mapping):
             raise ValueError(f"DeviceSpec.compute must be an object/table, got {type(compute).__name__}")
-        models = {k: _within(f"compute[{k!r}]", ComputeModel.from_dict, v) for k, v in compute.items()}
+        models = {k: within(f"compute[{k!r}]", ComputeModel.from_dict, v) for k, v in compute.items()}
         return cls(**{**d, "compute": models})
 
 
@@ -443,7 +372,7 @@ def _crosses_nodes(digits: tuple[int, ...], positions: tuple[int, ...], devices_
 
 
 @dataclass(frozen=True, slots=True)
-class ClusterSpec(_Data):
+class ClusterSpec(SpecData):
     """A homogeneous cluster: ``num_devices`` devices, ``devices_per_node`` per node, innermost level first.
 
     ``calibrated`` says whether the numbers were measured on the machine; ``source`` says where they came from.
@@ -466,9 +395,9 @@ class ClusterSpec(_Data):
     gradient_overlap: float = 0.0
 
     def __post_init__(self) -> None:
-        _str("ClusterSpec.name", self.name)
-        _set(self, "num_devices", _int("ClusterSpec.num_devices", self.num_devices, "devices"))
-        _set(self, "devices_per_node", _int("ClusterSpec.devices_per_node", self.devices_per_node, "devices"))
+        text("ClusterSpec.name", self.name)
+        set_field(self, "num_devices", integer("ClusterSpec.num_devices", self.num_devices, "devices"))
+        set_field(self, "devices_per_node", integer("ClusterSpec.devices_per_node", self.devices_per_node, "devices"))
         if self.num_devices % self.devices_per_node:
             raise ValueError(
                 f"ClusterSpec.num_devices ({self.num_devices}) must be a multiple of devices_per_node "
@@ -478,23 +407,23 @@ class ClusterSpec(_Data):
             raise ValueError(f"ClusterSpec.device must be a DeviceSpec, got {type(self.device).__name__}")
         if not isinstance(self.levels, (tuple, list)) or not all(isinstance(lv, LinkLevel) for lv in self.levels):
             raise ValueError("ClusterSpec.levels must be a sequence of LinkLevel, innermost (intra-node) first")
-        _set(self, "levels", tuple(self.levels))
+        set_field(self, "levels", tuple(self.levels))
         if not (1 if self.num_nodes == 1 else 2) <= len(self.levels) <= 2:
             want = "[intra-node, inter-node]" if self.num_nodes > 1 else "[intra-node] or [intra-node, inter-node]"
             raise ValueError(f"ClusterSpec.levels must be {want} for {self.num_nodes} node(s), got {len(self.levels)}")
         names = [lv.name for lv in self.levels]
         if len(set(names)) != len(names):
             raise ValueError(f"ClusterSpec.levels names must be unique, got {names}")
-        _str("ClusterSpec.description", self.description, nonempty=False)
-        _str("ClusterSpec.source", self.source, nonempty=False)
+        text("ClusterSpec.description", self.description, nonempty=False)
+        text("ClusterSpec.source", self.source, nonempty=False)
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"ClusterSpec.calibrated must be true or false, got {self.calibrated!r}")
-        overlap = _real("ClusterSpec.gradient_overlap", self.gradient_overlap, "a fraction")
+        overlap = real("ClusterSpec.gradient_overlap", self.gradient_overlap, "a fraction")
         if overlap > 1:
             raise ValueError(f"ClusterSpec.gradient_overlap must be a fraction from 0 to 1, got {overlap!r}")
-        _set(self, "gradient_overlap", overlap)
+        set_field(self, "gradient_overlap", overlap)
 
-    __hash__ = _data_hash  # dict fields: hash the canonical JSON (consistent with ==)
+    __hash__ = data_hash  # dict fields: hash the canonical JSON (consistent with ==)
 
     @property
     def num_nodes(self) -> int:
@@ -504,7 +433,7 @@ class ClusterSpec(_Data):
         """Whether ``world_size`` devices fit: up to ``num_devices``, or any whole number of nodes when the spec has
         an inter-node level (a spec describes its nodes and their network; ``num_devices`` is only the size of the
         cluster it names, so ``-n 64`` of an 8-GPU-node preset is 8 such nodes)."""
-        world = _int("world_size", world_size, "devices")
+        world = integer("world_size", world_size, "devices")
         if world <= self.num_devices:
             return
         if len(self.levels) < 2:
@@ -521,7 +450,7 @@ class ClusterSpec(_Data):
     def mesh(self, world_size: int | None = None) -> DeviceMesh:
         """The device digits of ``world_size`` devices (default: ``num_devices``), node digits first; more devices
         than ``num_devices`` are more nodes of the same kind (:meth:`check_world`)."""
-        world = self.num_devices if world_size is None else _int("world_size", world_size, "devices")
+        world = self.num_devices if world_size is None else integer("world_size", world_size, "devices")
         self.check_world(world)
         return DeviceMesh.for_world_size(world, self.devices_per_node)
 
@@ -606,7 +535,7 @@ class ClusterSpec(_Data):
 
     # ------------------------------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        d = _plain(self)  # the prose first, then the numbers
+        d = plain(self)  # the prose first, then the numbers
         if not d["gradient_overlap"]:
             del d["gradient_overlap"]  # the default: spec files that predate the field stay canonical
         return {k: d[k] for k in ("name", "description", "calibrated", "source")} | d
@@ -614,11 +543,11 @@ class ClusterSpec(_Data):
     @classmethod
     def from_dict(cls, data: Any) -> ClusterSpec:
         required = ("name", "num_devices", "devices_per_node", "device", "levels")
-        d = _fields("ClusterSpec", data, required, ("description", "calibrated", "source", "gradient_overlap"))
-        device = _within("ClusterSpec.device", DeviceSpec.from_dict, d["device"])
+        d = fields("ClusterSpec", data, required, ("description", "calibrated", "source", "gradient_overlap"))
+        device = within("ClusterSpec.device", DeviceSpec.from_dict, d["device"])
         if not isinstance(d["levels"], list):
             raise ValueError(f"ClusterSpec.levels must be a list of levels, got {type(d['levels']).__name__}")
-        levels = tuple(_within(f"ClusterSpec.levels[{i}]", LinkLevel.from_dict, lv) for i, lv in enumerate(d["levels"]))
+        levels = tuple(within(f"ClusterSpec.levels[{i}]", LinkLevel.from_dict, lv) for i, lv in enumerate(d["levels"]))
         return cls(**{**d, "device": device, "levels": levels})
 
     def to_json(self) -> str:
@@ -633,7 +562,7 @@ class ClusterSpec(_Data):
         return cls.from_dict(data)
 
     def to_toml(self) -> str:
-        return "\n".join(_toml_table([], [], self.to_dict())) + "\n"
+        return "\n".join(toml_table([], [], self.to_dict())) + "\n"
 
     @classmethod
     def from_toml(cls, text: str) -> ClusterSpec:
@@ -657,44 +586,6 @@ class ClusterSpec(_Data):
         return cls.from_json(text) if p.suffix == ".json" else cls.from_toml(text)
 
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _toml_str(key)
-
-
-def _toml_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v)  # shortest round-trip form; finite by validation
-    if isinstance(v, str):
-        return _toml_str(v)
-    raise ValueError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _toml_table(lines: list[str], path: list[str], table: Mapping[str, Any]) -> list[str]:
-    """Append ``table`` as TOML (scalars, then sub-tables, then arrays of tables) to ``lines``; return them."""
-    lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, (dict, list)))
-    for k, v in table.items():
-        sub = ".".join(_toml_key(p) for p in [*path, k])
-        if isinstance(v, dict):
-            lines += ["", f"[{sub}]"]
-            _toml_table(lines, [*path, k], v)
-        elif isinstance(v, list):
-            for item in v:
-                lines += ["", f"[[{sub}]]"]
-                _toml_table(lines, [*path, k], item)
-    return lines
-
-
 # ---------------------------------------------------------------------------------------------------- presets
 def _presets() -> Any:
     return resources.files("primepar_fx.cost").joinpath("presets")
@@ -710,7 +601,7 @@ def load_cluster(name_or_path: str | os.PathLike[str]) -> ClusterSpec:
     name = os.fspath(name_or_path)
     if name in list_clusters():
         text = _presets().joinpath(f"{name}.json").read_text("utf-8")
-        return _within(f"preset {name!r}", ClusterSpec.from_json, text)
+        return within(f"preset {name!r}", ClusterSpec.from_json, text)
     if Path(name).is_file():
-        return _within(f"cluster spec {name!r}", ClusterSpec.from_file, name)
+        return within(f"cluster spec {name!r}", ClusterSpec.from_file, name)
     raise ValueError(f"no cluster preset or spec file {name!r}; presets are {list_clusters()}")
