@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from primepar_fx.models.hf import COVERED_FAMILIES  # noqa: E402
 
-#: decoder families checked by default: those known to pass, then those that do not yet (static S, MoE)
+#: decoder families checked by default: those known to pass, then those that do not yet (MoE)
 FAMILIES = tuple(dict.fromkeys((*COVERED_FAMILIES, "mixtral", "qwen2_moe", "olmoe")))  # the covered ones, then MoE
 PLAN = "random:3"
 RTOL, ATOL = 1e-4, 1e-5

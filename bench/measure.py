@@ -160,7 +160,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no chart (pip install -e ".[bench]")")
+        print('matplotlib is not installed: no chart (pip install -e ".[bench]")')
         return None
     return plt
 

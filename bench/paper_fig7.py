@@ -196,7 +196,7 @@ def write(rows: list[dict], out: str, batch: int, seq: int, clusters: dict[str, 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no chart (pip install -e ".[bench]")")
+        print('matplotlib is not installed: no chart (pip install -e ".[bench]")')
         return
     ok = [r for r in rows if "error" not in r]
     labels = [f"{r['model']}\n{r['world']} GPUs\n{r['cluster']}" for r in ok]
