@@ -27,9 +27,11 @@ Every group of the indicator runs at once, so a level's numbers are per device u
 shared by its devices); a group that spans nodes pays the inter-node coefficients for all of its steps.
 
 **Compute.** Each op family has a :class:`ComputeModel` ``t = flops_coeff * flops + bytes_coeff * bytes +
-fixed``. Uncalibrated families default to the device's peak FLOP/s at :data:`DEFAULT_FLOPS_EFFICIENCY`
-(tensor-core peak of the dtype for matmul/attention, the fp32 vector peak for the rest), memory bandwidth at
-:data:`DEFAULT_BYTES_EFFICIENCY` and ``op_overhead`` per op; views and meta ops cost nothing.
+fixed``; a calibrated model may carry an efficiency table, which slows the FLOP term of small calls (small shards
+of a P(S x S) or of a high-degree split run further from peak). Uncalibrated families default to the device's
+peak FLOP/s at :data:`DEFAULT_FLOPS_EFFICIENCY` (tensor-core peak of the dtype for matmul/attention, the fp32 vector
+peak for the rest), memory bandwidth at :data:`DEFAULT_BYTES_EFFICIENCY` and ``op_overhead`` per op; views and meta
+ops cost nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -137,24 +140,68 @@ class LinearLatency(SpecData):
 
 @dataclass(frozen=True, slots=True)
 class ComputeModel(SpecData):
-    """``t = flops_coeff * flops + bytes_coeff * bytes + fixed`` for one op family (seconds)."""
+    """``t = flops_coeff * flops / efficiency(flops) + bytes_coeff * bytes + fixed`` for one op family (seconds).
+
+    ``efficiency`` is a table of ``(flops per call, factor)`` points, FLOPs strictly increasing, each factor in
+    ``(0, 1]``: the fraction of the ``flops_coeff`` rate a call of that size reaches. Between points the factor is
+    interpolated linearly in ``log10(flops)``; below the first and above the last it is the end point's. An empty
+    table (the default) is a factor of 1 everywhere. The table is keyed by a call's FLOPs (``2 M N K`` of a matrix
+    product), not by its three dims: a calibration measures shapes, and the planner needs one number per shard.
+    """
 
     flops_coeff: float
     bytes_coeff: float
     fixed: float = 0.0
+    efficiency: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         set_field(self, "flops_coeff", real("ComputeModel.flops_coeff", self.flops_coeff, "seconds per FLOP"))
         set_field(self, "bytes_coeff", real("ComputeModel.bytes_coeff", self.bytes_coeff, "seconds per byte"))
         set_field(self, "fixed", real("ComputeModel.fixed", self.fixed, "seconds"))
+        points = []
+        for i, point in enumerate(self.efficiency):
+            where = f"ComputeModel.efficiency[{i}]"
+            if not isinstance(point, tuple | list) or len(point) != 2:
+                raise ValueError(f"{where} must be a (flops, factor) pair, got {point!r}")
+            flops = real(f"{where} flops", point[0], "FLOPs per call", positive=True)
+            factor = real(f"{where} factor", point[1], "fraction of the flops_coeff rate", positive=True)
+            if factor > 1:
+                raise ValueError(f"{where} factor must be <= 1 (a fraction of the flops_coeff rate), got {factor}")
+            if points and flops <= points[-1][0]:
+                raise ValueError(f"{where}: FLOPs must increase strictly, got {flops:g} after {points[-1][0]:g}")
+            points.append((flops, factor))
+        set_field(self, "efficiency", tuple(points))
+
+    def factor(self, flops: float) -> float:
+        """The efficiency factor of a call of ``flops`` FLOPs (class docstring)."""
+        table = self.efficiency
+        if not table or flops <= table[0][0]:
+            return table[0][1] if table else 1.0
+        if flops >= table[-1][0]:
+            return table[-1][1]
+        hi = next(i for i, (f, _) in enumerate(table) if f >= flops)
+        (f0, e0), (f1, e1) = table[hi - 1], table[hi]
+        w = (math.log10(flops) - math.log10(f0)) / (math.log10(f1) - math.log10(f0))
+        return e0 + w * (e1 - e0)
 
     def __call__(self, flops: float, nbytes: float) -> float:
         flops, nbytes = real("flops", flops, "FLOPs"), real("nbytes", nbytes, "bytes")
-        return self.flops_coeff * flops + self.bytes_coeff * nbytes + self.fixed
+        compute = self.flops_coeff * flops / self.factor(flops) if flops else 0.0
+        return compute + self.bytes_coeff * nbytes + self.fixed
+
+    def to_dict(self) -> dict[str, Any]:
+        d = plain(self)
+        if not d["efficiency"]:
+            del d["efficiency"]  # the default: specs without a table stay as they were
+        return d
 
     @classmethod
     def from_dict(cls, data: Any) -> ComputeModel:
-        return cls(**fields("ComputeModel", data, ("flops_coeff", "bytes_coeff"), ("fixed",)))
+        d = fields("ComputeModel", data, ("flops_coeff", "bytes_coeff"), ("fixed", "efficiency"))
+        table = d.get("efficiency", [])
+        if not isinstance(table, list | tuple):
+            raise ValueError(f"ComputeModel.efficiency must be a list of [flops, factor] pairs, got {table!r}")
+        return cls(**{**d, "efficiency": tuple(tuple(p) if isinstance(p, list) else p for p in table)})
 
 
 def fit_collective(

@@ -116,18 +116,26 @@ def _toml_value(v: Any) -> str:
         return repr(v)  # shortest round-trip form; finite by validation
     if isinstance(v, str):
         return _toml_str(v)
+    if isinstance(v, (list, tuple)):  # an inline array (of scalars or arrays)
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise ValueError(f"cannot write {type(v).__name__} to TOML")
 
 
 def toml_table(lines: list[str], path: list[str], table: Mapping[str, Any]) -> list[str]:
     """Append ``table`` as TOML (scalars, then sub-tables, then arrays of tables) to ``lines``; return them."""
-    lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, (dict, list)))
+
+    def tables(v: Any) -> bool:  # an array of tables, not an inline array
+        return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
+    lines.extend(
+        f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if not (isinstance(v, dict) or tables(v))
+    )
     for k, v in table.items():
         sub = ".".join(_toml_key(p) for p in [*path, k])
         if isinstance(v, dict):
             lines += ["", f"[{sub}]"]
             toml_table(lines, [*path, k], v)
-        elif isinstance(v, list):
+        elif tables(v):
             for item in v:
                 lines += ["", f"[[{sub}]]"]
                 toml_table(lines, [*path, k], item)

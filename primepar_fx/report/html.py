@@ -237,7 +237,7 @@ def pictures_section(graph: OpGraph, plan: Plan) -> str:
         try:  # every dim of the linear divisible by any product of digit radices, and by P(S x S)'s S
             part = OpPartition(linear_op(math.lcm(4, mesh.size)), seq, mesh)
         except ValueError as e:
-            parts.append(f"<p class=\"note\">{escape(text)}: not drawn ({escape(str(e))})</p>")
+            parts.append(f'<p class="note">{escape(text)}: not drawn ({escape(str(e))})</p>')
             continue
         share = weight[text] / max(sum(weight.values()), 1e-30)
         what = "P(S x S): the blocks rotate over steps" if any(isinstance(e, Prime) for e in seq.elements) else ""
