@@ -10,7 +10,8 @@ Three parts, each written to a JSON file and a markdown page:
    forward + backward time of that rank is set against the plan's predicted compute for it (the sum of its nodes'
    ``compute_s``; communication is not measured here, it is free in a fake group).
 3. **Compute calibration.** The kernels of ``primepar-fx calibrate`` timed on the device and fitted into the
-   ``h100-dgx`` preset as ``h200-measured`` (single-node link numbers stay the preset's data-sheet values, stated as
+   ``h100-dgx`` preset as ``h200-measured``, the matrix products with an efficiency table by size (how far small
+   calls run from the fastest one's rate) (single-node link numbers stay the preset's data-sheet values, stated as
    such, until a multi-GPU machine measures them).
 
     python bench/gpu_check.py                        # on CUDA: the full run (a few minutes), docs/benchmarks/gpu.md
@@ -141,7 +142,7 @@ def calibrate(device: torch.device, quick: bool) -> tuple[dict, str]:
     from primepar_fx.calibrate.measure import measure_compute
     from primepar_fx.cost.cluster import load_cluster
 
-    compute = measure_compute(device, quick=quick)
+    compute = measure_compute(device, quick=quick, efficiency=True)  # matmul efficiency by size: a table
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     base = load_cluster("h100-dgx")
     spec = base.with_calibration(

@@ -148,8 +148,31 @@ def fit_compute(samples: Iterable[tuple[float, float, float]], *, use_flops: boo
 
 def rounded(model: Any, digits: int = 4) -> Any:
     """The model with every coefficient rounded to ``digits`` significant digits (readable spec files)."""
-    values = {f.name: float(f"{getattr(model, f.name):.{digits}g}") for f in dataclasses.fields(model)}
+    values = {
+        f.name: float(f"{value:.{digits}g}")
+        for f in dataclasses.fields(model)
+        if isinstance(value := getattr(model, f.name), float)
+    }
     return dataclasses.replace(model, **values)
+
+
+def with_efficiency(model: ComputeModel, samples: Iterable[tuple[float, float, float]]) -> ComputeModel:
+    """``model`` with an efficiency table read off matrix-product ``(flops, bytes, seconds)`` samples.
+
+    The FLOP rate becomes the fastest sample's (its seconds less the model's byte and fixed terms, per FLOP), and
+    each size's factor is how close its own rate comes to that (several shapes of one size: the fastest). A model
+    fitted this way gives every sample's time back at its size and interpolates between sizes
+    (:class:`~primepar_fx.cost.cluster.ComputeModel`)."""
+    rows = [(float(f), float(t) - model.bytes_coeff * float(n) - model.fixed) for f, n, t in samples if f > 0]
+    rows = [(f, t) for f, t in rows if t > 0]
+    if len(rows) < 2:
+        return model
+    best = min(t / f for f, t in rows)  # seconds per FLOP of the fastest sample
+    factors: dict[float, float] = {}
+    for f, t in rows:
+        factors[f] = max(factors.get(f, 0.0), best * f / t)
+    table = tuple((f, max(1e-4, min(1.0, float(f"{e:.4g}")))) for f, e in sorted(factors.items()))
+    return dataclasses.replace(model, flops_coeff=float(f"{best:.4g}"), efficiency=table)
 
 
 # ---------------------------------------------------------------------------------------------------- progress
@@ -251,11 +274,13 @@ def measure_compute(
     *,
     threads: int | None = None,
     report: list[FitReport] | None = None,
+    efficiency: bool = False,
 ) -> dict[str, ComputeModel]:
     """Time compute kernels on ``device`` and fit one :class:`ComputeModel` per op family.
 
     Keys are families (fp32) and, on CUDA, ``family:bf16``; ``attention`` reuses ``matmul``. ``threads`` sets
     torch's CPU threads for the measurement (restored after). Fit quality is appended to ``report``.
+    ``efficiency=True`` gives the matrix-product models an efficiency table by size (:func:`with_efficiency`).
     """
     device = torch.device(device)
     reps = reps or (QUICK_REPS if quick else DEFAULT_REPS)
@@ -280,6 +305,8 @@ def measure_compute(
     models: dict[str, ComputeModel] = {}
     for key, rows in samples.items():
         model = rounded(fit_compute(rows, use_flops=key.startswith("matmul")))
+        if efficiency and key.startswith("matmul"):
+            model = with_efficiency(model, rows)
         models[key] = model
         if report is not None:
             r2, max_rel = fit_quality([model(f, n) for f, n, _ in rows], [t for *_, t in rows])

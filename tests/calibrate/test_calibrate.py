@@ -206,3 +206,18 @@ def test_a_crashed_rank_is_reported_with_its_exit_code_and_step(monkeypatch):
     monkeypatch.setattr(cal, "_worker", _crashing_worker)
     with pytest.raises(cal.CalibrationError, match=r"rank \d exited with code 3 during '(init_process_group|start-up)"):
         cal.measure_collectives(2, "gloo", quick=True, reps=1, timeout=60)
+
+
+def test_an_efficiency_table_gives_every_measured_size_back_and_keeps_the_fastest_rate():
+    from primepar_fx.calibrate.measure import fit_compute, rounded, with_efficiency
+
+    # 1 ns of overhead per call, 1e-12 s per FLOP at full speed, and a mid size at half speed (cache effects)
+    samples = [(1e6, 0.0, 1e-9 + 1e-6), (1e8, 0.0, 1e-9 + 2e-4), (1e8, 0.0, 1e-9 + 4e-4), (1e10, 0.0, 1e-9 + 1e-2)]
+    flat = rounded(fit_compute(samples))
+    model = with_efficiency(flat, samples)
+    assert model.flops_coeff == pytest.approx(min((t - flat.fixed) / f for f, _, t in samples), rel=1e-3)
+    assert [f for f, _ in model.efficiency] == [1e6, 1e8, 1e10], "one point per size, sizes increasing"
+    for f, n, t in samples[:2] + samples[3:]:  # the faster of the two shapes of 1e8 FLOPs is kept
+        assert model(f, n) == pytest.approx(t, rel=2e-3)
+    assert min(e for _, e in model.efficiency) < 0.7 < max(e for _, e in model.efficiency) == 1.0
+    assert with_efficiency(flat, samples[:1]) == flat, "one size says nothing about sizes"
