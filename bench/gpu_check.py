@@ -8,7 +8,8 @@ Three parts, each written to a JSON file and a markdown page:
    a 4- and an 8-rank plan (P(S x S), Megatron, searched) runs as rank 0 of a *fake* process group
    (``torch.testing``'s ``FakeStore``: every collective and transfer is a no-op of the right shape). The measured
    forward + backward time of that rank is set against the plan's predicted compute for it (the sum of its nodes'
-   ``compute_s``; communication is not measured here, it is free in a fake group).
+   ``compute_s``; communication is not measured here, it is free in a fake group), and its Forward is timed node
+   by node, summed per op kind, against the same nodes' predicted Forward (:func:`forward_by_kind`).
 3. **Compute calibration.** The kernels of ``primepar-fx calibrate`` timed on the device and fitted into the
    ``h100-dgx`` preset as ``h200-measured``, the matrix products with an efficiency table by size (how far small
    calls run from the fastest one's rate) (single-node link numbers stay the preset's data-sheet values, stated as
@@ -128,6 +129,7 @@ def rank_compute(spec: tuple, device: torch.device, world: int, plans: tuple[str
                     "measured_s": measured,
                     "predicted_compute_s": predicted,
                     "ratio": measured / predicted if predicted else float("nan"),
+                    "forward_by_kind": forward_by_kind(module, graph, args, kwargs, device, reps),
                 }
             )
     finally:
@@ -135,6 +137,58 @@ def rank_compute(spec: tuple, device: torch.device, world: int, plans: tuple[str
         if flushed:
             torch.set_flush_denormal(False)
     return rows
+
+
+def forward_by_kind(module, graph, args, kwargs, device: torch.device, reps: int) -> dict[str, dict[str, float]]:
+    """Rank 0's forward, node by node: the median seconds of each op kind (the rule's ``OpDims.kind``: matmul,
+    attention, pointwise, ...) against the plan's predicted Forward time of the same nodes.
+
+    The rank graph runs through an ``fx.Interpreter`` that synchronises the device around every node, so each
+    node's time is its own (the sum is slower than an unsynchronised run). Nodes the passes inserted (collectives,
+    re-layouts, ring transfers: free in a fake group) are the kind ``"inserted"``, with nothing predicted. A P(S x S)
+    node's predicted Forward is the larger of compute and ring shift per step, so it is an upper bound there.
+    """
+    from torch import fx
+
+    from primepar_fx.passes.common import META
+
+    kinds = {name: node.dims.kind for name, node in graph.nodes.items()}
+    totals: dict[str, list[float]] = {}
+
+    class Timed(fx.Interpreter):
+        def run_node(self, n: fx.Node):  # type: ignore[override]
+            if n.op in ("placeholder", "output", "get_attr"):
+                return super().run_node(n)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = super().run_node(n)
+            _sync(device)
+            me = n.meta.get(META)  # a node the passes replaced (a ring product, a sharded loss) keeps its binding
+            kind = me.part.op.kind if me is not None else kinds.get(n.name, "inserted")
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
+            return out
+
+    gm = module.graph_module
+    try:
+        for r in range(reps + 1):
+            interpreter = Timed(gm)
+            interpreter.seconds = {}
+            gm.forward = interpreter.run  # the module calls the graph through forward
+            with torch.no_grad():
+                module(*args, **kwargs)
+            if r:  # the first run warms up
+                for kind, seconds in interpreter.seconds.items():
+                    totals.setdefault(kind, []).append(seconds)
+    finally:
+        del gm.forward  # the class's generated forward again
+    predicted: dict[str, float] = {}
+    for node in module.plan.nodes:
+        if node.cost is not None and node.cost.phase_s:
+            predicted[kinds[node.name]] = predicted.get(kinds[node.name], 0.0) + node.cost.phase_s["forward"]
+    return {
+        kind: {"measured_s": statistics.median(totals.get(kind, [0.0])), "predicted_s": predicted.get(kind, 0.0)}
+        for kind in sorted(set(totals) | set(predicted))
+    }
 
 
 def calibrate(device: torch.device, quick: bool) -> tuple[dict, str]:
@@ -170,6 +224,17 @@ def page(result: dict) -> str:
         for r in result["rank_compute"]
     ]
     ratios = [r["ratio"] for r in result["rank_compute"]]
+    kind_rows, kind_ratios = [], []
+    for r in result["rank_compute"]:
+        for kind, t in r["forward_by_kind"].items():
+            ratio = t["measured_s"] / t["predicted_s"] if t["predicted_s"] else None
+            if ratio is not None:
+                kind_ratios.append(ratio)
+            shown = f"{ratio:.2f}" if ratio is not None else "-"
+            kind_rows.append(
+                [r["world"], r["plan"], kind, f"{t['measured_s'] * 1e3:.3f}", f"{t['predicted_s'] * 1e3:.3f}", shown]
+            )
+    kind_median = f"{statistics.median(kind_ratios):.2f}" if kind_ratios else "-"
     return "\n".join(
         [
             "# One device check",
@@ -189,6 +254,19 @@ def page(result: dict) -> str:
             "",
             f"Median measured / predicted: {statistics.median(ratios):.2f} (communication is free in a fake group, "
             "so this is compute and the runtime's own overhead).",
+            "",
+            "## Rank 0's Forward by op kind: measured against predicted",
+            "",
+            "Each node timed on its own (the device synchronised around it) through an `fx.Interpreter`, no autograd; "
+            "`inserted` is what the passes added (collectives, re-layouts, ring shifts), free in a fake group.",
+            "",
+            tabulate(
+                kind_rows,
+                ["world", "plan", "kind", "measured ms", "predicted ms", "measured / predicted"],
+                tablefmt="github",
+            ),
+            "",
+            f"Median measured / predicted over the kinds with a prediction: {kind_median}.",
             "",
             "## Compute calibration",
             "",

@@ -24,6 +24,12 @@ def test_the_device_check_runs_on_cpu_and_writes_its_page_figures_and_spec(tmp_p
         (w, p) for w in (4, 8) for p in ("prime", "megatron", "searched")
     ]
     assert all(r["measured_s"] > 0 and r["predicted_compute_s"] > 0 for r in rows)
+    for r in rows:  # every op kind the plan predicts a Forward for was timed, ring products included (prime)
+        kinds = r["forward_by_kind"]
+        predicted = {k for k, t in kinds.items() if t["predicted_s"] > 0}
+        assert {"matmul", "attention", "pointwise"} <= predicted, r["plan"]
+        assert all(kinds[k]["measured_s"] > 0 for k in predicted), (r["plan"], kinds)
     spec = load_cluster(str(tmp_path / "h200-measured.json"))
     assert spec.name == "h200-measured" and spec.calibrated and "matmul" in spec.device.compute
-    assert "Compiled (world_size=1) against eager" in out.read_text()
+    assert spec.device.compute["matmul"].efficiency, "matrix products carry an efficiency table by size"
+    assert "Compiled (world_size=1) against eager" in out.read_text() and "Forward by op kind" in out.read_text()
