@@ -211,19 +211,20 @@ class GradientBuckets:
             return
         bucket.sent = list(bucket.members)
         size = len(bucket.group[1])
+        device = self.params[bucket.members[0]].device  # the parameters' device (a GPU under NCCL), never the CPU's
         parts = [
-            torch.zeros(self.params[i].numel(), dtype=bucket.dtype) if g is None else g.reshape(-1)
+            torch.zeros(self.params[i].numel(), dtype=bucket.dtype, device=device) if g is None else g.reshape(-1)
             for i, g in ((i, self._grads[i]) for i in bucket.members)
         ]
         chunk = -(-bucket.numel // size)
         if chunk * size > bucket.numel:
-            parts.append(torch.zeros(chunk * size - bucket.numel, dtype=bucket.dtype))
+            parts.append(torch.zeros(chunk * size - bucket.numel, dtype=bucket.dtype, device=device))
         flat = torch.cat(parts)
         del parts
         for i in bucket.members:  # the local parts are in the flat copy now: free them (ZeRO-2 keeps none)
             self._grads[i] = None
             self.params[i].grad = None
-        bucket.flat = torch.empty(chunk, dtype=bucket.dtype)
+        bucket.flat = torch.empty(chunk, dtype=bucket.dtype, device=device)
         bucket.work = dist.reduce_scatter_single(bucket.flat, flat, group=bucket.group[0], async_op=True)
         if self.stats is not None:
             for k, i in enumerate(bucket.sent):

@@ -50,18 +50,19 @@ class _Shard:
         self.numel = sum(p.numel() for p in self.params)
         self.chunk = math.ceil(self.numel / self.size)
         self.start = self.ranks.index(rank) * self.chunk
-        self.master = nn.Parameter(torch.zeros(self.chunk, dtype=torch.float32))
+        self.device = self.params[0].device  # the parameters' device (a GPU under NCCL): every buffer here lives there
+        self.master = nn.Parameter(torch.zeros(self.chunk, dtype=torch.float32, device=self.device))
         self.reload()
 
     def flat(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         """``tensors`` (one per parameter, ``None`` as zeros) laid out as the padded flat bucket."""
         parts = [
-            torch.zeros(p.numel(), dtype=p.dtype) if t is None else t.detach().reshape(-1)
+            torch.zeros(p.numel(), dtype=p.dtype, device=self.device) if t is None else t.detach().reshape(-1)
             for p, t in zip(self.params, tensors)
         ]
         pad = self.chunk * self.size - self.numel
         if pad:
-            parts.append(torch.zeros(pad, dtype=parts[0].dtype))
+            parts.append(torch.zeros(pad, dtype=parts[0].dtype, device=self.device))
         return torch.cat(parts)
 
     def reload(self) -> None:
@@ -72,7 +73,7 @@ class _Shard:
     def scatter(self) -> None:
         """Write the all-gathered master chunks back into the parameters."""
         dtype = self.params[0].dtype
-        out = torch.empty(self.chunk * self.size, dtype=dtype)
+        out = torch.empty(self.chunk * self.size, dtype=dtype, device=self.device)
         dist.all_gather_single(out, self.master.detach().to(dtype), group=self.handle)
         offset = 0
         with torch.no_grad():
@@ -197,7 +198,7 @@ class PerParameterState:
             held = inner.state.get(s.master, {})
             for key, value in held.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    whole = torch.empty(s.chunk * s.size, dtype=value.dtype)
+                    whole = torch.empty(s.chunk * s.size, dtype=value.dtype, device=value.device)
                     dist.all_gather_single(whole, value.detach().contiguous(), group=s.handle)
                     offset = 0
                     for p in s.params:

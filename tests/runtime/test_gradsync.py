@@ -99,3 +99,26 @@ def test_gradient_buckets_sum_exactly_over_their_groups():
         (["a"], [0, 2], "float32", 8192),
     ]
     assert r["calls"] == 6  # one message per bucket
+
+
+def test_zero_buffers_live_on_the_parameters_device():
+    """ZeRO's master chunks, padding and reduce-scatter buffers follow the parameters' device (a GPU under NCCL):
+    parameters on the meta device, under the fake process group, never meet a CPU tensor."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from primepar_fx.runtime.zero import ShardedOptimizer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        pg = ProcessGroups(DeviceMesh((2,)), 0)
+        p = {k: torch.nn.Parameter(torch.randn(s, device="meta")) for k, s in {"a": (6, 5), "b": (7,)}.items()}
+        reductions = {k: GradReduction((0,), pg.get((0,), channel="grad"), f"n_{k}", i) for i, k in enumerate(p)}
+        buckets = GradientBuckets([(k, p[k], reductions[k]) for k in p], CommStats())
+        opt = ShardedOptimizer(buckets, list(p.values()), 0, 2, torch.optim.AdamW, CommStats())
+        assert [s.master.device.type for s in opt.shards] == ["meta"]
+        (p["a"].sum() + p["b"].sum()).backward()  # stage 2: reduce-scatter of the padded bucket
+        opt.step()  # the all-gather of the updated chunks back into the parameters
+        assert all(q.device.type == "meta" for q in p.values())
+        buckets.remove()
+    finally:
+        dist.destroy_process_group()
