@@ -514,8 +514,10 @@ def calibrate(
     timeout: float = 120.0,
     *,
     report: list[FitReport] | None = None,
+    efficiency: bool = False,
 ) -> ClusterSpec:
-    """Measure compute and level-0 collectives here and return ``base`` with them merged in (``calibrated``)."""
+    """Measure compute and level-0 collectives here and return ``base`` with them merged in (``calibrated``);
+    ``efficiency=True`` gives the matrix products an efficiency table by size (:func:`with_efficiency`)."""
     backend = backend or default_backend(world_size)
     spec = resize_spec(base if isinstance(base, ClusterSpec) else load_cluster(base), world_size)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -526,7 +528,7 @@ def calibrate(
         )
     threads = max(1, (os.cpu_count() or 1) // world_size) if device.type == "cpu" else None
     t0 = time.perf_counter()
-    compute = measure_compute(device, quick, reps, threads=threads, report=report)
+    compute = measure_compute(device, quick, reps, threads=threads, report=report, efficiency=efficiency)
     log.info("compute calibrated in %.1f s", time.perf_counter() - t0)
     t0 = time.perf_counter()
     collectives = measure_collectives(world_size, backend, quick, reps, timeout, report=report)
@@ -594,6 +596,11 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and reps (a rough fit in seconds)")
     p.add_argument("--reps", type=int, help=f"timed reps per point (default {DEFAULT_REPS}, {QUICK_REPS} with --quick)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds the collective step may take (default 120)")
+    p.add_argument(
+        "--efficiency",
+        action="store_true",
+        help="give matrix products an efficiency table by size (small calls slower per FLOP) instead of one rate",
+    )
     p.add_argument("--format", default="simple", help="tabulate table format (simple, github, ...)")
     p.add_argument("-o", "--output", required=True, help="where to write the spec (.toml, else JSON)")
     p.set_defaults(func=cmd_calibrate)
@@ -612,7 +619,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     report: list[FitReport] = []
     t0 = time.perf_counter()
     try:
-        spec = calibrate(args.world_size, args.backend, args.base, args.quick, args.reps, args.timeout, report=report)
+        spec = calibrate(
+            args.world_size,
+            args.backend,
+            args.base,
+            args.quick,
+            args.reps,
+            args.timeout,
+            report=report,
+            efficiency=args.efficiency,
+        )
     except CalibrationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

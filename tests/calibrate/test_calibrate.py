@@ -158,7 +158,8 @@ def test_a_dearer_message_raises_the_communicating_plans_only():
 # ---------------------------------------------------------------------------------------------------- real run
 def test_quick_gloo_calibration_writes_a_loadable_calibrated_toml(tmp_path, capsys):
     out = tmp_path / "spec.toml"
-    args = _parser().parse_args(["calibrate", "--world-size", "2", "--backend", "gloo", "--quick", "-o", str(out)])
+    argv = ["calibrate", "--world-size", "2", "--backend", "gloo", "--quick", "--efficiency", "-o", str(out)]
+    args = _parser().parse_args(argv)
     assert args.func is cal.cmd_calibrate
     t0 = time.monotonic()
     assert args.func(args) == 0
@@ -177,6 +178,9 @@ def test_quick_gloo_calibration_writes_a_loadable_calibrated_toml(tmp_path, caps
         model = spec.device.compute[family]
         assert model.bytes_coeff > 0 or model.flops_coeff > 0, family
     assert spec.device.compute["matmul"].flops_coeff > 0
+    table = spec.device.compute["matmul"].efficiency  # --efficiency: a factor per measured size, through TOML
+    assert len(table) >= 2 and max(e for _, e in table) == 1.0 and spec.device.compute["attention"].efficiency
+    assert not spec.device.compute["pointwise"].efficiency
     text = capsys.readouterr().out
     assert "R²" in text and "all-reduce" in text and f"wrote {out}" in text
 
