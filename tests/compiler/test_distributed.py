@@ -148,9 +148,9 @@ def test_four_ranks_reference_models(model):
 
 
 @pytest.mark.parametrize(
-    ("family", "plans"),  # Megatron's layout on 4-rank gpt2 and 2-rank llama: test_backend
+    ("family", "plans"),  # Megatron's layout on llama: 2 ranks in test_backend, 4 ranks of llama-tiny above
     [
-        ("gpt2", ["searched:budget", "prime"]),
+        ("gpt2", ["searched:budget", "megatron", "prime"]),
         ("llama", ["searched:budget", "prime"]),
         ("opt", ["searched:budget", "megatron", "prime"]),
         ("bloom", ["searched:budget", "megatron", "prime"]),
