@@ -208,7 +208,7 @@ def node_cost(
     coll_s = fwd_coll = 0.0
     replicas: dict[int, tuple[int, tuple[int, ...]]] = {}  # weight input -> its replicas (the gradient's group)
     for c in collectives(part):
-        seconds, nbytes = collective_price(part, c, cluster, vkey, item, bucketed=in_bucket(op, c))
+        seconds, nbytes = collective_price(part, c, cluster, vkey, item, bucketed=asynchronous(op, target, c))
         if in_bucket(op, c) and opts.micro_batches > 1:  # once a step: its share of each micro-batch
             seconds, nbytes = seconds / opts.micro_batches, int(round(nbytes / opts.micro_batches))
         coll_s += seconds
@@ -296,6 +296,24 @@ def in_bucket(op: OpDims, c: Collective) -> bool:
         and c.tensor.startswith("d_in")
         and int(c.tensor[4:]) in op.weights
     )
+
+
+def loss_row_sums(op: OpDims, target: object, c: Collective) -> bool:
+    """Whether ``c`` sums a cross-entropy over rows split across devices (the loss and the count of targets). The
+    runtime sends both asynchronously (:mod:`primepar_fx.runtime.pending`): the count while forward runs, the loss
+    while backward runs, which reads neither; like a gradient bucket, they cost their bytes, not a wait."""
+    return (
+        target is aten.cross_entropy_loss.default
+        and c.phase is Phase.FORWARD
+        and c.tensor == "out0"
+        and c.block is None
+        and not (c.dims & op.stats)
+    )
+
+
+def asynchronous(op: OpDims, target: object, c: Collective) -> bool:
+    """Whether the runtime runs ``c`` asynchronously, overlapped with compute (priced ``bucketed``)."""
+    return in_bucket(op, c) or loss_row_sums(op, target, c)
 
 
 def edge_cost_matrix(

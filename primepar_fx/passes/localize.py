@@ -7,7 +7,9 @@
 * an ``arange`` over a split dim starts at the rank's offset;
 * a ``mean`` over a split dim is rescaled to the global count (its forward all-reduce sums the parts);
 * a split vocabulary (``embedding``), normalised dim (``layer_norm``) or class / row dim (``cross_entropy``)
-  uses the modules of :mod:`primepar_fx.runtime.lowered`;
+  uses the modules of :mod:`primepar_fx.runtime.lowered`; a mean cross-entropy over rows split across ranks also
+  gets a :class:`~primepar_fx.runtime.pending.TargetCount` node, and the computation of its targets moves to the
+  start of the graph (:func:`hoist`), so the count is summed while forward runs;
 * a fallback node (:mod:`primepar_fx.passes.annotate`) runs whole and then keeps its planned output slice.
 
 :func:`localize` runs the passes in order on a copy of the captured graph, with
@@ -43,9 +45,11 @@ from primepar_fx.passes.ring import replace_ring_products
 from primepar_fx.passes.runner import run_passes
 from primepar_fx.passes.shard import shard_parameters
 from primepar_fx.passes.share import share_relayouts
+from primepar_fx.runtime.exchange import Exchange, Redistribute
 from primepar_fx.runtime.gradsync import GradReduction
 from primepar_fx.runtime.groups import ProcessGroups
-from primepar_fx.runtime.lowered import ShardedCrossEntropy, ShardedLayerNorm, VocabEmbedding
+from primepar_fx.runtime.lowered import ShardedCrossEntropy, ShardedLayerNorm, VocabEmbedding, loss_message_bytes
+from primepar_fx.runtime.pending import TargetCount
 from primepar_fx.runtime.stats import CommStats
 
 aten = torch.ops.aten
@@ -105,6 +109,66 @@ def _replace(gm: fx.GraphModule, node: fx.Node, prefix: str, mod: nn.Module, *ar
     return new
 
 
+def _local_exchange(e: object) -> bool:
+    return e is None or (isinstance(e, Exchange) and not e.sends and not e.recvs)
+
+
+def _pure(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` may run earlier than it does on this rank: a function of its inputs only (no mutation, no
+    RNG, no message: a re-layout that is a local slice on this rank in both directions keeps every message of this
+    rank where it was, so no peer sees a different order)."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)  # type: ignore[arg-type]
+        return isinstance(mod, Redistribute) and _local_exchange(mod.fwd) and _local_exchange(mod.bwd)
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+    return True  # getitem, symbolic size arithmetic
+
+
+def hoist(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Move ``node`` and the nodes it depends on to just after the graph's inputs, keeping their order, if all of
+    them are :func:`_pure`; returns whether it moved them. The decision may differ between ranks; only this rank's
+    computation moves, never its messages."""
+    chain: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in chain:
+            continue
+        if not _pure(gm, n):
+            return False
+        chain.add(n)
+        todo.extend(n.all_input_nodes)
+    nodes = list(gm.graph.nodes)
+    anchor = [n for n in nodes if n.op == "placeholder"][-1]
+    for n in nodes:
+        if n in chain and n.op not in ("placeholder", "get_attr"):
+            anchor.append(n)
+            anchor = n
+    return True
+
+
+def _target_count(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, loss: ShardedCrossEntropy) -> fx.Node | None:
+    """A mean cross-entropy over rows split across ranks: the count of its targets is summed from the start of the
+    graph, while forward runs (:class:`~primepar_fx.runtime.pending.TargetCount`)."""
+    group = loss.n_group  # its own communicator (``rewrite_local_ops``): only the count and the loss use it
+    if len(group[1]) < 2:
+        return None
+    target = node.args[1]
+    assert isinstance(target, fx.Node), node.format_node()
+    hoist(gm, target)
+    dtype = node.meta["val"].dtype  # the loss's, the logits'
+    nbytes = loss_message_bytes(len(group[1]), dtype.itemsize)[0]
+    mod = TargetCount(loss.ignore_index, dtype, group, ctx.stats, nbytes, node.name)
+    with gm.graph.inserting_after(target):
+        return gm.graph.call_module(add_module(gm, "target_count", mod), (target,))
+
+
 def _local(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, me: NodeInfo) -> None:
     part, op, target = me.compute_part, me.compute_part.op, node.target
     lay = me.computed
@@ -153,12 +217,15 @@ def _local(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, me: NodeInfo) ->
             int(arg(node, 4, "ignore_index", -100)),
             v_lo,
             ctx.groups.get(digits_of(part, {v_dim})),
-            ctx.groups.get(digits_of(part, rows)),
+            # the row sums go asynchronously, on a channel of their own: with the count's node moved up on some
+            # ranks only (``hoist``), no other message may fall between them in a different order on another rank
+            ctx.groups.get(digits_of(part, rows), channel=f"loss {node.name}"),
             ctx.stats,
         )
         mod.node = node.name
         del n_dim
-        _replace(gm, node, "cross_entropy", mod, args[0], args[1])
+        count = _target_count(gm, ctx, node, mod) if reduction == "mean" else None
+        _replace(gm, node, "cross_entropy", mod, args[0], args[1], *([count] if count is not None else []))
         return
     elif target in MEANS and split:
         scale = 1.0 / prod(part.parts[d] for d in op.summed_dims(op.outputs[0]))

@@ -8,9 +8,9 @@ do:
 
 * the parameters are grouped into size-bounded buckets in reverse order of their use in forward (the order their
   gradients become ready), one bucket holding tensors of one process group and one dtype;
-* a hook on each parameter records its gradient for this backward when autograd has computed it; when every
-  gradient of a bucket is in, the bucket is flattened and all-reduced with ``async_op=True``, so the transfer
-  runs while autograd computes the rest of backward;
+* a hook on each parameter copies its gradient for this backward into its place in the bucket's flat tensor
+  (allocated once and kept, as DDP's) when autograd has computed it; when every gradient of a bucket is in, the
+  bucket is all-reduced with ``async_op=True``, so the transfer runs while autograd computes the rest of backward;
 * buckets launch strictly in index order on every rank, on groups of their own (the ``"grad"`` channel of
   :class:`~primepar_fx.runtime.groups.ProcessGroups`), so no peer can pair them with another collective;
 * a callback at the end of backward launches what is left (a parameter whose gradient never came is left out of
@@ -18,7 +18,8 @@ do:
   once for every bucket and writes each parameter's ``.grad``.
 
 Gradients stay exact: ``.grad`` ends as the group sum of this backward's gradient (a view of its bucket's
-flat tensor, as DDP's ``gradient_as_bucket_view``: no copy back), plus whatever ``.grad`` held
+flat tensor, as DDP's ``gradient_as_bucket_view``: no copy back, and the next backward writes there again, so a
+``.grad`` kept past the next backward must be cloned), plus whatever ``.grad`` held
 before (gradient accumulation over several backwards keeps working: the earlier value is set aside while autograd
 writes this backward's part, and added back at the end). ``torch.autograd.grad`` on the parameters gets the
 summed gradients too, synchronously (autograd then writes no ``.grad``, so there is nothing to overlap with).
@@ -71,6 +72,10 @@ class _Bucket:
         self.flat: torch.Tensor | None = None
         self.sent: list[int] = []  # the members with a gradient this backward, in the order of ``flat``
         self.work: object | None = None
+        #: the flat tensor kept from one backward to the next (allocated once, as DDP's buckets are): each gradient
+        #: is copied into its place when it is ready, and each ``.grad`` ends as a view of it
+        self.buffer: torch.Tensor | None = None
+        self.offsets: dict[int, int] = {}  # member -> its first element in ``buffer``
 
 
 class GradientBuckets:
@@ -109,6 +114,7 @@ class GradientBuckets:
                 bucket = open_[key] = _Bucket(len(self.buckets), r.group, p.dtype)
                 self.buckets.append(bucket)
             bucket.members.append(i)
+            bucket.offsets[i] = bucket.numel
             bucket.numel += p.numel()
             self.bucket_of.append(bucket.index)
         self._scatter: set[int] = set()  # buckets reduce-scattered for ZeRO stage 2 (:mod:`primepar_fx.runtime.zero`)
@@ -174,13 +180,28 @@ class GradientBuckets:
             self._earlier[i] = self._held.pop(i, None)
         elif p.grad is not None:  # set aside what earlier backwards left; autograd now writes this one's part
             self._earlier[i], p.grad = p.grad, None
-        self._grads[i] = grad
         b = self.bucket_of[i]
+        self._grads[i] = self._stage(self.buckets[b], i, grad)
         self._missing[b] -= 1
         while self._launched < len(self.buckets) and self._missing[self._launched] == 0:
             self._launch(self.buckets[self._launched])
             self._launched += 1
         return None
+
+    def _stage(self, bucket: _Bucket, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Copy parameter ``i``'s gradient into its place in ``bucket``'s kept buffer; returns that place (or the
+        gradient itself for a ZeRO-2 bucket, which is reduce-scattered from a padded copy)."""
+        if bucket.index in self._scatter:
+            return grad
+        p = self.params[i]
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=p.device)
+        earlier = self._earlier[i]
+        if earlier is not None and earlier.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
+            self._earlier[i] = earlier.clone()  # last backward's .grad is a view of the place about to be written
+        place = bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + p.numel()]
+        place.view(p.shape).copy_(grad)
+        return place
 
     def _reduce_now(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         r = self.reductions[i]
@@ -199,8 +220,10 @@ class GradientBuckets:
         bucket.sent = [i for i in bucket.members if self._grads[i] is not None]
         if not bucket.sent:
             return
-        parts = [self._grads[i].reshape(-1) for i in bucket.sent]  # type: ignore[union-attr]
-        bucket.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        if len(bucket.sent) == len(bucket.members):  # every gradient is in its place already
+            bucket.flat = bucket.buffer
+        else:  # a parameter without a gradient this backward keeps its place (and its .grad) untouched
+            bucket.flat = torch.cat([self._grads[i].reshape(-1) for i in bucket.sent])  # type: ignore[union-attr]
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group[0], async_op=True)
         for k, i in enumerate(bucket.sent):
             self._count(i, calls=1 if k == 0 else 0)

@@ -5,9 +5,10 @@
 * :class:`ShardedLayerNorm`: the normalised dim split. The mean and the variance are all-reduced (two-pass, one
   statistic each) in both directions, since every rank normalises its own slice with them.
 * :class:`ShardedCrossEntropy`: rows ``N`` and/or classes ``V`` split. With ``V`` split the row max, then the sum
-  of exponentials and the target logit (one message) are all-reduced; with ``N`` split the loss sum and the count
-  of non-ignored targets are (one all-reduce of both), so a ``mean`` divides by the global count exactly as one
-  device does.
+  of exponentials and the target logit (one message) are all-reduced; with ``N`` split the count of non-ignored
+  targets and the loss sum are, so a ``mean`` divides by the global count exactly as one device does. Both sums
+  run asynchronously (:mod:`primepar_fx.runtime.pending`): the count from the start of the graph
+  (:class:`~primepar_fx.runtime.pending.TargetCount`), the loss sum until its value is read.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from primepar_fx.cost.cluster import ring_factors
 from primepar_fx.runtime.collectives import all_reduce, all_reduce_autograd
+from primepar_fx.runtime.pending import Pending, launch_all_reduce, lazy_all_reduce
 from primepar_fx.runtime.stats import CommStats
 
 Group = tuple[object | None, tuple[int, ...]]
@@ -67,6 +70,12 @@ class ShardedLayerNorm(nn.Module):
         return f"normalised size {self.size}, eps={self.eps}, ranks={self.group[1]}"
 
 
+def loss_message_bytes(ranks: int, itemsize: int) -> tuple[int, int]:
+    """``comm_stats`` bytes of a ``mean``'s count and loss sum: the plan prices them as one all-reduce of both."""
+    both = int(round(ring_factors("all-reduce", ranks)[0] * 2 * itemsize))
+    return both // 2, both - both // 2
+
+
 class ShardedCrossEntropy(nn.Module):
     """Cross-entropy with the classes split across ``v_group`` and/or the rows across ``n_group``."""
 
@@ -78,7 +87,8 @@ class ShardedCrossEntropy(nn.Module):
         self.v_group, self.n_group, self.stats = v_group, n_group, stats
         self.node = ""
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, count: Pending | None = None) -> torch.Tensor:
+        """``count``: the pending global count of targets (a ``mean``'s; started here when not given)."""
         vg, vranks = self.v_group
         valid = target != self.ignore_index
         if len(vranks) > 1:
@@ -99,13 +109,14 @@ class ShardedCrossEntropy(nn.Module):
         loss = torch.where(valid, loss, torch.zeros_like(loss))
         if self.reduction == "none":
             return loss
-        ng, nranks = self.n_group
+        if len(self.n_group[1]) < 2:
+            return loss.sum() if self.reduction == "sum" else loss.sum() / valid.sum().to(loss.dtype)
         if self.reduction == "sum":
-            return all_reduce_autograd(loss.sum(), ng, len(nranks), "forward", self.stats, self.node)
-        # the loss sum and the count of targets in one message (the cost model prices one all-reduce of both)
-        both = torch.stack([loss.sum(), valid.sum().to(loss.dtype)])
-        total, count = all_reduce_autograd(both, ng, len(nranks), "forward", self.stats, self.node).unbind()
-        return total / count
+            return lazy_all_reduce(loss.sum(), self.n_group, self.stats, self.node)
+        nbytes = loss_message_bytes(len(self.n_group[1]), loss.element_size())
+        if count is None:
+            count = launch_all_reduce(valid.sum().to(loss.dtype), self.n_group, self.stats, self.node, nbytes=nbytes[0])
+        return lazy_all_reduce(loss.sum(), self.n_group, self.stats, self.node, count.wait(), nbytes[1])
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,86 @@
+"""The global loss of a row-split cross-entropy is summed asynchronously and waited where its value is read.
+
+The unit tests drive :class:`PendingTensor` with a work handle that records its waits; the gloo test checks the
+loss and the gradients against one device, that backward never waits for the loss value, and the bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.runtime.lowered import ShardedCrossEntropy
+from primepar_fx.runtime.pending import Pending, PendingTensor
+from primepar_fx.runtime.stats import CommStats
+from primepar_fx.runtime.testing import spawn
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> bool:
+        self.waits += 1
+        return True
+
+
+def _pending(value: float, divisor: float) -> tuple[PendingTensor, _Work]:
+    work = _Work()
+    buf = torch.tensor(value)
+    return PendingTensor(Pending(buf, work, lambda t: t / divisor), buf), work
+
+
+def test_shape_only_ops_and_aliases_do_not_wait_and_values_wait_once() -> None:
+    t, work = _pending(6.0, 3.0)
+    ones = torch.ones_like(t)
+    zeros = torch.zeros_like(t)
+    alias = t.detach()
+    assert type(ones) is torch.Tensor and ones.item() == 1.0 and zeros.item() == 0.0
+    assert isinstance(alias, PendingTensor) and alias.pending is t.pending
+    assert work.waits == 0 and not t.pending.done
+    assert (t * 2).item() == 4.0  # (6 / 3) * 2: the division runs once the sum is in
+    assert alias.item() == 2.0 and t.wait().item() == 2.0 and repr(t) == repr(torch.tensor(2.0))
+    assert work.waits == 1 and t.pending.done
+
+
+def _check(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    logits = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 5, (8,))
+    target[[1, 2, 6]] = -100  # rank 0 ignores two of its rows, rank 1 one
+    full = F.cross_entropy(logits, target)
+    (ref,) = torch.autograd.grad(full, logits)
+
+    rows = slice(4 * rank, 4 * rank + 4)
+    mine = logits.detach()[rows].clone().requires_grad_(True)
+    out = {}
+    for reduction in ("mean", "sum"):
+        stats = CommStats()
+        group = (dist.group.WORLD, (0, 1))
+        ce = ShardedCrossEntropy(reduction, -100, 0, (None, (rank,)), group, stats)
+        loss = ce(mine, target[rows])
+        out[f"{reduction}_pending"] = isinstance(loss, PendingTensor)
+        loss.backward()
+        out[f"{reduction}_backward_waited"] = loss.pending.done
+        want = full if reduction == "mean" else F.cross_entropy(logits, target, reduction="sum")
+        scale = 1.0 if reduction == "mean" else float((target != -100).sum())
+        out[f"{reduction}_loss"] = abs(loss.item() - want.item())
+        out[f"{reduction}_grad"] = (mine.grad - ref[rows] * scale).abs().max().item()
+        out[f"{reduction}_bytes"] = stats.bytes["collective"]
+        out[f"{reduction}_calls"] = stats.calls["collective"]
+        mine.grad = None
+    return out
+
+
+def test_row_split_loss_equals_one_device_and_backward_does_not_wait_for_it() -> None:
+    r = spawn(_check, 2, timeout=120)
+    for reduction, elements, calls in (("mean", 2, 2), ("sum", 1, 1)):
+        assert r[f"{reduction}_pending"]
+        assert not r[f"{reduction}_backward_waited"]
+        assert r[f"{reduction}_loss"] < 1e-12 and r[f"{reduction}_grad"] < 1e-12
+        # the count and the loss sum: the bytes of one all-reduce of both, as the plan prices them
+        assert r[f"{reduction}_bytes"] == round(ring_factors("all-reduce", 2)[0] * elements * 8)
+        assert r[f"{reduction}_calls"] == calls
