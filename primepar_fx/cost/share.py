@@ -15,15 +15,22 @@ a producer's output that the cost model prices (a data-flow edge each) share whe
 reads the tensor twice, and :func:`signature` is the same for all of them. The first consumer in graph order keeps
 its re-layout and all-reduce (and their fusion into a reduce-scatter, :mod:`primepar_fx.cost.scatter`); every other
 consumer's edge and input-gradient all-reduce are not run, so not priced.
+
+Also here, for a consumer that reads a tensor its producer computes alike on every rank of a group (a learned
+position table looked up by every rank) and sums that input's gradient over the group: the sum may wait until the
+end of backward (:func:`deferred_input_sum`, :func:`moves_nothing`, :func:`flat_arguments`;
+:func:`primepar_fx.passes.gradsync.defer_input_gradient_sums` applies it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
+from torch import fx
+
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import collective_price, in_bucket
-from primepar_fx.cost.redistribute import backward_held, forward_needed
+from primepar_fx.cost.redistribute import backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.cost.scatter import performed_inside
 from primepar_fx.partition import OpPartition, collectives
 from primepar_fx.partition.comm import Collective
@@ -82,3 +89,38 @@ def input_all_reduce_latency(
             bucketed, _ = collective_price(part, c, cluster, vkey, itemsize, bucketed=True)
             extra += alone - bucketed
     return extra
+
+
+def deferred_input_sum(
+    consumer: OpPartition, target: object, k: int, cluster: ClusterSpec, vkey: ValuesKey, itemsize: int
+) -> tuple[float, tuple[int, ...]] | None:
+    """``(seconds saved, digits)`` when the one all-reduce of input ``k``'s gradient may run asynchronously and be
+    waited at the end of backward (its producer's parameters take their gradients from the sum then:
+    :class:`~primepar_fx.runtime.pending.DeferredGradients`); ``None`` when ``k`` has no such single plain
+    all-reduce. The saving is its latency and the overlapped share of its bytes, as a gradient bucket's."""
+    found = input_all_reduces(consumer, target, k)
+    if len(found) != 1:
+        return None
+    c = found[0]
+    if c.kind != "all-reduce" or c.block is not None or c.count != 1 or in_bucket(consumer.op, c):
+        return None
+    alone, _ = collective_price(consumer, c, cluster, vkey, itemsize)
+    overlapped, _ = collective_price(consumer, c, cluster, vkey, itemsize, bucketed=True)
+    return alone - overlapped, c.digits
+
+
+def moves_nothing(producer: OpPartition, out_index: int, consumer: OpPartition, k: int, vkey: ValuesKey) -> bool:
+    """Whether the edge from ``producer``'s output ``out_index`` to ``consumer``'s input ``k`` needs no re-layout on
+    any device, in either direction (the passes put no node on it)."""
+    if forward_held(producer, out_index).layout(vkey) != forward_needed(consumer, k).layout(vkey):
+        return False
+    grad = backward_held(consumer, k)
+    return grad is None or grad.layout(vkey) == backward_needed(producer, out_index).layout(vkey)
+
+
+def flat_arguments(node: fx.Node) -> bool:
+    """Whether ``node``'s arguments are plain (no list of nodes, no node passed by keyword): what
+    :class:`~primepar_fx.runtime.pending.DeferredGradients` can call ``node``'s op with."""
+    if any(isinstance(a, (list, tuple, dict)) for a in (*node.args, *node.kwargs.values())):
+        return False
+    return not any(isinstance(a, fx.Node) for a in node.kwargs.values())

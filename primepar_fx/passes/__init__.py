@@ -13,7 +13,10 @@ In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of t
    parameter's gradient sum leaves the graph for the compiled module's gradient buckets (asynchronous, overlapped
    with backward).
 5. :func:`~primepar_fx.passes.ring.replace_ring_products`: one ring operator per P(S x S) product.
-6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block.
+6. :func:`~primepar_fx.passes.localize.rewrite_local_ops`: every op on its local block (a mean cross-entropy over
+   split rows also gets its asynchronous count of targets); :func:`~primepar_fx.passes.gradsync.
+   defer_input_gradient_sums`: a replicated parameter lookup whose output gradient is summed over a group (a
+   learned position table) takes its gradient from that sum at the end of backward, the sum asynchronous.
 7. :func:`~primepar_fx.passes.recompute.recompute_layers`: the plan's recomputed layers, each one checkpointed.
 
 :func:`~primepar_fx.passes.runner.run_passes` runs them: on a copy, linting and recompiling after each pass, naming
@@ -23,7 +26,7 @@ names and writing each pass's graph under ``PRIMEPAR_DUMP_DIR``.
 
 from primepar_fx.passes.annotate import annotate_plan
 from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
-from primepar_fx.passes.gradsync import defer_parameter_gradients
+from primepar_fx.passes.gradsync import defer_input_gradient_sums, defer_parameter_gradients
 from primepar_fx.passes.localize import RankGraph, localize, rewrite_local_ops
 from primepar_fx.passes.recompute import recompute_layers
 from primepar_fx.passes.redistribute import insert_redistributions
@@ -36,6 +39,7 @@ __all__ = [
     "PassError",
     "RankGraph",
     "annotate_plan",
+    "defer_input_gradient_sums",
     "defer_parameter_gradients",
     "fuse_reduce_scatters",
     "insert_collectives",

@@ -53,11 +53,13 @@ def internal(me: NodeInfo, c: Collective) -> bool:
     return performed_inside(me.target, me.part.op, c)
 
 
-def _all_reduce(gm: fx.GraphModule, ctx: RankContext, c: Collective, mode: str, why: str, node: str) -> str | None:
+def _all_reduce(
+    gm: fx.GraphModule, ctx: RankContext, c: Collective, mode: str, why: str, node: str, k: int | None = None
+) -> str | None:
     group, ranks = ctx.groups.get(c.digits)
     if len(ranks) < 2:
         return None
-    return add_module(gm, "all_reduce", AllReduce(group, ranks, c.digits, mode, ctx.stats, why, node))
+    return add_module(gm, "all_reduce", AllReduce(group, ranks, c.digits, mode, ctx.stats, why, node, k))
 
 
 def split_bias(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -102,7 +104,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
         for c in colls:
             if c.tensor.startswith("d_in"):
                 k = int(c.tensor[4:])
-                name = _all_reduce(gm, ctx, c, "backward", f"gradient of input {k} of {node.name}", node.name)
+                name = _all_reduce(gm, ctx, c, "backward", f"gradient of input {k} of {node.name}", node.name, k)
                 if name is not None:
                     with g.inserting_before(node):
                         f = g.call_module(name, (inputs[k],))

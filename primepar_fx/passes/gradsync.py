@@ -11,12 +11,16 @@ all-reduce (a reduce-scatter then, see :func:`~primepar_fx.passes.collectives.fu
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
+from primepar_fx.cost.share import flat_arguments, moves_nothing
+from primepar_fx.partition import collectives
 from primepar_fx.passes.collectives import rename_operand
-from primepar_fx.passes.common import STORAGE, RankContext
+from primepar_fx.passes.common import STORAGE, RankContext, add_module, info
 from primepar_fx.runtime.collectives import AllReduce
 from primepar_fx.runtime.gradsync import GradReduction
+from primepar_fx.runtime.pending import DeferredGradients
 
 #: the ProcessGroups channel of the gradient buckets
 CHANNEL = "grad"
@@ -41,4 +45,72 @@ def defer_parameter_gradients(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphM
             rename_operand(user, ar, ph)
         gm.graph.erase_node(ar)
         delattr(gm, ar.target)  # type: ignore[arg-type]
+    return gm
+
+
+def deferrable(
+    node: fx.Node, consumer: fx.Node, k: int, digits: tuple[int, ...], ctx: RankContext
+) -> tuple[int, ...] | None:
+    """The positions (among its node arguments) of ``node``'s parameters when the sum over ``digits`` of the
+    gradient of ``consumer``'s input ``k``, which ``node`` produces, may wait for the end of backward
+    (:class:`~primepar_fx.runtime.pending.DeferredGradients`), else ``None``. The rules of
+    :mod:`primepar_fx.planning.deferred`, which prices it, read from the plan, so every rank decides alike:
+    ``node`` is a plain op that only ``consumer`` reads, computed alike on every rank of the group (its partition
+    replicates those digits) with no collective of its own, nothing is re-laid out between the two, and its inputs
+    with a gradient are parameters that only it reads."""
+    me, them = info(node), info(consumer)
+    if node.op != "call_function" or me is None or them is None or me.fallback or len(node.users) != 1:
+        return None
+    part = me.part
+    if not set(digits) <= set(part.replicate_digits) or collectives(part) or not flat_arguments(node):
+        return None
+    if not moves_nothing(part, 0, them.part, k, ctx.vkey):
+        return None
+    params = []
+    for j, a in enumerate(x for x in node.args if isinstance(x, fx.Node)):
+        if a.op == "placeholder" and STORAGE in a.meta:
+            if len(a.users) != 1 or a.name in ctx.grad_reductions:
+                return None
+            params.append(j)
+        elif info(a).requires_grad if info(a) is not None else _floating(a):
+            return None
+    return tuple(params) or None
+
+
+def _floating(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def defer_input_gradient_sums(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
+    """Pass 6b: a ``"backward"`` all-reduce right after a node that :func:`deferrable` accepts becomes one
+    :class:`~primepar_fx.runtime.pending.DeferredGradients` node (a learned position table read alike on every
+    rank, whose consumer splits the batch): the sum runs asynchronously, in the plan's bytes, and the table's
+    gradient is computed at the end of backward."""
+    if ctx.whole_params:
+        return gm
+    for ar in list(gm.graph.nodes):
+        mod = gm.get_submodule(ar.target) if ar.op == "call_module" else None  # type: ignore[arg-type]
+        if not isinstance(mod, AllReduce) or mod.mode != "backward" or mod.input_index is None:
+            continue
+        node, users = ar.args[0], list(ar.users)
+        if not isinstance(node, fx.Node) or len(users) != 1:
+            continue
+        params = deferrable(node, users[0], mod.input_index, mod.digits, ctx)
+        if params is None:
+            continue
+        args = tuple(a for a in node.args if isinstance(a, fx.Node))
+        slots = tuple(k for k, a in enumerate(node.args) if isinstance(a, fx.Node))
+        template = [None if isinstance(a, fx.Node) else a for a in node.args]
+        group = ctx.groups.get(mod.digits)
+        deferred = DeferredGradients(
+            node.target, template, dict(node.kwargs), slots, params, group, ctx.stats, mod.node
+        )
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(add_module(gm, "deferred_gradients", deferred), args)
+        new.meta = dict(node.meta)
+        ar.replace_all_uses_with(new)
+        gm.graph.erase_node(ar)
+        delattr(gm, ar.target)  # type: ignore[arg-type]
+        gm.graph.erase_node(node)
     return gm

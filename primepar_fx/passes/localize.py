@@ -17,7 +17,7 @@
 
     annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> share_relayouts
       -> fuse_reduce_scatters -> defer_parameter_gradients -> replace_ring_products -> rewrite_local_ops
-      -> recompute_layers
+      -> defer_input_gradient_sums -> recompute_layers
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from primepar_fx.partition.layouts import Layout
 from primepar_fx.passes.annotate import annotate_plan
 from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
 from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_module, arg, digits_of, info, is_getitem
-from primepar_fx.passes.gradsync import defer_parameter_gradients
+from primepar_fx.passes.gradsync import defer_input_gradient_sums, defer_parameter_gradients
 from primepar_fx.passes.layouts import local_shape
 from primepar_fx.passes.recompute import recompute_layers
 from primepar_fx.passes.redistribute import insert_redistributions, redistribute_module
@@ -308,6 +308,7 @@ def localize(
         defer_parameter_gradients,
         replace_ring_products,
         rewrite_local_ops,
+        defer_input_gradient_sums,
         recompute_layers,
     ]
     gm, counts = run_passes(gm, passes, ctx, required=REQUIRED_PASSES, input_name="captured")

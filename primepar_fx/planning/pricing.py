@@ -43,6 +43,7 @@ from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
+from primepar_fx.planning.deferred import DeferredSaving, deferred_sums
 from primepar_fx.planning.sharing import add_share_nodes
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
@@ -71,6 +72,9 @@ class PricedGraph:
     #: tied parameters: (first reader, later reader) -> where the later one's gradient all-reduce is the first's;
     #: ``edge_cost`` already has its seconds subtracted (:func:`shared_parameter_gradients`)
     tied: dict[tuple[str, str], TiedSaving] = field(default_factory=dict)
+    #: input-gradient sums that wait for the end of backward (:mod:`primepar_fx.planning.deferred`); ``edge_cost``
+    #: already has their seconds subtracted
+    deferred: dict[tuple[str, str], DeferredSaving] = field(default_factory=dict)
 
     @functools.cached_property
     def search_graph(self) -> CostGraph:
@@ -164,6 +168,7 @@ class PricedGraph:
             flows,
             self.fanout,
             tied,
+            {(u, v): DeferredSaving(take(d.seconds, rows[u], rows[v])) for (u, v), d in self.deferred.items()},
         )
 
     def shared_consumers(self, choice: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
@@ -337,6 +342,10 @@ def price_graph(
     pricing.price_relayouts(default_workers() if workers is None else workers)
     pricing.edge_matrices(progress)
     pricing.add_shared_parameters()
+    flows = [(u, v, k_in, k_out) for u, v, k_in, k_out, _, _ in pricing.flows]
+    deferred = deferred_sums(graph, flows, pricing.partitions, cluster, values, opts.itemsize)
+    for edge, saving in deferred.items():  # the sum waits for the end of backward (planning.deferred)
+        pricing.edge_cost[edge] = _frozen(pricing.edge_cost[edge] - saving.seconds)
     cg = pricing.cost_graph()
     seconds = time.perf_counter() - start
     log.info(
@@ -358,6 +367,7 @@ def price_graph(
         pricing.share_flows,
         pricing.fanout(),
         pricing.tied,
+        deferred,
     )
 
 

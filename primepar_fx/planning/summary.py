@@ -81,6 +81,10 @@ def summarize(
                 redis_s[v] += float(sec[i, j])
                 saved[owner] += int(nbytes[i, j])
                 scattered[owner] += int(rs[i, j])
+    for (u, v), d in priced.deferred.items():  # off the edge's cost: report it as the consumer's all-reduce's
+        s = float(d.seconds[choice[u], choice[v]])
+        saved_s[v] += s
+        redis_s[v] += s
     for (u, v), mat in priced.cost_graph.edge_cost.items():
         redis_s[v] += float(mat[choice[u], choice[v]])
         redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])

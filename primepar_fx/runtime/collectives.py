@@ -80,12 +80,14 @@ class AllReduce(nn.Module):
         stats: CommStats,
         why: str = "",
         node: str = "",
+        input_index: int | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"all-reduce mode must be one of {MODES}, got {mode!r}")
         self.group, self.ranks, self.digits, self.mode, self.stats, self.why = group, ranks, digits, mode, stats, why
-        self.node = node
+        #: the plan node it belongs to, and for a ``"backward"`` one the input of that node whose gradient it sums
+        self.node, self.input_index = node, input_index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce_autograd(x, self.group, len(self.ranks), self.mode, self.stats, self.node)

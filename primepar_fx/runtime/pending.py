@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_map
 
 from primepar_fx.cost.cluster import ring_factors
@@ -181,3 +182,89 @@ class TargetCount(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, ranks={self.group[1]}"
+
+
+class _DeferredFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mod, *inputs):  # type: ignore[override]
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() if k in mod.params else x for k, x in enumerate(inputs)]
+            out = mod.run(leaves)
+        ctx.mod, ctx.out = mod, out
+        ctx.leaves = [leaves[k] for k in mod.params]
+        ctx.params = [inputs[k] for k in mod.params]
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        mod, out, leaves, params = ctx.mod, ctx.out, ctx.leaves, ctx.params
+        pending = launch_all_reduce(g, mod.group, mod.stats, mod.node)
+        none = [None] * (1 + mod.arity)
+
+        def gradients() -> tuple[torch.Tensor, ...]:
+            return torch.autograd.grad(out, leaves, pending.wait())
+
+        if not all(_accumulates(p) for p in params):  # torch.autograd.grad(): the gradients are returned now
+            for k, grad in zip(mod.params, gradients()):
+                none[1 + k] = grad
+            return tuple(none)
+
+        def finish() -> None:
+            for p, grad in zip(params, gradients()):
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+        return tuple(none)
+
+
+def _accumulates(p: torch.Tensor) -> bool:
+    """Whether this backward accumulates into ``p.grad`` (not a ``torch.autograd.grad`` call)."""
+    if not p.requires_grad or p.grad_fn is not None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(get_gradient_edge(p).node))
+    except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated into .grad
+        return False
+
+
+class DeferredGradients(nn.Module):
+    """A graph node: ``op`` of parameters (and inputs without a gradient), computed alike on every rank of ``group``,
+    whose output gradient arrives partial over ``group`` (its consumer splits a dim the output lacks, so each rank
+    holds its own rows' part). The plan sums that gradient over the group before ``op``'s backward; here the sum is
+    launched asynchronously where the consumer's backward leaves it, and the parameters' gradients are computed
+    from it at the end of backward, while the rest of backward runs. ``op``'s backward is linear in its output
+    gradient and the same on every rank, so this is the plan's sum, in the plan's bytes.
+
+    ``args``: ``op``'s arguments with ``None`` at the positions the node passes (``slots``); ``params``: which of the
+    passed ones are parameters.
+    """
+
+    def __init__(
+        self,
+        op: Callable,
+        args: list,
+        kwargs: dict,
+        slots: tuple[int, ...],
+        params: tuple[int, ...],
+        group: Group,
+        stats: CommStats,
+        node: str = "",
+    ) -> None:
+        super().__init__()
+        self.op, self.args, self.kwargs, self.slots, self.params = op, list(args), dict(kwargs), slots, params
+        self.group, self.stats, self.node = group, stats, node
+        self.arity = len(slots)
+
+    def run(self, inputs: list) -> torch.Tensor:
+        args = list(self.args)
+        for k, x in zip(self.slots, inputs):
+            args[k] = x
+        return self.op(*args, **self.kwargs)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and any(inputs[k].requires_grad for k in self.params)):
+            return self.run(list(inputs))
+        return _DeferredFn.apply(self, *inputs)
+
+    def extra_repr(self) -> str:
+        return f"{self.op}, its output gradient summed over ranks {self.group[1]} asynchronously"

@@ -329,7 +329,12 @@ def test_messages_of_every_linear_pair_are_the_senders_the_runtime_plans() -> No
         vkey = values_key({})
         count, cross = pairs.messages(mesh, per_node)
         received = pairs.received()
+        # every pair on 2 x 2; on 2 x 2 x 2 one pair in 7, spread over every producer and every consumer (7 is
+        # prime to both counts), which keeps both meshes' cases and a fifth of the time
+        stride = 1 if len(digits) == 2 else 7
         for (i, p), (j, c) in itertools.product(enumerate(producers), enumerate(consumers)):
+            if (i * len(consumers) + j) % stride:
+                continue
             held, needed = forward_held(p, 0).layout(vkey), forward_needed(c, 0).layout(vkey)
             a, b = pairs.held_of[i], pairs.needed_of[j]
             expected = runtime_messages(held, needed, mesh, per_node)

@@ -28,6 +28,7 @@ from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes import (
     PassError,
     annotate_plan,
+    defer_input_gradient_sums,
     defer_parameter_gradients,
     fuse_reduce_scatters,
     insert_collectives,
@@ -58,6 +59,7 @@ LOCALIZE_COUNTS = [
     "defer_parameter_gradients",
     "replace_ring_products",
     "rewrite_local_ops",
+    "defer_input_gradient_sums",
     "recompute_layers",
 ]
 
@@ -311,6 +313,7 @@ def inline(plan_name: str, rank: int = 0) -> tuple[fx.GraphModule, list]:
             defer_parameter_gradients,
             replace_ring_products,
             rewrite_local_ops,
+            defer_input_gradient_sums,
             recompute_layers,
         ):
             gm = p(gm, ctx)
@@ -372,7 +375,7 @@ def test_localize_with_a_dump_dir_writes_every_pass_of_the_rank(tmp_path: Path, 
     folder = tmp_path / "passes" / "rank2"
     names = ["captured", "annotate_plan", *LOCALIZE_COUNTS[1:]]
     assert sorted(p.name for p in folder.glob("*.txt")) == [f"{i:02d}_{n}.txt" for i, n in enumerate(names)]
-    assert (folder / "10_recompute_layers.txt").read_text().endswith(got.gm.print_readable(print_output=False))
+    assert (folder / "11_recompute_layers.txt").read_text().endswith(got.gm.print_readable(print_output=False))
     assert "RingMatmul" in table((folder / "changes.md").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["passes"]  # nothing the graph dump writes
 

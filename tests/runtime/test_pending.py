@@ -84,3 +84,42 @@ def test_row_split_loss_equals_one_device_and_backward_does_not_wait_for_it() ->
         # the count and the loss sum: the bytes of one all-reduce of both, as the plan prices them
         assert r[f"{reduction}_bytes"] == round(ring_factors("all-reduce", 2)[0] * elements * 8)
         assert r[f"{reduction}_calls"] == calls
+
+
+def _deferred(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from primepar_fx.runtime.pending import DeferredGradients
+
+    torch.manual_seed(0)
+    table = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([0, 1, 2, 4])
+    x = torch.randn(2 * world, 4, 3, dtype=torch.float64)
+
+    def loss_of(pos: torch.Tensor, rows: slice) -> torch.Tensor:  # a consumer that splits the batch
+        return ((x[rows] + pos) ** 2).sum()
+
+    (ref,) = torch.autograd.grad(loss_of(F.embedding(positions, table), slice(None)), table)
+    stats = CommStats()
+    mod = DeferredGradients(
+        torch.ops.aten.embedding.default, [None, None], {}, (0, 1), (0,), (dist.group.WORLD, (0, 1)), stats, "add"
+    )
+    rows = slice(2 * rank, 2 * rank + 2)
+    out = {}
+    loss_of(mod(table, positions), rows).backward()
+    out["backward"] = (table.grad - ref).abs().max().item()
+    loss_of(mod(table, positions), rows).backward()  # accumulates, as autograd does
+    out["accumulated"] = (table.grad - 2 * ref).abs().max().item()
+    (got,) = torch.autograd.grad(loss_of(mod(table, positions), rows), table)  # returned, not deferred
+    out["autograd_grad"] = (got - ref).abs().max().item()
+    out["untouched"] = (table.grad - 2 * ref).abs().max().item()
+    out["bytes"], out["calls"] = stats.bytes["collective"], stats.calls["collective"]
+    return out
+
+
+def test_deferred_gradients_sum_the_output_gradient_once_at_the_end_of_backward() -> None:
+    r = spawn(_deferred, 2, timeout=120)
+    assert r["backward"] < 1e-12 and r["accumulated"] < 1e-12
+    assert r["autograd_grad"] < 1e-12 and r["untouched"] < 1e-12
+    # three backwards, each one all-reduce of the (4, 3) float64 output gradient
+    assert r["calls"] == 3 and r["bytes"] == 3 * round(ring_factors("all-reduce", 2)[0] * 4 * 3 * 8)
