@@ -541,76 +541,81 @@ def markdown(saved: dict, png: str | None) -> str:
 READING = """## Reading the results
 
 * **Issue 16 (runtime speed), measured in the run above** (the machine otherwise idle):
-  * `primepar data_parallel` takes **1.03x** DDP's step time (293 against 283 ms), with the same bus bytes
+  * `primepar data_parallel` takes **1.02x** DDP's step time (279 against 273 ms), with the same bus bytes
     (21902 KiB). Its parameter gradients travel in DDP-style buckets, asynchronously during backward
-    (`runtime/gradsync.py`), and `.grad` is a slice of its bucket as with DDP's `gradient_as_bucket_view` (no copy
-    back): 3 messages a step (the loss's one all-reduce and two buckets) against DDP's 2. Computing takes about
-    DDP's time (125 against 121 ms a rank); blocked, 54 against 41 ms: the loss all-reduce, which DDP does not do
-    (primepar returns the global mean loss on every rank, exactly one device's; DDP each rank's own).
+    (`runtime/gradsync.py`), each gradient copied into its place in a flat tensor kept from step to step, and
+    `.grad` a slice of it as with DDP's `gradient_as_bucket_view`. The global loss (primepar returns the mean loss
+    of the whole batch on every rank, exactly one device's; DDP each rank's own) no longer waits: the count of
+    targets is all-reduced from the start of the graph and the loss sum while backward runs, the returned loss a
+    tensor that waits where its value is first read (`runtime/pending.py`). That is 4 messages a step against
+    DDP's 2, none of them waited in the middle of the step: blocked 42 against 45 ms a rank, computing 122 against
+    127 ms (means).
   * `primepar (no options)`, what `compile(model, args)` does, measures this machine on its ranks the first time
-    (cached after) and now picks data parallelism's traffic: 21902 KiB in 3 messages, **1.05x** DDP (298 ms),
-    target (<= 1.0x) **missed**. The run before this change picked a plan that computes the loss on half the
-    ranks' rows and sends 1 MiB more (22926 KiB, 4 messages, 1.07x): the machine's spec timed collectives over
-    the whole world only and priced a 2-rank all-reduce at a third of a 4-rank one, where gloo here takes about
-    half. It now times every group size a mesh makes and fits a latency per call apart from the one per ring
-    step (`calibrate/machine.py`). The three rows with data parallelism's traffic (no options, `data_parallel`,
-    `searched (calibrated)`) take 285 to 298 ms: the same plan, and the spread is this machine's noise.
-  * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout, takes **0.73x** `dtensor tp`'s time and sends
+    (cached after) and picks data parallelism's traffic (21902 KiB in 4 messages; the shifted labels run
+    replicated, as the search runs every gradient-free constant): **1.05x** DDP (286 ms), target (<= 1.0x)
+    **missed** in this run. The three rows with that traffic (no options, `data_parallel`, `searched
+    (calibrated)`) measured 286, 279 and 276 ms: the same plan within this machine's noise, which is as large as
+    their distance from DDP (their means, 290, 285 and 288 ms, are below DDP's 298). Before the asynchronous loss,
+    no options priced the synchronous loss all-reduce above gathering the logits and computed the loss
+    replicated (24974 KiB, 1.08x).
+  * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout, takes **0.74x** `dtensor tp`'s time and sends
     **0.93x its bytes** (27.8 MiB in 76 messages against 30.0 MiB in 37). The readers of one normed input (q, k
     and v; gate and up) share one all-gather and one reduce-scatter of their summed gradient (`passes/share.py`),
     as DTensor does, and the plan prices exactly that; it sends less than DTensor because its loss is
     vocabulary-parallel (DTensor gathers the whole logits).
   * Data parallelism with ZeRO (`+ZeRO-1`, `+ZeRO-2`, `module.optimizer`: each rank steps a quarter of AdamW's
-    state) is slower here (1.12x and 1.15x DDP): gloo's reduce-scatter and all-gather write 1.5x an
+    state) is slower here (1.18x and 1.29x DDP): gloo's reduce-scatter and all-gather write 1.5x an
     all-reduce's bytes to the wire, and the optimizer step is a small part of a rank's computing.
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
-* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.62x `dtensor tp`'s time, 1.55x its bytes,
-  1.8x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
+* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.60x `dtensor tp`'s time, 1.55x its bytes,
+  1.9x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
   `no options`) and the step-fitted spec (`calibrated`) both pick data parallelism.
 * **Under Megatron dp1 x mp4 +SP's memory** (`calibrated, budget`: 62.1 MiB predicted) the step-fitted spec now
-  picks data parallelism with ZeRO-2 (predicted 60.5 MiB): 0.40x `dtensor tp`'s time, 0.71x its bytes and
-  1.24x its peak. It measures **66.0 MiB, over the 62.1 MiB budget**: the memory model leaves out Backward's
+  picks data parallelism with ZeRO-2 (predicted 60.5 MiB): 0.38x `dtensor tp`'s time, 0.71x its bytes and
+  1.17x its peak. It measures **66.0 MiB, over the 62.1 MiB budget**: the memory model leaves out Backward's
   and the optimizer's temporaries (docs/benchmarks/memory.md), which set the peak of a lean plan.
 * **Breakdown** (ms per step and rank, table above): DTensor dispatches every op through Python and computes
-  242 ms on the main thread against primepar's 153 on the same layout; primepar is also blocked less (305
-  against 380 ms).
+  249 ms on the main thread against primepar's 157 on the same layout; primepar is also blocked less (328
+  against 393 ms).
 * **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.5x the ring volume
   (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31, ZeRO-2 32 against 21), while its all-reduce and
   point-to-point sends are within 0.5% of it.
 * **Memory.** Data parallelism holds every parameter, its gradient and AdamW's state on every rank (57 MiB of
-  the 86 MiB peak); `dtensor tp` holds the LM head's whole output (no loss parallelism: 4 MiB of logits, and
+  the 68 MiB peak); `dtensor tp` holds the LM head's whole output (no loss parallelism: 4 MiB of logits, and
   their gradient) and whole gradients of the vocabulary-sharded embedding (4.3 MiB of gradients for 3.6 MiB
   of parameters).
-* **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.35x, two bucket
-  all-reduces a step), then FSDP2 (0.52x, 14 calls) and tensor parallelism without sequence parallelism
-  (0.68x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
+* **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.32x, two bucket
+  all-reduces a step), then FSDP2 (0.49x, 14 calls) and tensor parallelism without sequence parallelism
+  (0.67x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
   These are not GPU numbers: with NVLink a message costs microseconds and the ranking may differ.
 * **The GPT-2-style model** (fused qkv, biases, tied embeddings) is on
-  [baselines-gpt2.md](baselines-gpt2.md). **Not measured here:** runs at other loads: one run, load average 1.8
-  before and 3.8 after (the four ranks).
-* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 121-242 ms of a
-  280-822 ms step, so compute is visible, and all thirteen systems run in under 3 minutes.
+  [baselines-gpt2.md](baselines-gpt2.md). **Not measured here:** runs at other loads: one run, load average 3.2
+  before and 4.2 after (the four ranks).
+* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 119-249 ms of a
+  273-859 ms step, so compute is visible, and all thirteen systems run in under 3 minutes.
 """
 
 READING_GPT2 = """## Reading the results
 
-* **Issue 16 (runtime speed) on a GPT-2-style model**, measured in the run above (the machine otherwise idle):
+* **Issue 16 (runtime speed) on a GPT-2-style model**, measured in the run above (no other work on the machine):
   * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout (column-parallel fused qkv with whole heads per rank,
-    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.64x** `dtensor tp`'s
+    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.66x** `dtensor tp`'s
     time and sends **0.90x its bytes** (27.2 MiB against 30.2 MiB). The fused qkv projection has one reader, so
     the shared re-layouts matter here for the residual stream and the tied embedding's readers only.
-  * `primepar data_parallel` takes **1.04x** DDP's step time (293 against 280 ms) and sends DDP's bytes exactly
-    (20241 KiB), in 4 messages against 2. Computing takes the same (122 against 123 ms a rank); the difference is
-    blocked time (55 against 38 ms): the two extra messages, both synchronous. One is the loss all-reduce
-    (primepar returns the global loss on every rank, DDP each rank's own). The other is the learned position
-    table's: its lookup has no batch dimension and runs replicated, so the gradient of its output is summed over
-    the batch ranks in the graph, before the lookup's backward, where DDP sums the table's gradient in a bucket.
-    Moving such a sum past the lookup's (linear) backward into the bucket is the next step; it is not built.
-  * `primepar (no options)` plans on this machine as its ranks measured it (group collectives timed at 2 and 4
-    ranks) and picks the same traffic (20241 KiB in 4 messages, 7 nodes replicated): **1.04x** DDP (290 ms),
-    target (<= 1.0x) **missed** by those two messages.
+  * `primepar data_parallel` takes **1.05x** DDP's step time (306 against 293 ms) and sends DDP's bytes exactly
+    (20241 KiB), in 5 messages against 2, none waited in the middle of the step: the count of targets (from the
+    start of the graph) and the loss sum (read when the caller reads the loss), both asynchronous
+    (`runtime/pending.py`); the learned position table's, whose lookup has no batch dimension and runs replicated,
+    so the gradient of its output is summed over the batch ranks: that sum now runs asynchronously and the
+    table's gradient is computed from it at the end of backward (`DeferredGradients`, priced on the lookup's edge,
+    `planning/deferred.py`); and two buckets. What remains is the messages' own cost on two shared cores: the gloo
+    threads use 22 ms of CPU a rank against DDP's 18, and the main thread computes 127 against 123 ms (means).
+  * `primepar (no options)` plans on this machine as its ranks measured it and picks the same traffic (20241 KiB
+    in 5 messages): **1.08x** DDP (317 ms), target (<= 1.0x) **missed**. The three rows with that traffic measured
+    317, 306 and 302 ms (means 307, 309 and 305 against DDP's 293). Before the deferred sum, no options gathered
+    the token embeddings to add the position table replicated (21585 KiB), pricing that below the synchronous sum.
   * Data parallelism with ZeRO (`+ZeRO-1`, `+ZeRO-2`: the optimizer steps a quarter of the state on each rank)
-    is slower here (1.14x and 1.22x DDP): gloo's reduce-scatter and all-gather write 1.5x the all-reduce's bytes
+    is slower here (1.26x and 1.39x DDP): gloo's reduce-scatter and all-gather write 1.5x the all-reduce's bytes
     to the wire, and AdamW's step is a small part of a rank's computing on this model.
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
 * **DTensor TP on a tied, fused-qkv model** needs three things torchtitan's Llama plan does not: the attention
@@ -618,9 +623,9 @@ READING_GPT2 = """## Reading the results
   learned position table row-parallel with its output split by sequence (dim 0 of its ``(S, h)`` output), and the
   LM head re-tied to the token table's sharded weight after `parallelize_module` (both are split by vocabulary
   rows). With them every system's first loss is the same (to 1e-6).
-* **Among PyTorch's systems** DDP is the fastest here (0.31x `dtensor tp`), then FSDP2 (0.47x) and tensor
-  parallelism without sequence parallelism (0.55x), as on the Llama-style model ([baselines.md](baselines.md)).
-* **Not measured here:** runs at other loads: one run, load average 4.1 before and 4.4 after (the four ranks).
+* **Among PyTorch's systems** DDP is the fastest here (0.30x `dtensor tp`), then FSDP2 (0.46x) and tensor
+  parallelism without sequence parallelism (0.58x), as on the Llama-style model ([baselines.md](baselines.md)).
+* **Not measured here:** runs at other loads: one run, load average 3.9 before and 5.4 after (the four ranks).
 """
 
 MEASURED = """## How each figure is measured
