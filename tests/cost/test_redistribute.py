@@ -329,18 +329,21 @@ def test_messages_of_every_linear_pair_are_the_senders_the_runtime_plans() -> No
         vkey = values_key({})
         count, cross = pairs.messages(mesh, per_node)
         received = pairs.received()
-        # every pair on 2 x 2; on 2 x 2 x 2 one pair in 7, spread over every producer and every consumer (7 is
-        # prime to both counts), which keeps both meshes' cases and a fifth of the time
-        stride = 1 if len(digits) == 2 else 7
+        # every pair on 2 x 2; on 2 x 2 x 2 (119 producers, 105 consumers) one pair in 11 of the row-major order,
+        # which meets every producer and every consumer (11 is prime to 105) at a tenth of the time
+        stride = 1 if len(digits) == 2 else 11
+        met: set[tuple[str, int]] = set()
         for (i, p), (j, c) in itertools.product(enumerate(producers), enumerate(consumers)):
             if (i * len(consumers) + j) % stride:
                 continue
+            met |= {("producer", i), ("consumer", j)}
             held, needed = forward_held(p, 0).layout(vkey), forward_needed(c, 0).layout(vkey)
             a, b = pairs.held_of[i], pairs.needed_of[j]
             expected = runtime_messages(held, needed, mesh, per_node)
             assert (count[a, b].tolist(), cross[a, b].tolist()) == expected
             assert reference_messages(held, needed, mesh, per_node) == expected
             assert tuple(received[a, b].tolist()) == Exchange.plan(held, needed, mesh, 0).received
+        assert len(met) == len(producers) + len(consumers)
         for p, c in itertools.product(producers[::3], consumers[::3]):
             assert_messages_match_runtime(p, c, {}, per_node)
 
