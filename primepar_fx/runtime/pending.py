@@ -10,7 +10,7 @@ stop the step:
   to the start of the graph), so the message travels while forward computes;
 * :func:`lazy_all_reduce` sums the loss with ``async_op=True`` and returns a :class:`PendingTensor`: autograd
   starts backward from it without reading it (``ones_like`` and the other ops that only read its shape do not
-  wait), and the first op that reads its value waits for the sum and computes the mean from it.
+  wait), and the first op that reads its value (``detach()`` included) waits for the sum and computes the mean.
 
 Values and gradients are the synchronous ones: the same sums over the same ranks, the same division.
 """
@@ -44,8 +44,6 @@ SHAPE_ONLY = frozenset(
         aten.new_full.default,
     }
 )
-#: ops that give another name to the same value: the result is pending too (``loss.detach()`` before backward)
-ALIASES = frozenset({aten.detach.default, aten.alias.default})
 
 
 class Pending:
@@ -72,8 +70,9 @@ class Pending:
 class PendingTensor(torch.Tensor):
     """A tensor whose value an asynchronous collective is still computing (module docstring).
 
-    It behaves as the finished tensor: any op that reads its value waits first, and :meth:`wait` returns the
-    plain tensor. It holds no gradient of its own; the autograd node that made it carries the graph.
+    It behaves as the finished tensor: any op that reads its value waits first (``detach()`` too, so
+    ``loss.detach().numpy()`` and ``dist.all_reduce(loss.detach())`` get a plain tensor), and :meth:`wait` returns
+    the plain tensor. It holds no gradient of its own; the autograd node that made it carries the graph.
     """
 
     pending: Pending
@@ -93,12 +92,22 @@ class PendingTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         return repr(self.pending.wait())
 
+    # what reads a tensor's memory without an ATen op: the plain tensor's, once it is in
+    def numpy(self, *args: object, **kwargs: object):  # type: ignore[override]
+        return self.wait().numpy(*args, **kwargs)
+
+    def untyped_storage(self):  # type: ignore[override]
+        return self.wait().untyped_storage()
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        return self.wait().data_ptr()
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        return self.wait().__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func in ALIASES:
-            (x,) = args
-            return PendingTensor(x.pending, x.pending.buf)
         if func in SHAPE_ONLY:
 
             def plain(t: object) -> object:  # the buffer has the final shape and dtype; its values are not read

@@ -31,17 +31,22 @@ def _pending(value: float, divisor: float) -> tuple[PendingTensor, _Work]:
     return PendingTensor(Pending(buf, work, lambda t: t / divisor), buf), work
 
 
-def test_shape_only_ops_and_aliases_do_not_wait_and_values_wait_once() -> None:
+def test_shape_only_ops_do_not_wait_and_values_wait_once() -> None:
+    import pickle
+
     t, work = _pending(6.0, 3.0)
     ones = torch.ones_like(t)
     zeros = torch.zeros_like(t)
-    alias = t.detach()
     assert type(ones) is torch.Tensor and ones.item() == 1.0 and zeros.item() == 0.0
-    assert isinstance(alias, PendingTensor) and alias.pending is t.pending
+    assert t.shape == () and t.dtype == torch.float32
     assert work.waits == 0 and not t.pending.done
     assert (t * 2).item() == 4.0  # (6 / 3) * 2: the division runs once the sum is in
-    assert alias.item() == 2.0 and t.wait().item() == 2.0 and repr(t) == repr(torch.tensor(2.0))
     assert work.waits == 1 and t.pending.done
+    plain = t.detach()  # a plain tensor: numpy(), c10d and pickle need one
+    assert type(plain) is torch.Tensor and plain.item() == 2.0
+    assert t.numpy() == 2.0 and pickle.loads(pickle.dumps(t)).item() == 2.0
+    assert t.wait().item() == 2.0 and repr(t) == repr(torch.tensor(2.0))
+    assert work.waits == 1
 
 
 def _check(rank: int, world: int) -> dict:
