@@ -18,6 +18,7 @@ from primepar_fx.cost.share import flat_arguments, moves_nothing
 from primepar_fx.partition import collectives
 from primepar_fx.passes.collectives import rename_operand
 from primepar_fx.passes.common import STORAGE, RankContext, add_module, info
+from primepar_fx.passes.redistribute import SOURCE
 from primepar_fx.runtime.collectives import AllReduce
 from primepar_fx.runtime.gradsync import GradReduction
 from primepar_fx.runtime.pending import DeferredGradients
@@ -72,14 +73,22 @@ def deferrable(
             if len(a.users) != 1 or a.name in ctx.grad_reductions:
                 return None
             params.append(j)
-        elif info(a).requires_grad if info(a) is not None else _floating(a):
+        elif _may_need_gradient(a):
             return None
     return tuple(params) or None
 
 
-def _floating(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
+def _may_need_gradient(node: fx.Node) -> bool:
+    """Whether the value ``node`` passes on may carry a gradient: its planned producer's (through a re-layout),
+    a user input's floating dtype, and ``True`` for anything else (a module output the plan does not name)."""
+    src = node.meta.get(SOURCE, node)
+    me = info(src)
+    if me is not None:
+        return me.requires_grad
+    if src.op == "placeholder":
+        val = src.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.is_floating_point()
+    return True
 
 
 def defer_input_gradient_sums(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:
