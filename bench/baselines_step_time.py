@@ -660,7 +660,9 @@ def chart(saved: dict, path: str) -> bool:
     if plt is None:
         return False
     rows = saved["result"]["rows"]
-    ref = next(r for r in rows if r["system"] == REFERENCE)
+    ref = next((r for r in rows if r["system"] == REFERENCE), None)
+    if ref is None:  # --systems without the reference: no ratios to draw
+        return False
     figures = {
         "step time": lambda r: r["step_s"],
         "bytes sent (bus)": lambda r: r["bus_bytes"],

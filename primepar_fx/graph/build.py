@@ -9,9 +9,10 @@ This is what the cost model and the search read.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -139,6 +140,48 @@ def _requires_grad(gm: fx.GraphModule, captured: Captured) -> set[str]:
     return live
 
 
+#: the most nodes :func:`input_chain` follows back (the targets of a loss come from the inputs in a few ops)
+MAX_INPUT_CHAIN = 64
+
+
+def input_chain(node: fx.Node, user_inputs: Collection[str]) -> list[fx.Node] | None:
+    """The nodes ``node``'s value is computed from, in graph order, when they are all user inputs and pure ops
+    (no parameter, buffer, mutation or random numbers) and at most :data:`MAX_INPUT_CHAIN` of them; else ``None``.
+
+    Every rank gets the whole inputs, so every rank can compute such a value whole, without a message: the count of
+    a mean loss's targets (``count_local`` in the loss's ``OpDims.extra``) is counted so on every rank."""
+    chain: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in chain:
+            continue
+        if n.op == "placeholder":
+            if n.name not in user_inputs:
+                return None
+        elif n.op != "call_function":
+            return None
+        elif isinstance(n.target, torch._ops.OpOverload) and (
+            n.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in n.target.tags
+        ):
+            return None
+        chain.add(n)
+        if len(chain) > MAX_INPUT_CHAIN:
+            return None
+        todo.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in chain]
+
+
+def _count_local(node: fx.Node, dims: OpDims, captured: Captured) -> OpDims:
+    """A mean cross-entropy whose targets every rank can compute whole counts them without a message."""
+    if node.target is not torch.ops.aten.cross_entropy_loss.default or dims.extra.get("reduction") != "mean":
+        return dims
+    target = node.args[1]
+    if not isinstance(target, fx.Node) or input_chain(target, captured.user_inputs) is None:
+        return dims
+    return dataclasses.replace(dims, extra={**dims.extra, "count_local": True})
+
+
 def check_fallback(fallback: object) -> None:
     """``fallback`` must be ``None`` or ``"replicate"`` (what to do with an op that has no rule)."""
     if fallback not in (None, "replicate"):
@@ -189,7 +232,7 @@ def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
         inputs = node.all_input_nodes
         weights = frozenset(i for i, a in enumerate(inputs) if a.name in captured.params)
         no_grad = frozenset(i for i, a in enumerate(inputs) if dims.inputs[i] is not None and a.name not in grad_live)
-        dims = dims.with_roles(weights, no_grad)
+        dims = _count_local(node, dims.with_roles(weights, no_grad), captured)
         node.meta[META_OPDIMS] = dims
         read, written = node_bytes(node)
         nodes[node.name] = OpNode(

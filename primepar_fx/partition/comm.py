@@ -215,8 +215,11 @@ def _collectives(op: OpDims, seq: PartitionSeq, mesh: DeviceMesh) -> tuple[Colle
                     digits += extra
                     split |= prime_summed
             if digits:
-                # a mean over split rows also all-reduces the count of rows it divides by
-                count = 2 if part.op.kind == "loss" and part.op.extra.get("reduction") == "mean" else 1
+                # a mean over split rows also all-reduces the count of rows it divides by, unless every rank counts
+                # them whole (their targets come from the inputs: ``graph.build.input_chain``)
+                op = part.op
+                count = 2 if op.kind == "loss" and op.extra.get("reduction") == "mean" else 1
+                count = 1 if op.extra.get("count_local") else count
                 out.append(Collective(phase, pt.name, frozenset(split), tuple(sorted(digits)), count=count))
     return tuple(out + statistics_collectives(part))
 

@@ -32,6 +32,7 @@ import torch
 from torch import fx, nn
 
 from primepar_fx.graph import OpGraph
+from primepar_fx.graph.build import input_chain
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.partition.layouts import Layout
 from primepar_fx.passes.annotate import annotate_plan
@@ -155,14 +156,29 @@ def hoist(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def _target_count(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, loss: ShardedCrossEntropy) -> fx.Node | None:
     """A mean cross-entropy over rows split across ranks: the count of its targets is summed from the start of the
-    graph, while forward runs (:class:`~primepar_fx.runtime.pending.TargetCount`)."""
+    graph, while forward runs (:class:`~primepar_fx.runtime.pending.TargetCount`); or, when the plan prices no
+    message for it (``count_local``: the targets come from the inputs), counted whole on every rank."""
     group = loss.n_group  # its own communicator (``rewrite_local_ops``): only the count and the loss use it
     if len(group[1]) < 2:
         return None
     target = node.args[1]
     assert isinstance(target, fx.Node), node.format_node()
-    hoist(gm, target)
     dtype = node.meta["val"].dtype  # the loss's, the logits'
+    if loss.count_local:
+        whole = next(n for n in ctx.graph.captured.gm.graph.nodes if n.name == node.name)  # the loss, unpartitioned
+        chain = input_chain(whole.args[1], ctx.graph.captured.user_inputs)
+        assert chain is not None, node.format_node()
+        sub, copied = fx.Graph(), {}
+        sources = [n for n in chain if n.op == "placeholder"]
+        for n in chain:
+            copied[n] = sub.placeholder(n.name) if n.op == "placeholder" else sub.node_copy(n, copied.__getitem__)
+        sub.output(copied[chain[-1]])
+        counter = fx.GraphModule(nn.Module(), sub, class_name="Targets")
+        mod = TargetCount(loss.ignore_index, dtype, None, ctx.stats, 0, node.name, counter=counter)
+        here = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+        with gm.graph.inserting_after([n for n in gm.graph.nodes if n.op == "placeholder"][-1]):
+            return gm.graph.call_module(add_module(gm, "target_count", mod), tuple(here[n.name] for n in sources))
+    hoist(gm, target)
     nbytes = loss_message_bytes(len(group[1]), dtype.itemsize)[0]
     mod = TargetCount(loss.ignore_index, dtype, group, ctx.stats, nbytes, node.name)
     with gm.graph.inserting_after(target):
@@ -221,6 +237,7 @@ def _local(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, me: NodeInfo) ->
             # ranks only (``hoist``), no other message may fall between them in a different order on another rank
             ctx.groups.get(digits_of(part, rows), channel=f"loss {node.name}"),
             ctx.stats,
+            count_local=reduction == "mean" and bool(op.extra.get("count_local")),
         )
         mod.node = node.name
         del n_dim

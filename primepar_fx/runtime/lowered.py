@@ -70,21 +70,30 @@ class ShardedLayerNorm(nn.Module):
         return f"normalised size {self.size}, eps={self.eps}, ranks={self.group[1]}"
 
 
-def loss_message_bytes(ranks: int, itemsize: int) -> tuple[int, int]:
-    """``comm_stats`` bytes of a ``mean``'s count and loss sum: the plan prices them as one all-reduce of both."""
-    both = int(round(ring_factors("all-reduce", ranks)[0] * 2 * itemsize))
-    return both // 2, both - both // 2
+def loss_message_bytes(ranks: int, itemsize: int, count_local: bool = False) -> tuple[int, int]:
+    """``comm_stats`` bytes of a ``mean``'s count and loss sum: the plan prices them as one all-reduce of both, or,
+    when every rank counts the targets itself (``count_local``), the loss sum alone."""
+    both = int(round(ring_factors("all-reduce", ranks)[0] * (1 if count_local else 2) * itemsize))
+    return (0, both) if count_local else (both // 2, both - both // 2)
 
 
 class ShardedCrossEntropy(nn.Module):
     """Cross-entropy with the classes split across ``v_group`` and/or the rows across ``n_group``."""
 
     def __init__(
-        self, reduction: str, ignore_index: int, v_lo: int, v_group: Group, n_group: Group, stats: CommStats
+        self,
+        reduction: str,
+        ignore_index: int,
+        v_lo: int,
+        v_group: Group,
+        n_group: Group,
+        stats: CommStats,
+        count_local: bool = False,
     ) -> None:
         super().__init__()
         self.reduction, self.ignore_index, self.v_lo = reduction, ignore_index, v_lo
         self.v_group, self.n_group, self.stats = v_group, n_group, stats
+        self.count_local = count_local  # the ``count`` passed in is the global one, counted without a message
         self.node = ""
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, count: Pending | None = None) -> torch.Tensor:
@@ -113,7 +122,7 @@ class ShardedCrossEntropy(nn.Module):
             return loss.sum() if self.reduction == "sum" else loss.sum() / valid.sum().to(loss.dtype)
         if self.reduction == "sum":
             return lazy_all_reduce(loss.sum(), self.n_group, self.stats, self.node)
-        nbytes = loss_message_bytes(len(self.n_group[1]), loss.element_size())
+        nbytes = loss_message_bytes(len(self.n_group[1]), loss.element_size(), self.count_local)
         if count is None:
             count = launch_all_reduce(valid.sum().to(loss.dtype), self.n_group, self.stats, self.node, nbytes=nbytes[0])
         return lazy_all_reduce(loss.sum(), self.n_group, self.stats, self.node, count.wait(), nbytes[1])

@@ -176,21 +176,36 @@ def lazy_all_reduce(
 class TargetCount(nn.Module):
     """A graph node: starts the sum over ``group`` of the targets that are not ``ignore_index``; returns the
     :class:`Pending` sum, which :class:`~primepar_fx.runtime.lowered.ShardedCrossEntropy` waits for. ``nbytes``:
-    what ``comm_stats`` counts for it (the plan prices the count and the loss sum as one message of both)."""
+    what ``comm_stats`` counts for it (the plan prices the count and the loss sum as one message of both).
+
+    With ``counter`` (a graph computing the whole targets from the graph's inputs, which every rank holds whole) the
+    node is called with those inputs and counts every target itself: the global count, no message."""
 
     def __init__(
-        self, ignore_index: int, dtype: torch.dtype, group: Group, stats: CommStats, nbytes: int, node: str = ""
+        self,
+        ignore_index: int,
+        dtype: torch.dtype,
+        group: Group | None,
+        stats: CommStats,
+        nbytes: int,
+        node: str = "",
+        counter: nn.Module | None = None,
     ):
         super().__init__()
         self.ignore_index, self.dtype, self.group, self.stats, self.nbytes = ignore_index, dtype, group, stats, nbytes
-        self.node = node
+        self.node, self.counter = node, counter
 
-    def forward(self, target: torch.Tensor) -> Pending:
-        count = (target != self.ignore_index).sum().to(self.dtype)
+    def forward(self, *inputs: torch.Tensor) -> Pending:
+        if self.counter is not None:
+            count = (self.counter(*inputs) != self.ignore_index).sum().to(self.dtype)
+            return Pending(count, None, None)
+        assert self.group is not None
+        count = (inputs[0] != self.ignore_index).sum().to(self.dtype)
         return launch_all_reduce(count, self.group, self.stats, self.node, nbytes=self.nbytes)
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, ranks={self.group[1]}"
+        where = "counted whole from the inputs" if self.counter is not None else f"ranks={self.group[1]}"
+        return f"ignore_index={self.ignore_index}, {where}"
 
 
 class _DeferredFn(torch.autograd.Function):

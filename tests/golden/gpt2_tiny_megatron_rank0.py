@@ -1,8 +1,7 @@
 # rank 0 of 4, device digits [2, 2], coordinates [0, 0]
 # gpt2-tiny, B=8, S=64: size arguments are this rank's blocks; the type annotations are the captured graph's (whole tensors at the example sizes)
 # what each module of the code below does (which tensor, which ranks, which direction):
-# redistribute_13 = Redistribute(labels -> roll: forward (8, 64)->(4, 64), sends to [], recvs from []; backward none)
-# target_count_1 = TargetCount(ignore_index=-100, ranks=(0, 2))
+# target_count_1 = TargetCount(ignore_index=-100, counted whole from the inputs)
 # redistribute_1 = Redistribute(input_ids -> embedding: forward (8, 64)->(4, 64), sends to [], recvs from []; backward
 #     none)
 # vocab_embedding_1 = VocabEmbedding(rows [0, 128))
@@ -37,6 +36,7 @@
 #     pieces)
 # redistribute_12 = Redistribute(layer_norm_4 -> linear_8: forward (4, 32, 64)->(4, 64, 64), sends to [1], recvs from
 #     [1]; backward (4, 64, 64)->(4, 32, 64), reduce-scatter over [0, 1])
+# redistribute_13 = Redistribute(labels -> roll: forward (8, 64)->(4, 64), sends to [], recvs from []; backward none)
 # cross_entropy_1 = ShardedCrossEntropy(reduction=mean, classes from 0 over ranks (0, 1), rows over ranks (0, 2))
 # parameter gradients summed over their replicas outside the graph, in gradient buckets during backward:
 # over ranks (0, 1): p_embed_positions_weight
@@ -51,13 +51,7 @@
 #     p_blocks_1_mlp_down_proj_bias, p_lm_head_weight
 class PrimeParRank0(torch.nn.Module):
     def forward(self, p_embed_tokens_weight: "f32[256, 64]", p_embed_positions_weight: "f32[128, 64]", p_blocks_0_attn_norm_weight: "f32[64]", p_blocks_0_attn_norm_bias: "f32[64]", p_blocks_0_attn_qkv_proj_weight: "f32[192, 64]", p_blocks_0_attn_qkv_proj_bias: "f32[192]", p_blocks_0_attn_o_proj_weight: "f32[64, 64]", p_blocks_0_attn_o_proj_bias: "f32[64]", p_blocks_0_mlp_norm_weight: "f32[64]", p_blocks_0_mlp_norm_bias: "f32[64]", p_blocks_0_mlp_up_proj_weight: "f32[256, 64]", p_blocks_0_mlp_up_proj_bias: "f32[256]", p_blocks_0_mlp_down_proj_weight: "f32[64, 256]", p_blocks_0_mlp_down_proj_bias: "f32[64]", p_blocks_1_attn_norm_weight: "f32[64]", p_blocks_1_attn_norm_bias: "f32[64]", p_blocks_1_attn_qkv_proj_weight: "f32[192, 64]", p_blocks_1_attn_qkv_proj_bias: "f32[192]", p_blocks_1_attn_o_proj_weight: "f32[64, 64]", p_blocks_1_attn_o_proj_bias: "f32[64]", p_blocks_1_mlp_norm_weight: "f32[64]", p_blocks_1_mlp_norm_bias: "f32[64]", p_blocks_1_mlp_up_proj_weight: "f32[256, 64]", p_blocks_1_mlp_up_proj_bias: "f32[256]", p_blocks_1_mlp_down_proj_weight: "f32[64, 256]", p_blocks_1_mlp_down_proj_bias: "f32[64]", p_final_norm_weight: "f32[64]", p_final_norm_bias: "f32[64]", p_lm_head_weight: "f32[256, 64]", input_ids: "i64[8, 64]", labels: "i64[8, 64]"):
-        arange_1: "i64[64]" = torch.ops.aten.arange.default(64, device = device(type='meta'), pin_memory = False)
-        eq: "b8[64]" = torch.ops.aten.eq.Scalar(arange_1, 63);  arange_1 = None
-        redistribute_13 = self.redistribute_13(labels);  labels = None
-        roll: "i64[8, 64]" = torch.ops.aten.roll.default(redistribute_13, [-1], [1]);  redistribute_13 = None
-        masked_fill: "i64[8, 64]" = torch.ops.aten.masked_fill.Scalar(roll, eq, -100);  roll = eq = None
-        reshape_3: "i64[512]" = torch.ops.aten.reshape.default(masked_fill, [256]);  masked_fill = None
-        target_count_1 = self.target_count_1(reshape_3)
+        target_count_1 = self.target_count_1(labels)
         redistribute_1 = self.redistribute_1(input_ids);  input_ids = None
         vocab_embedding_1 = self.vocab_embedding_1(p_lm_head_weight, redistribute_1);  redistribute_1 = None
         arange: "i64[64]" = torch.ops.aten.arange.default(64, device = device(type='meta'), pin_memory = False)
@@ -125,6 +119,12 @@ class PrimeParRank0(torch.nn.Module):
         layer_norm_4: "f32[8, 64, 64]" = torch.ops.aten.layer_norm.default(add_4, [64], p_final_norm_weight, p_final_norm_bias, 1e-05, False);  add_4 = p_final_norm_weight = p_final_norm_bias = None
         redistribute_12 = self.redistribute_12(layer_norm_4);  layer_norm_4 = None
         linear_8: "f32[8, 64, 256]" = torch.ops.aten.linear.default(redistribute_12, p_lm_head_weight);  redistribute_12 = p_lm_head_weight = None
+        arange_1: "i64[64]" = torch.ops.aten.arange.default(64, device = device(type='meta'), pin_memory = False)
+        eq: "b8[64]" = torch.ops.aten.eq.Scalar(arange_1, 63);  arange_1 = None
+        redistribute_13 = self.redistribute_13(labels);  labels = None
+        roll: "i64[8, 64]" = torch.ops.aten.roll.default(redistribute_13, [-1], [1]);  redistribute_13 = None
+        masked_fill: "i64[8, 64]" = torch.ops.aten.masked_fill.Scalar(roll, eq, -100);  roll = eq = None
         reshape_2: "f32[512, 256]" = torch.ops.aten.reshape.default(linear_8, [256, 128]);  linear_8 = None
+        reshape_3: "i64[512]" = torch.ops.aten.reshape.default(masked_fill, [256]);  masked_fill = None
         cross_entropy_1 = self.cross_entropy_1(reshape_2, reshape_3, target_count_1);  reshape_2 = reshape_3 = target_count_1 = None
         return (cross_entropy_1,)

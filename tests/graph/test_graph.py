@@ -17,6 +17,7 @@ import functools
 import pytest
 import sympy
 import torch
+import torch.nn.functional as F
 
 from primepar_fx import analyze
 from primepar_fx.frontend.symbols import B, S
@@ -108,6 +109,42 @@ def test_parameters_and_gradient_free_inputs_are_marked() -> None:
     assert 1 in loss.dims.no_grad  # the targets
     assert graph.tied == {"lm_head.weight": "embed_tokens.weight"}
     assert graph.param_count() == get_config("gpt2-tiny").param_count()  # the tied weight counts once
+
+
+class _Distilled(torch.nn.Module):
+    """A loss whose targets come from a parameter (a teacher's argmax): no rank can count them from the inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student, self.teacher = torch.nn.Linear(8, 5), torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        own = F.cross_entropy(self.student(x).flatten(0, 1), labels.roll(-1, 1).flatten())
+        taught = F.cross_entropy(self.student(x).flatten(0, 1), self.teacher(x).argmax(-1).flatten())
+        return own + taught
+
+
+def test_a_mean_loss_counts_targets_from_the_inputs_without_a_message() -> None:
+    """Targets computed from the inputs by pure ops are counted whole on every rank (``count_local``): the row
+    split's all-reduce carries the loss sum alone. Targets that read a parameter keep the count in the message."""
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.graph import build_graph
+    from primepar_fx.partition import PartitionSeq
+    from primepar_fx.partition.comm import collectives
+    from primepar_fx.partition.dsi import OpPartition
+
+    graph = reference_graph("gpt2-tiny")
+    (loss,) = [n for n in graph.nodes.values() if n.target is torch.ops.aten.cross_entropy_loss.default]
+    assert loss.dims.extra["count_local"] is True
+    x, labels = torch.randn(2, 4, 8), torch.randint(0, 5, (2, 4))
+    distilled = build_graph(capture(_Distilled(), (x, labels)))
+    losses = [n for n in distilled.nodes.values() if n.target is torch.ops.aten.cross_entropy_loss.default]
+    assert [bool(n.dims.extra.get("count_local")) for n in losses] == [True, False]
+    mesh = DeviceMesh.for_world_size(2)
+    for node, count in zip(losses, (1, 2)):
+        rows = PartitionSeq.parse(node.dims.dims[0])  # the rows split over both ranks
+        (c,) = [c for c in collectives(OpPartition(node.dims, rows, mesh)) if c.tensor == "out0"]
+        assert c.count == count
 
 
 def test_explain_counts_are_the_enumerated_partition_space() -> None:
