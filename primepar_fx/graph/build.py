@@ -144,32 +144,46 @@ def _requires_grad(gm: fx.GraphModule, captured: Captured) -> set[str]:
 MAX_INPUT_CHAIN = 64
 
 
-def input_chain(node: fx.Node, user_inputs: Collection[str]) -> list[fx.Node] | None:
-    """The nodes ``node``'s value is computed from, in graph order, when they are all user inputs and pure ops
-    (no parameter, buffer, mutation or random numbers) and at most :data:`MAX_INPUT_CHAIN` of them; else ``None``.
+def pure_target(target: object) -> bool:
+    """Whether a ``call_function`` node of ``target`` is a function of its inputs only (no mutation, no random
+    numbers); anything that is not an ATen op (``getitem``, symbolic size arithmetic) is."""
+    if isinstance(target, torch._ops.OpOverload):
+        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+    return True
 
-    Every rank gets the whole inputs, so every rank can compute such a value whole, without a message: the count of
-    a mean loss's targets (``count_local`` in the loss's ``OpDims.extra``) is counted so on every rank."""
+
+def upstream(node: fx.Node, admit: Callable[[fx.Node], bool], limit: int | None = None) -> set[fx.Node] | None:
+    """``node`` and every node it depends on, when ``admit`` admits them all and they are at most ``limit``;
+    else ``None``."""
     chain: set[fx.Node] = set()
     todo = [node]
     while todo:
         n = todo.pop()
         if n in chain:
             continue
-        if n.op == "placeholder":
-            if n.name not in user_inputs:
-                return None
-        elif n.op != "call_function":
-            return None
-        elif isinstance(n.target, torch._ops.OpOverload) and (
-            n.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in n.target.tags
-        ):
+        if not admit(n):
             return None
         chain.add(n)
-        if len(chain) > MAX_INPUT_CHAIN:
+        if limit is not None and len(chain) > limit:
             return None
         todo.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in chain]
+    return chain
+
+
+def input_chain(node: fx.Node, user_inputs: Collection[str]) -> list[fx.Node] | None:
+    """The nodes ``node``'s value is computed from, in graph order, when they are all user inputs and pure ops
+    (no parameter, buffer, mutation or random numbers) and at most :data:`MAX_INPUT_CHAIN` of them; else ``None``.
+
+    Every rank gets the whole inputs, so every rank can compute such a value whole, without a message: the count of
+    a mean loss's targets (``count_local`` in the loss's ``OpDims.extra``) is counted so on every rank."""
+
+    def admit(n: fx.Node) -> bool:
+        if n.op == "placeholder":
+            return n.name in user_inputs
+        return n.op == "call_function" and pure_target(n.target)
+
+    chain = upstream(node, admit, MAX_INPUT_CHAIN)
+    return None if chain is None else [n for n in node.graph.nodes if n in chain]
 
 
 def _count_local(node: fx.Node, dims: OpDims, captured: Captured) -> OpDims:

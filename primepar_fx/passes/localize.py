@@ -32,7 +32,7 @@ import torch
 from torch import fx, nn
 
 from primepar_fx.graph import OpGraph
-from primepar_fx.graph.build import input_chain
+from primepar_fx.graph.build import input_chain, pure_target, upstream
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.partition.layouts import Layout
 from primepar_fx.passes.annotate import annotate_plan
@@ -123,28 +123,16 @@ def _pure(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)  # type: ignore[arg-type]
         return isinstance(mod, Redistribute) and _local_exchange(mod.fwd) and _local_exchange(mod.bwd)
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
-    return True  # getitem, symbolic size arithmetic
+    return node.op == "call_function" and pure_target(node.target)
 
 
 def hoist(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Move ``node`` and the nodes it depends on to just after the graph's inputs, keeping their order, if all of
     them are :func:`_pure`; returns whether it moved them. The decision may differ between ranks; only this rank's
     computation moves, never its messages."""
-    chain: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in chain:
-            continue
-        if not _pure(gm, n):
-            return False
-        chain.add(n)
-        todo.extend(n.all_input_nodes)
+    chain = upstream(node, lambda n: _pure(gm, n))
+    if chain is None:
+        return False
     nodes = list(gm.graph.nodes)
     anchor = [n for n in nodes if n.op == "placeholder"][-1]
     for n in nodes:
