@@ -15,7 +15,12 @@ do:
   :class:`~primepar_fx.runtime.groups.ProcessGroups`), so no peer can pair them with another collective;
 * a callback at the end of backward launches what is left (a parameter whose gradient never came is left out of
   its bucket's message and its ``.grad`` untouched: every rank runs the same graph, so it is the same on all), waits
-  once for every bucket and writes each parameter's ``.grad``.
+  once for every bucket and writes each parameter's ``.grad``;
+* a sum of an activation's gradient that is waited only at the end of backward as well (the output gradient of a
+  position table read alike on every rank: :class:`~primepar_fx.runtime.pending.DeferredGradients`) travels in
+  the message of the last bucket over the same ranks (:meth:`GradientBuckets.join`): that bucket is held back and
+  launched at the end of backward with those sums appended, one message for both, as the plan prices them
+  (bytes, and a bucket's latency).
 
 Gradients stay exact: ``.grad`` ends as the group sum of this backward's gradient (a view of its bucket's
 flat tensor, as DDP's ``gradient_as_bucket_view``: no copy back, and the next backward writes there again, so a
@@ -30,7 +35,7 @@ ring volume as the graph's all-reduces, and one message per bucket.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +77,7 @@ class _Bucket:
         self.flat: torch.Tensor | None = None
         self.sent: list[int] = []  # the members with a gradient this backward, in the order of ``flat``
         self.work: object | None = None
+        self.launched = False  # in this backward
         #: the flat tensor kept from one backward to the next (allocated once, as DDP's buckets are): each gradient
         #: is copied into its place when it is ready, and each ``.grad`` ends as a view of it
         self.buffer: torch.Tensor | None = None
@@ -122,6 +128,7 @@ class GradientBuckets:
         self._local = False  # inside :meth:`accumulating`
         self._unsummed: set[int] = set()  # parameters whose .grad holds local parts not summed yet
         self._held: dict[int, torch.Tensor] = {}  # their .grad from before the first local backward
+        self._late: set[int] = set()  # buckets launched at the end of backward, with the sums that join them
         self._nodes = [get_gradient_edge(p).node for p in self.params]
         self._handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
@@ -150,8 +157,10 @@ class GradientBuckets:
         self._earlier: list[torch.Tensor | None] = [None] * len(self.params)
         self._missing = [len(b.members) for b in self.buckets]
         self._launched = 0
+        #: bucket -> the sums joining its message in this backward: (gradient, what takes the sum, node)
+        self._joined: dict[int, list[tuple[torch.Tensor, Callable[[torch.Tensor], None], str]]] = {}
         for b in self.buckets:
-            b.flat, b.work, b.sent = None, None, []
+            b.flat, b.work, b.sent, b.launched = None, None, [], False
 
     def _hook(self, i: int):
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
@@ -169,9 +178,7 @@ class GradientBuckets:
         if self._local:  # a micro-batch before the last: autograd adds it to .grad; summed with the last
             self._unsummed.add(i)
             return None
-        if not self._active:
-            self._active = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._activate()
         p = self.params[i]
         if i in self._unsummed:  # the earlier micro-batches' local parts join this one's, summed together
             self._unsummed.discard(i)
@@ -184,9 +191,37 @@ class GradientBuckets:
         self._grads[i] = self._stage(self.buckets[b], i, grad)
         self._missing[b] -= 1
         while self._launched < len(self.buckets) and self._missing[self._launched] == 0:
-            self._launch(self.buckets[self._launched])
+            if self._launched not in self._late:  # a late bucket waits for the end of backward
+                self._launch(self.buckets[self._launched])
             self._launched += 1
         return None
+
+    def _activate(self) -> None:
+        if not self._active:
+            self._active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    # ------------------------------------------------------------------------------------------------ joined sums
+    def hold_for(self, ranks: Sequence[int]) -> int | None:
+        """Hold the last bucket summed over ``ranks`` to the end of backward, so that sums over the same ranks ready
+        only then may :meth:`join` its message; returns its index (``None``: no bucket sums over ``ranks``). Every
+        rank of ``ranks`` holds the same buckets and the same joiners, so each holds the same one."""
+        index = max((b.index for b in self.buckets if b.group[1] == tuple(ranks)), default=None)
+        if index is not None:
+            self._late.add(index)
+        return index
+
+    def join(self, index: int, grad: torch.Tensor, then: Callable[[torch.Tensor], None], node: str) -> bool:
+        """Sum ``grad`` in the message of bucket ``index`` (held by :meth:`hold_for`) at the end of this backward and
+        call ``then`` with the sum when it is in, before backward returns; its bytes count under ``node``. ``False``
+        (nothing taken: the caller sends its own) inside :meth:`accumulating`, for a ZeRO-2 bucket or another
+        dtype, which every rank decides alike."""
+        bucket = self.buckets[index]
+        if self._local or index not in self._late or index in self._scatter or grad.dtype != bucket.dtype:
+            return False
+        self._activate()
+        self._joined.setdefault(index, []).append((grad.detach(), then, node))
+        return True
 
     def _stage(self, bucket: _Bucket, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Copy parameter ``i``'s gradient into its place in ``bucket``'s kept buffer; returns that place (or the
@@ -214,19 +249,27 @@ class GradientBuckets:
             self.stats.add("collective", volume, r.node, calls=calls)
 
     def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
         if bucket.index in self._scatter:
             self._launch_scatter(bucket)
             return
         bucket.sent = [i for i in bucket.members if self._grads[i] is not None]
-        if not bucket.sent:
+        joined = self._joined.get(bucket.index, [])
+        if not bucket.sent and not joined:
             return
-        if len(bucket.sent) == len(bucket.members):  # every gradient is in its place already
+        if len(bucket.sent) == len(bucket.members) and not joined:  # every gradient is in its place already
             bucket.flat = bucket.buffer
         else:  # a parameter without a gradient this backward keeps its place (and its .grad) untouched
-            bucket.flat = torch.cat([self._grads[i].reshape(-1) for i in bucket.sent])  # type: ignore[union-attr]
+            parts = [self._grads[i].reshape(-1) for i in bucket.sent]  # type: ignore[union-attr]
+            bucket.flat = torch.cat(parts + [g.reshape(-1) for g, _, _ in joined])
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group[0], async_op=True)
         for k, i in enumerate(bucket.sent):
             self._count(i, calls=1 if k == 0 else 0)
+        if self.stats is not None:
+            factor = ring_factors("all-reduce", len(bucket.group[1]))[0]
+            for k, (g, _, node) in enumerate(joined):
+                first = not bucket.sent and k == 0
+                self.stats.add("collective", factor * g.numel() * g.element_size(), node, calls=1 if first else 0)
 
     def _launch_scatter(self, bucket: _Bucket) -> None:
         """ZeRO stage 2: reduce-scatter the whole bucket (a missing gradient as zeros), padded to the group."""
@@ -270,8 +313,9 @@ class GradientBuckets:
     def _finish(self) -> None:
         """End of backward: launch what is left, wait once for every bucket, write the sums into ``.grad``."""
         try:
-            for bucket in self.buckets[self._launched :]:
-                self._launch(bucket)
+            for bucket in self.buckets:  # what is left, and the late buckets, in index order
+                if not bucket.launched:
+                    self._launch(bucket)
             for bucket in self.buckets:
                 if bucket.work is None:
                     continue
@@ -287,6 +331,9 @@ class GradientBuckets:
                     n = self.params[i].numel()
                     self._write(i, bucket.flat[offset : offset + n])  # type: ignore[index]
                     offset += n
+                for g, then, _ in self._joined.get(bucket.index, []):
+                    then(bucket.flat[offset : offset + g.numel()].view(g.shape))  # type: ignore[index]
+                    offset += g.numel()
         finally:
             self._reset()
 

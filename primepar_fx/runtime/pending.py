@@ -18,6 +18,7 @@ Values and gradients are the synchronous ones: the same sums over the same ranks
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -222,22 +223,23 @@ class _DeferredFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         mod, out, leaves, params = ctx.mod, ctx.out, ctx.leaves, ctx.params
-        pending = launch_all_reduce(g, mod.group, mod.stats, mod.node)
         none = [None] * (1 + mod.arity)
+        accumulates = all(_accumulates(p) for p in params)
 
-        def gradients() -> tuple[torch.Tensor, ...]:
-            return torch.autograd.grad(out, leaves, pending.wait())
-
-        if not all(_accumulates(p) for p in params):  # torch.autograd.grad(): the gradients are returned now
-            for k, grad in zip(mod.params, gradients()):
-                none[1 + k] = grad
-            return tuple(none)
-
-        def finish() -> None:
-            for p, grad in zip(params, gradients()):
+        def accumulate(summed: torch.Tensor) -> None:
+            for p, grad in zip(params, torch.autograd.grad(out, leaves, summed)):
                 p.grad = grad if p.grad is None else p.grad.add_(grad)
 
-        torch.autograd.Variable._execution_engine.queue_callback(finish)
+        if accumulates and mod.bucket is not None:  # in a gradient bucket's message, at the end of backward
+            buckets, index = mod.bucket
+            if buckets.join(index, g, accumulate, mod.node):
+                return tuple(none)
+        pending = launch_all_reduce(g, mod.group, mod.stats, mod.node)
+        if not accumulates:  # torch.autograd.grad(): the gradients are returned now
+            for k, grad in zip(mod.params, torch.autograd.grad(out, leaves, pending.wait())):
+                none[1 + k] = grad
+            return tuple(none)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: accumulate(pending.wait()))
         return tuple(none)
 
 
@@ -259,6 +261,11 @@ class DeferredGradients(nn.Module):
     from it at the end of backward, while the rest of backward runs. ``op``'s backward is linear in its output
     gradient and the same on every rank, so this is the plan's sum, in the plan's bytes.
 
+    When the compiled module sets ``bucket`` (``(GradientBuckets, index)``: the last gradient bucket over the same
+    ranks, held to the end of backward), the sum travels in that bucket's message instead of one of its own
+    (:meth:`~primepar_fx.runtime.gradsync.GradientBuckets.join`); inside micro-batches, for
+    ``torch.autograd.grad`` and with ZeRO-2 it is sent alone.
+
     ``args``: ``op``'s arguments with ``None`` at the positions the node passes (``slots``); ``params``: which of the
     passed ones are parameters.
     """
@@ -278,6 +285,7 @@ class DeferredGradients(nn.Module):
         self.op, self.args, self.kwargs, self.slots, self.params = op, list(args), dict(kwargs), slots, params
         self.group, self.stats, self.node = group, stats, node
         self.arity = len(slots)
+        self.bucket: tuple[Any, int] | None = None  # set by the compiled module
 
     def run(self, inputs: list) -> torch.Tensor:
         args = list(self.args)

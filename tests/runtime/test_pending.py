@@ -128,3 +128,49 @@ def test_deferred_gradients_sum_the_output_gradient_once_at_the_end_of_backward(
     assert r["autograd_grad"] < 1e-12 and r["untouched"] < 1e-12
     # three backwards, each one all-reduce of the (4, 3) float64 output gradient
     assert r["calls"] == 3 and r["bytes"] == 3 * round(ring_factors("all-reduce", 2)[0] * 4 * 3 * 8)
+
+
+def _joined(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from primepar_fx.runtime.gradsync import GradientBuckets, GradReduction
+    from primepar_fx.runtime.pending import DeferredGradients
+
+    torch.manual_seed(0)
+    table = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))  # replicated, summed in a bucket
+    positions = torch.tensor([0, 1, 2, 4])
+    x = torch.randn(2 * world, 4, 3, dtype=torch.float64)
+
+    def loss_of(pos: torch.Tensor, rows: slice) -> torch.Tensor:
+        return ((x[rows] + pos) ** 2 * weight).sum()
+
+    ref = torch.autograd.grad(loss_of(F.embedding(positions, table), slice(None)), [table, weight])
+    group = (dist.group.WORLD, (0, 1))
+    stats = CommStats()
+    buckets = GradientBuckets([("weight", weight, GradReduction((0,), group, "mul", 0))], stats)
+    mod = DeferredGradients(torch.ops.aten.embedding.default, [None, None], {}, (0, 1), (0,), group, stats, "add")
+    mod.bucket = (buckets, buckets.hold_for((0, 1)))
+    rows = slice(2 * rank, 2 * rank + 2)
+    out = {}
+    loss_of(mod(table, positions), rows).backward()
+    out["table"] = (table.grad - ref[0]).abs().max().item()
+    out["weight"] = (weight.grad - ref[1]).abs().max().item()
+    out["calls"], out["by_node"] = stats.calls["collective"], dict(stats.by_node)
+    with buckets.accumulating():  # a micro-batch before the last: the table's sum goes alone, the weight's waits
+        loss_of(mod(table, positions), rows).backward()
+    out["accumulating_calls"] = stats.calls["collective"] - out["calls"]
+    out["accumulating_table"] = (table.grad - 2 * ref[0]).abs().max().item()
+    buckets.remove()
+    return out
+
+
+def test_a_deferred_sum_joins_the_last_bucket_over_its_ranks() -> None:
+    """The deferred sum travels in the message of the held-back bucket over the same ranks: one message for both,
+    each tensor's bytes under its own node, both gradients exact."""
+    r = spawn(_joined, 2, timeout=120)
+    assert r["table"] < 1e-12 and r["weight"] < 1e-12
+    assert r["calls"] == 1
+    factor = ring_factors("all-reduce", 2)[0]
+    assert r["by_node"] == {"mul": round(factor * 3 * 8), "add": round(factor * 4 * 3 * 8)}
+    assert r["accumulating_calls"] == 1 and r["accumulating_table"] < 1e-12
