@@ -18,6 +18,7 @@ emit as a node of its own, whose result goes only to the re-layout (a single use
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -224,7 +225,9 @@ class ScatterSaving:
 
     ``forward_*``: the producer's output all-reduce (attributed to the producer); ``backward_*``: the consumer's
     input-gradient all-reduce (attributed to the consumer). Seconds and bytes saved per device, net of a bias
-    gradient's all-reduce; ``*_scattered`` the bytes the reduce-scatter itself sends. Zero where no fusion.
+    gradient's all-reduce; ``*_scattered`` the bytes the reduce-scatter itself sends; ``forward_bias_*`` the bias
+    gradient's all-reduce netted out of ``forward_*`` (it runs in Backward: a recomputed Forward saves without it).
+    Zero where no fusion.
     """
 
     forward_s: np.ndarray
@@ -233,13 +236,16 @@ class ScatterSaving:
     backward_s: np.ndarray
     backward_bytes: np.ndarray
     backward_scattered: np.ndarray
+    forward_bias_s: np.ndarray
+    forward_bias_bytes: np.ndarray
 
 
 def _saving(
     cluster: ClusterSpec, part: OpPartition, c: Collective, tensor: str, vkey, item: int, bias: int | None = None
-) -> tuple[float, int, int]:
+) -> tuple[float, int, int, float, int]:
     """Seconds and bytes one device saves when all-reduce ``c`` becomes a reduce-scatter of the same block (less a
-    bias gradient's all-reduce over the same group), and the bytes the reduce-scatter sends."""
+    bias gradient's all-reduce over the same group), the bytes the reduce-scatter sends, and the seconds and bytes
+    of that bias all-reduce (zero without a bias)."""
     block = block_bytes(part, tensor_map(part.op, tensor), vkey, item)
     group = cluster.group_size(part.mesh, c.digits)
     mesh, digits = part.mesh, c.digits
@@ -250,9 +256,9 @@ def _saving(
     saved, scattered = int(round(ar * block)) - int(round(rs * block)), int(round(rs * block))
     if bias is not None:
         extra = block_bytes(part, part.op.inputs[bias], vkey, item)  # type: ignore[arg-type]
-        seconds -= cluster.collective_time("all-reduce", extra, mesh, digits)
-        saved -= int(round(ar * extra))
-    return seconds, saved, scattered
+        bias_s, bias_bytes = cluster.collective_time("all-reduce", extra, mesh, digits), int(round(ar * extra))
+        return seconds - bias_s, saved - bias_bytes, scattered, bias_s, bias_bytes
+    return seconds, saved, scattered, 0.0, 0
 
 
 def scatter_saving(
@@ -271,7 +277,7 @@ def scatter_saving(
     :func:`fusable_backward`); ``None`` when no pair fuses."""
     vkey, item = values_key(values), opts.itemsize
     shape = (len(producers), len(consumers))
-    out = ScatterSaving(*(np.zeros(shape) for _ in range(6)))
+    out = ScatterSaving(*(np.zeros(shape) for _ in dataclasses.fields(ScatterSaving)))
     found = False
     mesh = producers[0].mesh
     needed = _Distinct([forward_needed(c, in_index) for c in consumers], vkey) if any(forward) else None
@@ -285,7 +291,8 @@ def scatter_saving(
         if len(hits):
             found = True
             saving = _saving(cluster, p, f.collective, f"out{out_index}", vkey, item, f.bias)
-            out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving
+            out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving[:3]
+            out.forward_bias_s[i, hits], out.forward_bias_bytes[i, hits] = saving[3:]
     for j, (q, f) in enumerate(zip(consumers, backward)):
         use = backward_held(q, in_index) if f is not None else None
         if use is None or grad_needed is None:
@@ -294,7 +301,7 @@ def scatter_saving(
         if len(hits):
             found = True
             saving = _saving(cluster, q, f.collective, f"d_in{in_index}", vkey, item)  # type: ignore[union-attr]
-            out.backward_s[hits, j], out.backward_bytes[hits, j], out.backward_scattered[hits, j] = saving
+            out.backward_s[hits, j], out.backward_bytes[hits, j], out.backward_scattered[hits, j] = saving[:3]
     return out if found else None
 
 

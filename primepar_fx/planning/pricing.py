@@ -75,6 +75,10 @@ class PricedGraph:
     #: input-gradient sums that wait for the end of backward (:mod:`primepar_fx.planning.deferred`); ``edge_cost``
     #: already has their seconds subtracted
     deferred: dict[tuple[str, str], DeferredSaving] = field(default_factory=dict)
+    #: recomputed edges whose producer's Forward all-reduce runs again fused into a reduce-scatter
+    #: (:mod:`primepar_fx.planning.recompute`): ``edge_cost`` already has the seconds saved subtracted, and the
+    #: summary takes the bytes saved off the producer's recomputation
+    rescattered: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
 
     @functools.cached_property
     def search_graph(self) -> CostGraph:
@@ -136,10 +140,14 @@ class PricedGraph:
             node_memory=None if cg.node_memory is None else {n: take(m, rows[n]) for n, m in cg.node_memory.items()},
             node_key=cg.node_key,
         )
-        scatter = {
-            (u, v): ScatterSaving(*(take(getattr(sav, f.name), rows[u], rows[v]) for f in dataclasses.fields(sav)))
-            for (u, v), sav in self.scatter.items()
-        }
+
+        def savings(of: dict[tuple[str, str], ScatterSaving]) -> dict[tuple[str, str], ScatterSaving]:
+            return {
+                (u, v): ScatterSaving(*(take(getattr(s, f.name), rows[u], rows[v]) for f in dataclasses.fields(s)))
+                for (u, v), s in of.items()
+            }
+
+        scatter = savings(self.scatter)
         flows = {
             (u, v): ShareFlow(
                 f.k_in,
@@ -148,6 +156,8 @@ class PricedGraph:
                 take(f.signature, rows[v]),
                 take(f.reduce_s, rows[v]),
                 take(f.reduce_bytes, rows[v]),
+                take(f.forward_s, rows[u], rows[v]),
+                take(f.forward_bytes, rows[u], rows[v]),
             )
             for (u, v), f in self.flows.items()
         }
@@ -169,6 +179,7 @@ class PricedGraph:
             self.fanout,
             tied,
             {(u, v): DeferredSaving(take(d.seconds, rows[u], rows[v])) for (u, v), d in self.deferred.items()},
+            savings(self.rescattered),
         )
 
     def shared_consumers(self, choice: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
@@ -234,7 +245,8 @@ class ShareFlow:
     """One data-flow edge as :mod:`primepar_fx.cost.share` needs it: its own re-layout's seconds (net of a
     reduce-scatter saving) and bytes per strategy pair, and per consumer strategy the number of its
     :func:`~primepar_fx.cost.share.signature` (equal numbers: equal signatures, across the edges of one pricing) and
-    the seconds and bytes of its input-gradient all-reduces."""
+    the seconds and bytes of its input-gradient all-reduces; and the seconds and bytes of the re-layout's Forward
+    direction alone (what runs again when its consumer is recomputed, :mod:`primepar_fx.planning.recompute`)."""
 
     k_in: int
     seconds: np.ndarray
@@ -242,6 +254,8 @@ class ShareFlow:
     signature: np.ndarray
     reduce_s: np.ndarray
     reduce_bytes: np.ndarray
+    forward_s: np.ndarray
+    forward_bytes: np.ndarray
 
 
 def default_workers() -> int:
@@ -423,6 +437,7 @@ class _Pricing:
     edge_cost: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     edge_bytes: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     edge_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    forward_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # Forward alone
     net_cache: dict[tuple, np.ndarray] = field(default_factory=dict)  # scatter key -> edge seconds net of saving
     scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
     share_flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
@@ -563,6 +578,20 @@ class _Pricing:
                     pairs=pairs,
                     keys=dkeys,
                 )
+            if key not in self.forward_cache:  # the Forward direction alone: its priced half of the above
+                pairs, dkeys = self.layouts[key]
+                self.forward_cache[key] = edge_cost_matrix(
+                    self.partitions[u],
+                    k_out,
+                    self.partitions[v],
+                    k_in,
+                    self.cluster,
+                    self.values,
+                    self.opts,
+                    itemsize=key[-1],
+                    pairs=(pairs[0], None),
+                    keys=(dkeys[0], None),
+                )
             self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = self.edge_cache[key]
             if skey is not None and self.scatter_cache[skey] is not None:
                 saving = self.scatter[(u, v)] = self.scatter_cache[skey]
@@ -570,7 +599,11 @@ class _Pricing:
                     self.net_cache[skey] = _frozen(self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s)
                 self.edge_cost[(u, v)] = self.net_cache[skey]
             self.share_flows[(u, v)] = ShareFlow(
-                k_in, self.edge_cost[(u, v)], self.edge_bytes[(u, v)], *self._consumer_share(v, k_in, key[-1])
+                k_in,
+                self.edge_cost[(u, v)],
+                self.edge_bytes[(u, v)],
+                *self._consumer_share(v, k_in, key[-1]),
+                *self.forward_cache[key],
             )
 
     def _consumer_share(self, v: str, k_in: int, item: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -18,9 +18,10 @@ Pricing, per node and strategy like everything else in the cost model:
 
 * time: a node that runs again adds its Forward seconds (:attr:`~primepar_fx.cost.model.NodeCost.forward_s`) to
   its Backward (the last one its compute and ring only); a re-layout into a node that runs again (but the run's
-  first, whose re-layouts run before the checkpoint) adds half its seconds and bytes (its Forward half; the other
-  half is the mirrored re-layout of the gradient, which runs once either way), except a re-layout fused into a
-  reduce-scatter or shared by several consumers, which keeps its seconds (an under-estimate);
+  first, whose re-layouts run before the checkpoint) adds the seconds and bytes of its Forward direction (the
+  re-layout of the gradient runs once either way), less what fusing the producer's all-reduce into a
+  reduce-scatter saves when that all-reduce runs again too; a re-layout shared by several consumers runs again
+  once, with its first consumer (the edge flows carry the Forward direction, so the sharing prices it so);
 * bytes sent: the Forward bytes sent again, under the kind ``"recomputation"``;
 * memory: a node of a checkpointed run keeps, instead of its stash, the blocks of the tensors entering the run
   that it is the first to read;
@@ -48,17 +49,23 @@ import sympy
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes
 from primepar_fx.cost.model import NodeCost, stashed_inputs
+from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import LayerUnits, layer_units, selective_nodes, unit_inputs
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
 from primepar_fx.planning.levers import RECOMPUTE_KIND, Recompute, check_choice
 from primepar_fx.planning.peak import least_peak, least_plan, plan_peak, ring_buffers, solve_for_peak
-from primepar_fx.planning.pricing import PricedGraph, node_key, out_index, tensor_itemsize
+from primepar_fx.planning.pricing import PricedGraph, ShareFlow, node_key, out_index, tensor_itemsize
 from primepar_fx.search import CostGraph, InfeasibleBudget, Solution
 from primepar_fx.search.problem import evaluate
 
 log = logging.getLogger(__name__)
+
+
+def _frozen_like(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
 
 
 def _frozen(values: list[float]) -> np.ndarray:
@@ -86,6 +93,7 @@ class LayerPricing:
         self.runs = {"full": list(units.units), "selective": [selective_nodes(graph, u) for u in units.units]}
         self._how: dict[tuple[str, int], dict[str, tuple[str, list[tuple[str, int]]]]] = {}
         self._memo: dict[tuple, list[NodeCost]] = {}
+        self._edges: dict[tuple, tuple] = {}  # _edge_again's, by the ids of its arrays
 
     @property
     def selective_differs(self) -> bool:
@@ -154,6 +162,36 @@ class LayerPricing:
             self._memo[key] = out
         return self._memo[key]
 
+    def _edge_again(
+        self, u: str, v: str, how: Mapping[str, tuple[str, list]], seconds: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, ScatterSaving | None, ShareFlow | None]:
+        """Edge ``(u, v)``'s seconds and bytes when ``v`` runs again: plus its re-layout's Forward direction; where
+        ``u``'s all-reduce runs again too and fuses with it into a reduce-scatter, the seconds less what the fusion
+        saves, and that saving (:attr:`~primepar_fx.planning.pricing.PricedGraph.rescattered`: the summary takes the
+        bytes off ``u``'s recomputation); and the edge's flow with the same arrays, when the edge's were its flow's
+        (a re-layout that several consumers share runs again once, before the first of them: the flows say which
+        consumers share it, :mod:`primepar_fx.planning.sharing`). An edge that re-lays out a tied parameter (no
+        data flow) adds half of both directions."""
+        priced = self.priced
+        flow = priced.flows.get((u, v))
+        if flow is None:
+            return seconds * 1.5, priced.edge_bytes[(u, v)] * 3 // 2, None, None
+        saving = priced.scatter.get((u, v))
+        if not (saving is not None and how.get(u, ("",))[0] == "all"):
+            saving = None
+        nbytes = priced.edge_bytes[(u, v)]
+        # identical layers' edges share their arrays, and so do the results (the search sees them alike)
+        key = (id(seconds), id(nbytes), id(flow), id(saving))
+        if key not in self._edges:
+            fs = flow.forward_s
+            if saving is not None:  # runs again as a reduce-scatter (its bias's gradient sum does not run again)
+                fs = fs - (saving.forward_s + saving.forward_bias_s)
+            again = (_frozen_like(seconds + fs), _frozen_like(nbytes + flow.forward_bytes))
+            ours = seconds is flow.seconds and nbytes is flow.nbytes
+            self._edges[key] = (*again, dataclasses.replace(flow, seconds=again[0], nbytes=again[1]) if ours else None)
+        seconds, nbytes, new = self._edges[key]
+        return seconds, nbytes, saving, new
+
     def apply(self, policy: Recompute) -> PricedGraph:
         """The priced graph with ``policy``'s layers recomputed (the same object when nothing is)."""
         if not policy.active:
@@ -163,6 +201,8 @@ class LayerPricing:
         node_cost, node_memory = dict(cg.node_cost), dict(cg.node_memory or {})
         keys = dict(cg.node_key or {})
         edge_cost, edge_bytes = dict(cg.edge_cost), dict(priced.edge_bytes)
+        rescattered: dict[tuple[str, str], ScatterSaving] = {}
+        flows = dict(priced.flows)
         vectors: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for i, mode in enumerate(policy.layers):
             if mode == "none":
@@ -182,12 +222,22 @@ class LayerPricing:
             rerun = {n for n, (again, _) in how.items() if again}
             first = self.runs[mode][i][0] if rerun else None
             if rerun:
-                for (u, v), m in cg.edge_cost.items():  # not the fused or shared ones: those keep their seconds
-                    if v in rerun and v != first and (u, v) not in priced.scatter and u not in priced.fanout:
-                        edge_cost[(u, v)] = m * 1.5
-                        edge_bytes[(u, v)] = priced.edge_bytes[(u, v)] * 3 // 2
+                for (u, v), m in cg.edge_cost.items():
+                    if v in rerun and v != first:
+                        edge_cost[(u, v)], edge_bytes[(u, v)], saving, flow = self._edge_again(u, v, how, m)
+                        if saving is not None:
+                            rescattered[(u, v)] = saving
+                        if flow is not None:
+                            flows[(u, v)] = flow
         graph = CostGraph(cg.nodes, node_cost, edge_cost, node_memory, keys or None)
-        return dataclasses.replace(priced, cost_graph=graph, node_costs=node_costs, edge_bytes=edge_bytes)
+        return dataclasses.replace(
+            priced,
+            cost_graph=graph,
+            node_costs=node_costs,
+            edge_bytes=edge_bytes,
+            rescattered=rescattered,
+            flows=flows,
+        )
 
     def extra_peak(self, policy: Recompute, applied: PricedGraph, choice: Mapping[str, int]) -> int:
         """How far the step's real peak lies above the end of Forward (0 when it is there), for ``choice``.

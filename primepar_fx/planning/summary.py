@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
+from primepar_fx.planning.levers import RECOMPUTE_KIND
 from primepar_fx.planning.plan import CostBreakdown, NodePlan, Predicted
 from primepar_fx.planning.pricing import PricedGraph
 
@@ -81,6 +82,16 @@ def summarize(
                 redis_s[v] += float(sec[i, j])
                 saved[owner] += int(nbytes[i, j])
                 scattered[owner] += int(rs[i, j])
+    resaved = {n: 0 for n in graph.nodes}  # a recomputed all-reduce that runs again as a reduce-scatter
+    for (u, v), sav in priced.rescattered.items():
+        if (u, v) in sharing:
+            continue
+        i, j = choice[u], choice[v]
+        if sav.forward_scattered[i, j]:
+            sec = float(sav.forward_s[i, j] + sav.forward_bias_s[i, j])
+            saved_s[u] += sec
+            redis_s[v] += sec
+            resaved[u] += int(sav.forward_bytes[i, j] + sav.forward_bias_bytes[i, j])
     for (u, v), d in priced.deferred.items():  # off the edge's cost: report it as the consumer's all-reduce's
         s = float(d.seconds[choice[u], choice[v]])
         saved_s[v] += s
@@ -95,7 +106,7 @@ def summarize(
         total_s += step_s
         static += c.state_bytes(opts) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
-        comm += sum(c.comm_bytes.values()) - saved[name] - unshared[name] + redis_bytes[name] / world
+        comm += sum(c.comm_bytes.values()) - saved[name] - unshared[name] - resaved[name] + redis_bytes[name] / world
         if not nodes and 0.0 <= step_s < math.inf:
             continue  # (a node whose time is not a finite number of seconds gets CostBreakdown's error below)
         seq = priced.strategies[name][choice[name]]
@@ -108,7 +119,9 @@ def summarize(
             kinds["all-reduce"] = kinds.get("all-reduce", 0) - reduced  # and its all-gather after the step)
             if unshared[name] > reduced:
                 kinds["all-gather"] = kinds.get("all-gather", 0) - (unshared[name] - reduced)
-        if scattered[name] or unshared[name]:
+        if resaved[name]:
+            kinds[RECOMPUTE_KIND] -= resaved[name]
+        if scattered[name] or unshared[name] or resaved[name]:
             kinds = {k: v for k, v in kinds.items() if v}
         if redis_bytes[name]:
             kinds["redistribution"] = redis_bytes[name] // world

@@ -36,16 +36,14 @@ def _assert_bytes_match(report: dict, plans: list[str]) -> None:
 
 def test_recomputation_trains_like_one_device():
     """Activation recomputation (issue 18): every layer recomputed in full, with the searched plan, a P(S x S)
-    plan, Megatron's split and a random plan, trains to the numbers of one device on 4 ranks; the first two send
-    the bytes predicted (the recomputed Forward's collectives and ring shifts included)."""
+    plan, Megatron's split and a random plan, trains to the numbers of one device on 4 ranks and sends the bytes
+    predicted (the recomputed Forward's collectives, ring shifts and re-layouts included: shared ones once, fused
+    reduce-scatters as reduce-scatters)."""
     # (Megatron with sequence parallelism: the fastest Megatron split of gpt2-tiny on 4 ranks is pure data parallelism)
     plans = ["searched+recompute=full", "prime+recompute=full", "megatron-sp+recompute=full", "random:5+recompute=full"]
     report = spawn(check_plans, 4, "gpt2-tiny", plans, timeout=TIMEOUT)
     _assert_trains_like_one_device(report, plans)
-    # (a random plan's re-layouts are not predicted to the byte either way; nor, yet, Megatron with sequence
-    # parallelism under recomputation: the recomputed Forward's shared, reduce-scattered re-layouts are priced once,
-    # 8 KiB a rank short on gpt2-tiny; issue 18)
-    _assert_bytes_match(report, plans[:2])
+    _assert_bytes_match(report, plans)
     assert report["prime+recompute=full"]["sent_rank0"]["ring"] > 0
     for plan in plans[1:]:  # Forward runs twice: its collectives and ring shifts are sent again
         assert report[plan]["recomputed_bytes"] > 0, plan
@@ -65,7 +63,7 @@ def test_zero_trains_like_one_device():
     in a whole step, and trains to one device's losses and parameters on 4 ranks."""
     from distributed_checks import check_levers
 
-    plans = ["data_parallel+zero=1", "data_parallel+zero=2", "megatron+recompute=full+zero=2", "random:5+zero=2"]
+    plans = ["data_parallel+zero=1", "data_parallel+zero=2", "megatron-sp+recompute=full+zero=2", "random:5+zero=2"]
     report = spawn(check_levers, 4, "gpt2-tiny", plans, timeout=TIMEOUT)
     for plan in plans:
         r = report[plan]
