@@ -564,34 +564,21 @@ class _Pricing:
         the seconds net of the reduce-scatter saving where an all-reduce fuses with the re-layout."""
         flows = tqdm(self.flows, desc="pricing edges", disable=not progress, leave=False)
         for u, v, k_in, k_out, key, skey in flows:
-            if key not in self.edge_cache:
+            if key not in self.edge_cache:  # both directions, and the Forward one alone (for recomputation)
                 pairs, dkeys = self.layouts[key]
-                self.edge_cache[key] = edge_cost_matrix(
-                    self.partitions[u],
-                    k_out,
-                    self.partitions[v],
-                    k_in,
-                    self.cluster,
-                    self.values,
-                    self.opts,
-                    itemsize=key[-1],
-                    pairs=pairs,
-                    keys=dkeys,
-                )
-            if key not in self.forward_cache:  # the Forward direction alone: its priced half of the above
-                pairs, dkeys = self.layouts[key]
-                self.forward_cache[key] = edge_cost_matrix(
-                    self.partitions[u],
-                    k_out,
-                    self.partitions[v],
-                    k_in,
-                    self.cluster,
-                    self.values,
-                    self.opts,
-                    itemsize=key[-1],
-                    pairs=(pairs[0], None),
-                    keys=(dkeys[0], None),
-                )
+                for cache, both in ((self.edge_cache, True), (self.forward_cache, False)):
+                    cache[key] = edge_cost_matrix(
+                        self.partitions[u],
+                        k_out,
+                        self.partitions[v],
+                        k_in,
+                        self.cluster,
+                        self.values,
+                        self.opts,
+                        itemsize=key[-1],
+                        pairs=pairs if both else (pairs[0], None),
+                        keys=dkeys if both else (dkeys[0], None),
+                    )
             self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = self.edge_cache[key]
             if skey is not None and self.scatter_cache[skey] is not None:
                 saving = self.scatter[(u, v)] = self.scatter_cache[skey]
