@@ -238,6 +238,21 @@ class GradientBuckets:
         place.view(p.shape).copy_(grad)
         return place
 
+    def _append(self, bucket: _Bucket, joined: list) -> torch.Tensor:
+        """The bucket's kept buffer with the joined sums copied after its gradients (it grows once to hold them:
+        they are the same size every step), as the flat tensor to send."""
+        assert bucket.buffer is not None
+        end = bucket.numel + sum(g.numel() for g, _, _ in joined)
+        if bucket.buffer.numel() < end:
+            grown = torch.empty(end, dtype=bucket.dtype, device=bucket.buffer.device)
+            grown[: bucket.numel].copy_(bucket.buffer[: bucket.numel])
+            bucket.buffer = grown
+        offset = bucket.numel
+        for g, _, _ in joined:
+            bucket.buffer[offset : offset + g.numel()].copy_(g.reshape(-1))
+            offset += g.numel()
+        return bucket.buffer[:end]
+
     def _reduce_now(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         r = self.reductions[i]
         return all_reduce(grad, r.group[0], len(r.ranks), self.stats, node=r.node)
@@ -257,8 +272,8 @@ class GradientBuckets:
         joined = self._joined.get(bucket.index, [])
         if not bucket.sent and not joined:
             return
-        if len(bucket.sent) == len(bucket.members) and not joined:  # every gradient is in its place already
-            bucket.flat = bucket.buffer
+        if len(bucket.sent) == len(bucket.members):  # every gradient is in its place already
+            bucket.flat = self._append(bucket, joined) if joined else bucket.buffer
         else:  # a parameter without a gradient this backward keeps its place (and its .grad) untouched
             parts = [self._grads[i].reshape(-1) for i in bucket.sent]  # type: ignore[union-attr]
             bucket.flat = torch.cat(parts + [g.reshape(-1) for g, _, _ in joined])
