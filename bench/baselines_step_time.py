@@ -540,43 +540,42 @@ def markdown(saved: dict, png: str | None) -> str:
 
 READING = """## Reading the results
 
-* **Issue 16 (runtime speed), measured in the run above** (the machine otherwise idle):
-  * `primepar data_parallel` takes **1.02x** DDP's step time (279 against 273 ms), with the same bus bytes
-    (21902 KiB). Its parameter gradients travel in DDP-style buckets, asynchronously during backward
-    (`runtime/gradsync.py`), each gradient copied into its place in a flat tensor kept from step to step, and
-    `.grad` a slice of it as with DDP's `gradient_as_bucket_view`. The global loss (primepar returns the mean loss
-    of the whole batch on every rank, exactly one device's; DDP each rank's own) no longer waits: the count of
-    targets is all-reduced from the start of the graph and the loss sum while backward runs, the returned loss a
-    tensor that waits where its value is first read (`runtime/pending.py`). That is 4 messages a step against
-    DDP's 2, none of them waited in the middle of the step: blocked 42 against 45 ms a rank, computing 122 against
-    127 ms (means).
+* **Issue 16 (runtime speed), measured in the run above** (one run; load average 4.0 before the timed steps and
+  4.9 after, the four ranks included):
+  * `primepar data_parallel` takes **1.05x** DDP's step time (335 against 318 ms; means 322 and 318), with the
+    same bus bytes (21902 KiB). Its parameter gradients travel in DDP-style buckets, asynchronously during
+    backward (`runtime/gradsync.py`), each gradient copied into its place in a flat tensor kept from step to step,
+    and `.grad` a slice of it as with DDP's `gradient_as_bucket_view`. The global loss (primepar returns the mean
+    loss of the whole batch on every rank, exactly one device's; DDP each rank's own) costs one message: the
+    targets are shifted labels, a function of the inputs alone, so every rank counts them whole without a message
+    (`graph.build.input_chain`), and the loss sum runs while backward does, the returned loss a tensor that waits
+    where its value is first read (`runtime/pending.py`). That is 3 messages a step against DDP's 2 (two buckets
+    each), none waited in the middle of the step: blocked 52 against 56 ms a rank, computing 134 against 134 ms
+    (means).
   * `primepar (no options)`, what `compile(model, args)` does, measures this machine on its ranks the first time
-    (cached after) and picks data parallelism's traffic (21902 KiB in 4 messages; the shifted labels run
-    replicated, as the search runs every gradient-free constant): **1.05x** DDP (286 ms), target (<= 1.0x)
-    **missed** in this run. The three rows with that traffic (no options, `data_parallel`, `searched
-    (calibrated)`) measured 286, 279 and 276 ms: the same plan within this machine's noise, which is as large as
-    their distance from DDP (their means, 290, 285 and 288 ms, are below DDP's 298). Before the asynchronous loss,
-    no options priced the synchronous loss all-reduce above gathering the logits and computed the loss
-    replicated (24974 KiB, 1.08x).
-  * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout, takes **0.74x** `dtensor tp`'s time and sends
+    (cached after) and picks data parallelism's traffic (21902 KiB in 3 messages): **1.04x** DDP (329 ms), target
+    (<= 1.0x) **missed** by the median of this run. The three rows with that traffic (no options,
+    `data_parallel`, `searched (calibrated)`) measured 329, 335 and 325 ms, means 324, 322 and 314 against DDP's
+    318: one plan, whose distance from DDP is inside this machine's noise (earlier runs: 1.00-1.05).
+  * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout, takes **0.70x** `dtensor tp`'s time and sends
     **0.93x its bytes** (27.8 MiB in 76 messages against 30.0 MiB in 37). The readers of one normed input (q, k
     and v; gate and up) share one all-gather and one reduce-scatter of their summed gradient (`passes/share.py`),
     as DTensor does, and the plan prices exactly that; it sends less than DTensor because its loss is
     vocabulary-parallel (DTensor gathers the whole logits).
   * Data parallelism with ZeRO (`+ZeRO-1`, `+ZeRO-2`, `module.optimizer`: each rank steps a quarter of AdamW's
-    state) is slower here (1.18x and 1.29x DDP): gloo's reduce-scatter and all-gather write 1.5x an
+    state) is slower here (1.08x and 1.21x DDP): gloo's reduce-scatter and all-gather write 1.5x an
     all-reduce's bytes to the wire, and the optimizer step is a small part of a rank's computing.
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
-* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.60x `dtensor tp`'s time, 1.55x its bytes,
-  1.9x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
+* **The `cpu-gloo` preset still picks P(S x S)** on 13 linears (0.62x `dtensor tp`'s time, 1.55x its bytes,
+  1.95x DDP's time): it prices a message at 0.1 ms where it costs milliseconds here. The measured default (row
   `no options`) and the step-fitted spec (`calibrated`) both pick data parallelism.
-* **Under Megatron dp1 x mp4 +SP's memory** (`calibrated, budget`: 62.1 MiB predicted) the step-fitted spec now
-  picks data parallelism with ZeRO-2 (predicted 60.5 MiB): 0.38x `dtensor tp`'s time, 0.71x its bytes and
-  1.17x its peak. It measures **66.0 MiB, over the 62.1 MiB budget**: the memory model leaves out Backward's
+* **Under Megatron dp1 x mp4 +SP's memory** (`calibrated, budget`: 62.1 MiB predicted) the step-fitted spec
+  picks data parallelism with ZeRO-2 (predicted 60.5 MiB): 0.36x `dtensor tp`'s time, 0.71x its bytes and
+  1.22x its peak. It measures **66.0 MiB, over the 62.1 MiB budget**: the memory model leaves out Backward's
   and the optimizer's temporaries (docs/benchmarks/memory.md), which set the peak of a lean plan.
 * **Breakdown** (ms per step and rank, table above): DTensor dispatches every op through Python and computes
-  249 ms on the main thread against primepar's 157 on the same layout; primepar is also blocked less (328
-  against 393 ms).
+  292 ms on the main thread against primepar's 169 on the same layout; primepar is also blocked less (349
+  against 464 ms).
 * **On the wire** (what gloo writes), gloo's all-gather and reduce-scatter send 1.35-1.5x the ring volume
   (`dtensor tp` 44 MiB against 30, FSDP2 41 against 31, ZeRO-2 32 against 21), while its all-reduce and
   point-to-point sends are within 0.5% of it.
@@ -585,37 +584,36 @@ READING = """## Reading the results
   their gradient) and whole gradients of the vocabulary-sharded embedding (4.3 MiB of gradients for 3.6 MiB
   of parameters).
 * **Among PyTorch's systems, tensor parallelism is the slowest here** and DDP the fastest (0.32x, two bucket
-  all-reduces a step), then FSDP2 (0.49x, 14 calls) and tensor parallelism without sequence parallelism
+  all-reduces a step), then FSDP2 (0.51x, 14 calls) and tensor parallelism without sequence parallelism
   (0.67x): on two shared cores a message costs milliseconds and four ranks cannot compute faster than one.
   These are not GPU numbers: with NVLink a message costs microseconds and the ranking may differ.
-* **The GPT-2-style model** (fused qkv, biases, tied embeddings) is on
-  [baselines-gpt2.md](baselines-gpt2.md). **Not measured here:** runs at other loads: one run, load average 3.2
-  before and 4.2 after (the four ranks).
-* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 119-249 ms of a
-  273-859 ms step, so compute is visible, and all thirteen systems run in under 3 minutes.
+* **The GPT-2-style model** (fused qkv, biases, tied embeddings) is on [baselines-gpt2.md](baselines-gpt2.md).
+* **Model size.** Hidden 256, 4 layers, batch 8, sequence 128: the main thread computes 131-292 ms of a
+  318-1020 ms step, so compute is visible, and all thirteen systems run in under 3 minutes.
 """
 
 READING_GPT2 = """## Reading the results
 
-* **Issue 16 (runtime speed) on a GPT-2-style model**, measured in the run above (no other work on the machine):
+* **Issue 16 (runtime speed) on a GPT-2-style model**, measured in the run above (one run; load average 3.5
+  before the timed steps and 3.9 after, the four ranks included):
   * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout (column-parallel fused qkv with whole heads per rank,
-    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.66x** `dtensor tp`'s
+    sequence-parallel LayerNorms, vocabulary-parallel token and position tables), takes **0.63x** `dtensor tp`'s
     time and sends **0.90x its bytes** (27.2 MiB against 30.2 MiB). The fused qkv projection has one reader, so
     the shared re-layouts matter here for the residual stream and the tied embedding's readers only.
-  * `primepar data_parallel` takes **1.05x** DDP's step time (306 against 293 ms) and sends DDP's bytes exactly
-    (20241 KiB), in 5 messages against 2, none waited in the middle of the step: the count of targets (from the
-    start of the graph) and the loss sum (read when the caller reads the loss), both asynchronous
-    (`runtime/pending.py`); the learned position table's, whose lookup has no batch dimension and runs replicated,
-    so the gradient of its output is summed over the batch ranks: that sum now runs asynchronously and the
-    table's gradient is computed from it at the end of backward (`DeferredGradients`, priced on the lookup's edge,
-    `planning/deferred.py`); and two buckets. What remains is the messages' own cost on two shared cores: the gloo
-    threads use 22 ms of CPU a rank against DDP's 18, and the main thread computes 127 against 123 ms (means).
+  * `primepar data_parallel` takes **0.99x** DDP's step time (280 against 281 ms; means 284 and 292) and sends
+    DDP's bytes exactly (20241 KiB), in 3 messages against 2, none waited in the middle of the step: the loss sum
+    (read when the caller reads the loss; the count of targets needs no message, every rank counts the shifted
+    labels whole from the inputs) and two buckets. The learned position table's lookup has no batch dimension and
+    runs replicated, so the gradient of its output is summed over the batch ranks; that sum waits for the end of
+    backward (`DeferredGradients`, priced on the lookup's edge, `planning/deferred.py`) and travels in the last
+    gradient bucket's message (`GradientBuckets.join`), so it costs no message of its own.
   * `primepar (no options)` plans on this machine as its ranks measured it and picks the same traffic (20241 KiB
-    in 5 messages): **1.08x** DDP (317 ms), target (<= 1.0x) **missed**. The three rows with that traffic measured
-    317, 306 and 302 ms (means 307, 309 and 305 against DDP's 293). Before the deferred sum, no options gathered
-    the token embeddings to add the position table replicated (21585 KiB), pricing that below the synchronous sum.
+    in 3 messages): **1.01x** DDP (283 ms; mean 293), target (<= 1.0x) **missed** by the median of this run, by
+    2 ms. The three rows with that traffic measured 283, 280 and 295 ms: one plan, inside this machine's noise of
+    DDP. Before this run's changes (the local count of targets, the joined sum) it sent 5 messages and measured
+    1.03-1.08x.
   * Data parallelism with ZeRO (`+ZeRO-1`, `+ZeRO-2`: the optimizer steps a quarter of the state on each rank)
-    is slower here (1.26x and 1.39x DDP): gloo's reduce-scatter and all-gather write 1.5x the all-reduce's bytes
+    is slower here (1.11x and 1.26x DDP): gloo's reduce-scatter and all-gather write 1.5x the all-reduce's bytes
     to the wire, and AdamW's step is a small part of a rank's computing on this model.
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
 * **DTensor TP on a tied, fused-qkv model** needs three things torchtitan's Llama plan does not: the attention
@@ -623,9 +621,8 @@ READING_GPT2 = """## Reading the results
   learned position table row-parallel with its output split by sequence (dim 0 of its ``(S, h)`` output), and the
   LM head re-tied to the token table's sharded weight after `parallelize_module` (both are split by vocabulary
   rows). With them every system's first loss is the same (to 1e-6).
-* **Among PyTorch's systems** DDP is the fastest here (0.30x `dtensor tp`), then FSDP2 (0.46x) and tensor
-  parallelism without sequence parallelism (0.58x), as on the Llama-style model ([baselines.md](baselines.md)).
-* **Not measured here:** runs at other loads: one run, load average 3.9 before and 5.4 after (the four ranks).
+* **Among PyTorch's systems** DDP is the fastest here (0.29x `dtensor tp`), then FSDP2 (0.47x) and tensor
+  parallelism without sequence parallelism (0.57x), as on the Llama-style model ([baselines.md](baselines.md)).
 """
 
 MEASURED = """## How each figure is measured
