@@ -17,7 +17,7 @@ A parameter that several nodes read (tied embeddings) is stored in its first rea
 (:mod:`~primepar_fx.passes.shard`); every later reader with the first's signature reads the first's all-reduce, so
 that the summed gradient is all-reduced once (and, a parameter's only use then, it goes to the gradient buckets,
 :mod:`~primepar_fx.passes.gradsync`). This one is pairwise, each later reader with the first, as the plan prices it
-(:class:`~primepar_fx.planning.pricing.TiedSaving`).
+(:class:`~primepar_fx.planning.priced.TiedSaving`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.plan import Baseline, Predicted
-from primepar_fx.planning.pricing import PricedGraph, price_graph
+from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import layer_pricing
 from primepar_fx.planning.summary import Summary, summarize
 

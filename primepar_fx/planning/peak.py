@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from primepar_fx.planning.pricing import PricedGraph
+from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, least_memory, solve
 
 

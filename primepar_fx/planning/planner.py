@@ -55,7 +55,8 @@ from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
 from primepar_fx.planning.peak import plan_peak, solve_for_peak
 from primepar_fx.planning.plan import Baseline, Plan
-from primepar_fx.planning.pricing import PricedGraph, price_graph
+from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
 from primepar_fx.planning.summary import Summary, per_step, summarize  # noqa: F401  (re-exported)
 from primepar_fx.search import InfeasibleBudget

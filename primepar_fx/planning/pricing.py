@@ -10,14 +10,11 @@ shape, not L times.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import sympy
@@ -43,219 +40,12 @@ from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
-from primepar_fx.planning.deferred import DeferredSaving, deferred_sums
-from primepar_fx.planning.sharing import add_share_nodes
+from primepar_fx.planning.deferred import deferred_sums
+from primepar_fx.planning.priced import PricedGraph, ShareFlow, TiedSaving, frozen
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PricedGraph:
-    """The priced graph (:attr:`cost_graph`: node and edge costs, Eq. 7-9), the search problem
-    (:attr:`search_graph`) and what is needed to read its answer back."""
-
-    cost_graph: CostGraph
-    mesh: DeviceMesh
-    strategies: dict[str, list[PartitionSeq]]
-    node_costs: dict[str, list[NodeCost]]
-    edge_bytes: dict[tuple[str, str], np.ndarray]
-    seconds: float
-    #: edges where an all-reduce and the re-layout after it fuse into a reduce-scatter, for some strategy pairs;
-    #: ``edge_cost`` already has the seconds saved subtracted (:mod:`primepar_fx.cost.scatter`)
-    scatter: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
-    #: every data-flow edge's own re-layout and its consumer's side of sharing it (:mod:`primepar_fx.cost.share`)
-    flows: dict[tuple[str, str], ShareFlow] = field(default_factory=dict)
-    #: producer -> its consumers in graph order, where they may share one re-layout (:func:`shared_consumers`)
-    fanout: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    #: tied parameters: (first reader, later reader) -> where the later one's gradient all-reduce is the first's;
-    #: ``edge_cost`` already has its seconds subtracted (:func:`shared_parameter_gradients`)
-    tied: dict[tuple[str, str], TiedSaving] = field(default_factory=dict)
-    #: input-gradient sums that wait for the end of backward (:mod:`primepar_fx.planning.deferred`); ``edge_cost``
-    #: already has their seconds subtracted
-    deferred: dict[tuple[str, str], DeferredSaving] = field(default_factory=dict)
-    #: recomputed edges whose producer's Forward all-reduce runs again fused into a reduce-scatter
-    #: (:mod:`primepar_fx.planning.recompute`): ``edge_cost`` already has the seconds saved subtracted, and the
-    #: summary takes the bytes saved off the producer's recomputation
-    rescattered: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
-
-    @functools.cached_property
-    def search_graph(self) -> CostGraph:
-        """What the search solves: :attr:`cost_graph` with a virtual node per tensor whose consumers may share one
-        re-layout (:mod:`primepar_fx.planning.sharing`), so that the objective of a choice is its predicted step
-        time. A solution's choice names these nodes too; :func:`~primepar_fx.planning.summary.summarize` ignores
-        them."""
-        return add_share_nodes(self.cost_graph, self.flows, self.fanout)
-
-    def with_memory(self, opts: CostOptions) -> PricedGraph:
-        """This pricing with every node's memory read again under ``opts`` (another ZeRO stage: each strategy's
-        seconds and bytes stay, :class:`~primepar_fx.cost.blocks.CostOptions`)."""
-        vectors: dict[int, np.ndarray] = {}
-        memory = {}
-        for name in self.cost_graph.node_cost:
-            costs = self.node_costs[name]
-            if id(costs) not in vectors:
-                vectors[id(costs)] = _frozen([float(c.memory_bytes(opts)) for c in costs])
-            memory[name] = vectors[id(costs)]
-        graph = dataclasses.replace(self.cost_graph, node_memory=memory)
-        return dataclasses.replace(self, cost_graph=graph)
-
-    def subset(self, keep: Callable[[PartitionSeq], bool]) -> PricedGraph:
-        """This pricing with every node's strategies narrowed to those ``keep`` accepts, in their order.
-
-        Each cost is per strategy or per pair of strategies, so this is what pricing the narrower space gives,
-        bit for bit: the planner reads its split-only baseline (``keep`` = no P(S x S)) off its own pricing. Arrays
-        shared between nodes (identical layers) stay shared. Raises ``ValueError`` naming a node left with none.
-        """
-        kept: dict[int, np.ndarray] = {}  # id of a strategy list (shared by a node's copies) -> the rows kept
-        rows: dict[str, np.ndarray] = {}
-        for name, seqs in self.strategies.items():
-            if id(seqs) not in kept:
-                kept[id(seqs)] = np.flatnonzero(np.array([bool(keep(s)) for s in seqs], dtype=bool))
-            rows[name] = kept[id(seqs)]
-            if not len(rows[name]):
-                raise ValueError(f"node {name}: no strategy is kept (of {', '.join(map(str, seqs[:4]))}, ...)")
-        memo: dict[tuple[int, ...], Any] = {}  # the ids stay valid: every array is held by self meanwhile
-
-        def take(arr: np.ndarray, *index: np.ndarray) -> np.ndarray:
-            key = (id(arr), *map(id, index))
-            if key not in memo:
-                out = arr[np.ix_(*index)] if len(index) > 1 else arr[index[0]]
-                out.flags.writeable = arr.flags.writeable
-                memo[key] = out
-            return memo[key]
-
-        def pick(items: list, name: str) -> list:
-            key = (id(items), id(rows[name]))
-            if key not in memo:
-                memo[key] = [items[i] for i in rows[name]]
-            return memo[key]
-
-        cg = self.cost_graph
-        sub = CostGraph(
-            nodes=cg.nodes,
-            node_cost={n: take(c, rows[n]) for n, c in cg.node_cost.items()},
-            edge_cost={(u, v): take(m, rows[u], rows[v]) for (u, v), m in cg.edge_cost.items()},
-            node_memory=None if cg.node_memory is None else {n: take(m, rows[n]) for n, m in cg.node_memory.items()},
-            node_key=cg.node_key,
-        )
-
-        def savings(of: dict[tuple[str, str], ScatterSaving]) -> dict[tuple[str, str], ScatterSaving]:
-            return {
-                (u, v): ScatterSaving(*(take(getattr(s, f.name), rows[u], rows[v]) for f in dataclasses.fields(s)))
-                for (u, v), s in of.items()
-            }
-
-        scatter = savings(self.scatter)
-        flows = {
-            (u, v): ShareFlow(
-                f.k_in,
-                take(f.seconds, rows[u], rows[v]),
-                take(f.nbytes, rows[u], rows[v]),
-                take(f.signature, rows[v]),
-                take(f.reduce_s, rows[v]),
-                take(f.reduce_bytes, rows[v]),
-                take(f.forward_s, rows[u], rows[v]),
-                take(f.forward_bytes, rows[u], rows[v]),
-            )
-            for (u, v), f in self.flows.items()
-        }
-        tied = {
-            (u, v): TiedSaving(
-                take(t.shared, rows[u], rows[v]), take(t.reduce_s, rows[v]), take(t.reduce_bytes, rows[v])
-            )
-            for (u, v), t in self.tied.items()
-        }
-        return PricedGraph(
-            sub,
-            self.mesh,
-            {n: pick(s, n) for n, s in self.strategies.items()},
-            {n: pick(c, n) for n, c in self.node_costs.items()},
-            {(u, v): take(b, rows[u], rows[v]) for (u, v), b in self.edge_bytes.items()},
-            self.seconds,
-            scatter,
-            flows,
-            self.fanout,
-            tied,
-            {(u, v): DeferredSaving(take(d.seconds, rows[u], rows[v])) for (u, v), d in self.deferred.items()},
-            savings(self.rescattered),
-        )
-
-    def shared_consumers(self, choice: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
-        """Producer -> the consumers whose edges and input all-reduces do not run under ``choice`` because every
-        consumer of the producer shares the first one's re-layout (:mod:`primepar_fx.cost.share`)."""
-        out = {}
-        for u, group in self.fanout.items():
-            signatures = {int(self.flows[(u, v)].signature[choice[v]]) for v in group}
-            if len(signatures) == 1:
-                out[u] = group[1:]
-        return out
-
-    def not_run(self, choice: Mapping[str, int]) -> list[NotRun]:
-        """What :meth:`shared_consumers` leaves out under ``choice``, one :class:`NotRun` per consumer left out."""
-        out = []
-        for u, vs in self.shared_consumers(choice).items():
-            for v in vs:
-                f, i, j = self.flows[(u, v)], choice[u], choice[v]
-                out.append(
-                    NotRun(
-                        u, v, float(f.seconds[i, j]), int(f.nbytes[i, j]), float(f.reduce_s[j]), int(f.reduce_bytes[j])
-                    )
-                )
-        for (u, v), t in self.tied.items():
-            i, j = choice[u], choice[v]
-            if t.shared[i, j]:
-                out.append(NotRun(u, v, 0.0, 0, float(t.reduce_s[j]), int(t.reduce_bytes[j]), tied=True))
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class NotRun:
-    """An edge ``u -> v`` whose re-layout (``relayout_s``, ``relayout_bytes`` summed over devices) and whose
-    consumer's input-gradient all-reduce (``reduce_s``, ``reduce_bytes`` per device) do not run: ``v`` shares
-    another consumer's (:mod:`primepar_fx.cost.share`). ``tied``: ``u`` and ``v`` read one parameter and ``v``'s
-    gradient of it is all-reduced with ``u``'s (:class:`TiedSaving`); its seconds are already off the edge cost."""
-
-    u: str
-    v: str
-    relayout_s: float
-    relayout_bytes: int
-    reduce_s: float
-    reduce_bytes: int
-    tied: bool = False
-
-
-@dataclass(frozen=True)
-class TiedSaving:
-    """A parameter read by ``u`` first and by ``v`` later (tied embeddings), for the strategy pairs where both
-    need it in the layout ``u`` stores it in and all-reduce its gradient over the same digits
-    (:func:`~primepar_fx.cost.share.signature` equal): the runtime sums ``v``'s gradient into ``u``'s and
-    all-reduces the sum once (:func:`~primepar_fx.passes.share.share_relayouts`). ``shared[i, j]``: whether it does
-    for ``u``'s strategy ``i`` and ``v``'s ``j``; per strategy of ``v`` the seconds and bytes (per device) of the
-    all-reduce it no longer runs."""
-
-    shared: np.ndarray
-    reduce_s: np.ndarray
-    reduce_bytes: np.ndarray
-
-
-@dataclass(frozen=True)
-class ShareFlow:
-    """One data-flow edge as :mod:`primepar_fx.cost.share` needs it: its own re-layout's seconds (net of a
-    reduce-scatter saving) and bytes per strategy pair, and per consumer strategy the number of its
-    :func:`~primepar_fx.cost.share.signature` (equal numbers: equal signatures, across the edges of one pricing) and
-    the seconds and bytes of its input-gradient all-reduces; and the seconds and bytes of the re-layout's Forward
-    direction alone (what runs again when its consumer is recomputed, :mod:`primepar_fx.planning.recompute`)."""
-
-    k_in: int
-    seconds: np.ndarray
-    nbytes: np.ndarray
-    signature: np.ndarray
-    reduce_s: np.ndarray
-    reduce_bytes: np.ndarray
-    forward_s: np.ndarray
-    forward_bytes: np.ndarray
 
 
 def default_workers() -> int:
@@ -266,12 +56,6 @@ def default_workers() -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, min(2, cores))
-
-
-def _frozen(values: list, dtype: type = np.float64) -> np.ndarray:
-    out = np.array(values, dtype=dtype)
-    out.flags.writeable = False
-    return out
 
 
 def node_key(node: OpNode) -> tuple:
@@ -359,7 +143,7 @@ def price_graph(
     flows = [(u, v, k_in, k_out) for u, v, k_in, k_out, _, _ in pricing.flows]
     deferred = deferred_sums(graph, flows, pricing.partitions, cluster, values, opts.itemsize)
     for edge, saving in deferred.items():  # the sum waits for the end of backward (planning.deferred)
-        pricing.edge_cost[edge] = _frozen(pricing.edge_cost[edge] - saving.seconds)
+        pricing.edge_cost[edge] = frozen(pricing.edge_cost[edge] - saving.seconds)
     cg = pricing.cost_graph()
     seconds = time.perf_counter() - start
     log.info(
@@ -583,7 +367,7 @@ class _Pricing:
             if skey is not None and self.scatter_cache[skey] is not None:
                 saving = self.scatter[(u, v)] = self.scatter_cache[skey]
                 if skey not in self.net_cache:  # one array per scatter key, shared like the edge cache's
-                    self.net_cache[skey] = _frozen(self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s)
+                    self.net_cache[skey] = frozen(self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s)
                 self.edge_cost[(u, v)] = self.net_cache[skey]
             self.share_flows[(u, v)] = ShareFlow(
                 k_in,
@@ -609,9 +393,9 @@ class _Pricing:
                 seconds.append(s)
                 nbytes.append(b)
             self.consumer_share[key] = (
-                _frozen(numbers, np.int64),
-                _frozen(seconds),
-                _frozen(nbytes, np.int64),
+                frozen(numbers, np.int64),
+                frozen(seconds),
+                frozen(nbytes, np.int64),
             )
         return self.consumer_share[key]
 
@@ -672,8 +456,8 @@ class _Pricing:
             m = self.opts.micro_batches
             gathers = [zero_gather_price(part, k_v, self.cluster, self.vkey, item) for part in self.partitions[v]]
             gathers = [(s / m, int(round(b / m))) for s, b in gathers]
-            reduce_s = _frozen(reduce_s + np.array([g[0] for g in gathers]))
-            reduce_bytes = _frozen(reduce_bytes + np.array([g[1] for g in gathers], np.int64), np.int64)
+            reduce_s = frozen(reduce_s + np.array([g[0] for g in gathers]))
+            reduce_bytes = frozen(reduce_bytes + np.array([g[1] for g in gathers], np.int64), np.int64)
         return TiedSaving(shared, reduce_s, reduce_bytes)
 
     def _latency(self, v: str, k_in: int) -> np.ndarray:
@@ -681,7 +465,7 @@ class _Pricing:
         key = (self.entry[v], k_in)
         if key not in self.latency:
             target = self.graph.nodes[v].target
-            self.latency[key] = _frozen(
+            self.latency[key] = frozen(
                 [
                     input_all_reduce_latency(part, target, k_in, self.cluster, self.vkey, self.opts.itemsize)
                     for part in self.partitions[v]
@@ -693,8 +477,8 @@ class _Pricing:
         """Step 6: the search's :class:`CostGraph`; the nodes of one cache entry share their (read-only) vectors."""
         vectors = {  # per node cache entry: (seconds, memory bytes) of every strategy
             entry: (
-                _frozen([c.time_s for c in priced]),
-                _frozen([float(c.memory_bytes(self.opts)) for c in priced]),
+                frozen([c.time_s for c in priced]),
+                frozen([float(c.memory_bytes(self.opts)) for c in priced]),
             )
             for entry, _, priced, _ in self.node_cache.values()
         }

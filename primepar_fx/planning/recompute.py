@@ -56,22 +56,12 @@ from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
 from primepar_fx.planning.levers import RECOMPUTE_KIND, Recompute, check_choice
 from primepar_fx.planning.peak import least_peak, least_plan, plan_peak, ring_buffers, solve_for_peak
-from primepar_fx.planning.pricing import PricedGraph, ShareFlow, node_key, out_index, tensor_itemsize
+from primepar_fx.planning.priced import PricedGraph, ShareFlow, frozen
+from primepar_fx.planning.pricing import node_key, out_index, tensor_itemsize
 from primepar_fx.search import CostGraph, InfeasibleBudget, Solution
 from primepar_fx.search.problem import evaluate
 
 log = logging.getLogger(__name__)
-
-
-def _frozen_like(arr: np.ndarray) -> np.ndarray:
-    arr.flags.writeable = False
-    return arr
-
-
-def _frozen(values: list[float]) -> np.ndarray:
-    out = np.asarray(values, dtype=np.float64)
-    out.flags.writeable = False
-    return out
 
 
 class LayerPricing:
@@ -167,7 +157,7 @@ class LayerPricing:
     ) -> tuple[np.ndarray, np.ndarray, ScatterSaving | None, ShareFlow | None]:
         """Edge ``(u, v)``'s seconds and bytes when ``v`` runs again: plus its re-layout's Forward direction; where
         ``u``'s all-reduce runs again too and fuses with it into a reduce-scatter, the seconds less what the fusion
-        saves, and that saving (:attr:`~primepar_fx.planning.pricing.PricedGraph.rescattered`: the summary takes the
+        saves, and that saving (:attr:`~primepar_fx.planning.priced.PricedGraph.rescattered`: the summary takes the
         bytes off ``u``'s recomputation); and the edge's flow with the same arrays, when the edge's were its flow's
         (a re-layout that several consumers share runs again once, before the first of them: the flows say which
         consumers share it, :mod:`primepar_fx.planning.sharing`). An edge that re-lays out a tied parameter (no
@@ -186,7 +176,7 @@ class LayerPricing:
             fs = flow.forward_s
             if saving is not None:  # runs again as a reduce-scatter (its bias's gradient sum does not run again)
                 fs = fs - (saving.forward_s + saving.forward_bias_s)
-            again = (_frozen_like(seconds + fs), _frozen_like(nbytes + flow.forward_bytes))
+            again = (frozen(seconds + fs), frozen(nbytes + flow.forward_bytes, np.int64))
             ours = seconds is flow.seconds and nbytes is flow.nbytes
             self._edges[key] = (*again, dataclasses.replace(flow, seconds=again[0], nbytes=again[1]) if ours else None)
         seconds, nbytes, new = self._edges[key]
@@ -212,8 +202,8 @@ class LayerPricing:
                 costs = self._adjusted(n, again, keep)
                 if id(costs) not in vectors:
                     vectors[id(costs)] = (
-                        _frozen([c.time_s for c in costs]),
-                        _frozen([float(c.memory_bytes(self.opts)) for c in costs]),
+                        frozen([c.time_s for c in costs]),
+                        frozen([float(c.memory_bytes(self.opts)) for c in costs]),
                     )
                 node_costs[n] = costs
                 node_cost[n], node_memory[n] = vectors[id(costs)]

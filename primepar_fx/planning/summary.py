@@ -17,7 +17,7 @@ from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
 from primepar_fx.planning.levers import RECOMPUTE_KIND
 from primepar_fx.planning.plan import CostBreakdown, NodePlan, Predicted
-from primepar_fx.planning.pricing import PricedGraph
+from primepar_fx.planning.priced import PricedGraph
 
 
 @dataclass(frozen=True, slots=True)

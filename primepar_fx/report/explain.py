@@ -37,7 +37,8 @@ from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.planning.options import resolve_cluster
 from primepar_fx.planning.plan import MiB, Plan
-from primepar_fx.planning.pricing import PricedGraph, price_graph
+from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import layer_pricing
 from primepar_fx.rules.spec import OpDims, Shape
 from primepar_fx.utils.tables import fold_repeats

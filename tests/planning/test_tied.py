@@ -1,6 +1,6 @@
 """Tied parameters (GPT-2's token table, also its LM head): where both readers need the table in one layout and
 all-reduce its gradient over the same digits, the later reader's gradient is summed into the first's and
-all-reduced once (:class:`~primepar_fx.planning.pricing.TiedSaving`, :func:`~primepar_fx.passes.share.share_relayouts`).
+all-reduced once (:class:`~primepar_fx.planning.priced.TiedSaving`, :func:`~primepar_fx.passes.share.share_relayouts`).
 The search prices exactly that, the prediction counts it, and the rank graph runs it."""
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import data_parallel_assignment, megatron_assignment, megatron_configs
-from primepar_fx.planning.pricing import PricedGraph, price_graph
+from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.planning.pricing import price_graph
 from primepar_fx.search import InfeasibleBudget, TableTooLarge, evaluate, plan_memory, smallest_memory, solve
 
 VALUES = {B: 8, S: 64}
