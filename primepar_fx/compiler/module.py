@@ -57,7 +57,6 @@ from primepar_fx.report.trace import trace_plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.gradsync import GradientBuckets
 from primepar_fx.runtime.groups import ProcessGroups
-from primepar_fx.runtime.pending import DeferredGradients
 from primepar_fx.runtime.stats import CommStats
 from primepar_fx.runtime.zero import ShardedOptimizer
 
@@ -172,7 +171,7 @@ class PrimeParModule(nn.Module):
             ],
             self.comm_stats,
         )
-        self._join_buckets(rank_graph.gm)
+        self.grad_buckets.take_deferred(rank_graph.gm)
 
     # ------------------------------------------------------------------------------------------------ running
     def _as_captured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -297,20 +296,12 @@ class PrimeParModule(nn.Module):
                 raise RuntimeError(f"the gradient buckets would differ at B={sizes[0]}, S={sizes[1]}")
             for f in dataclasses.fields(CommStats):  # one counter for every size: share its dicts
                 setattr(built.stats, f.name, getattr(self.comm_stats, f.name))
-            self._join_buckets(built.gm)
+            self.grad_buckets.take_deferred(built.gm)
             self._rank_graphs[sizes] = built
         built = self._rank_graphs[sizes]
         if built.gm is not self.graph_module:
             self.graph_module = built.gm
         return built
-
-    def _join_buckets(self, gm: nn.Module) -> None:
-        """Each deferred input-gradient sum travels in the last gradient bucket over its ranks (module docstring of
-        :mod:`~primepar_fx.runtime.gradsync`)."""
-        for mod in gm.modules():
-            if isinstance(mod, DeferredGradients):
-                index = self.grad_buckets.hold_for(mod.group[1])
-                mod.bucket = None if index is None else (self.grad_buckets, index)
 
     # ------------------------------------------------------------------------------------------------ full tensors
     def full_shape(self, fqn: str) -> tuple[int, ...]:

@@ -45,6 +45,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from primepar_fx.cost.cluster import ring_factors
 from primepar_fx.runtime.collectives import all_reduce
+from primepar_fx.runtime.pending import DeferredGradients
 from primepar_fx.runtime.stats import CommStats
 
 #: DDP's default bucket size, and its smaller first bucket (the last gradients of backward: launched early)
@@ -210,6 +211,14 @@ class GradientBuckets:
         if index is not None:
             self._late.add(index)
         return index
+
+    def take_deferred(self, module: nn.Module) -> None:
+        """Let every :class:`~primepar_fx.runtime.pending.DeferredGradients` node of ``module`` (a rank graph) send
+        its sum in the last bucket over its ranks (:meth:`hold_for`)."""
+        for mod in module.modules():
+            if isinstance(mod, DeferredGradients):
+                index = self.hold_for(mod.group[1])
+                mod.bucket = None if index is None else (self, index)
 
     def join(self, index: int, grad: torch.Tensor, then: Callable[[torch.Tensor], None], node: str) -> bool:
         """Sum ``grad`` in the message of bucket ``index`` (held by :meth:`hold_for`) at the end of this backward and
