@@ -261,9 +261,9 @@ class DeferredGradients(nn.Module):
     from it at the end of backward, while the rest of backward runs. ``op``'s backward is linear in its output
     gradient and the same on every rank, so this is the plan's sum, in the plan's bytes.
 
-    When ``GradientBuckets.take_deferred`` sets ``bucket`` (``(GradientBuckets, index)``: the last gradient bucket over the same
-    ranks, held to the end of backward), the sum travels in that bucket's message instead of one of its own
-    (:meth:`~primepar_fx.runtime.gradsync.GradientBuckets.join`); inside micro-batches, for
+    When ``GradientBuckets.take_deferred`` sets ``bucket`` (``(GradientBuckets, index)``: the last gradient bucket
+    over the same ranks, held to the end of backward), the sum travels in that bucket's message instead of one of
+    its own (:meth:`~primepar_fx.runtime.gradsync.GradientBuckets.join`); inside micro-batches, for
     ``torch.autograd.grad`` and with ZeRO-2 it is sent alone.
 
     ``args``: ``op``'s arguments with ``None`` at the positions the node passes (``slots``); ``params``: which of the
