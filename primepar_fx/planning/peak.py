@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.search import CostGraph, InfeasibleBudget, Solution, least_memory, solve
+from primepar_fx.search import CostGraph, InfeasibleBudget, Search, Solution, least_memory, restrict, solve
 
 
 def solve_for_peak(
@@ -53,22 +53,24 @@ def solve_for_peak(
     least = least_peak(graph, buffers, memory_budget)
     if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
         raise InfeasibleBudget(memory_budget, least)
+    hints: tuple[float, ...] = ()
     for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
         if cap > memory_budget:
             continue
         keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
         if any(len(k) == 0 for k in keep.values()):
             continue
-        sub = static_part(graph, buffers, keep)
-        relaxed = solve(sub, method=method)  # type: ignore[arg-type]  # a lower bound for this cap, in milliseconds
+        search = Search(static_part(graph, buffers, keep), method=method)  # type: ignore[arg-type]
+        relaxed = search.solve()  # a lower bound for this cap, in milliseconds
         if best is not None and relaxed.cost >= best[0]:
-            continue
+            break  # a smaller cap keeps fewer strategies: its relaxed optimum is no lower
         if relaxed.memory <= memory_budget - cap:
             sol = relaxed
         else:
             try:
                 cutoff = math.inf if best is None else best[0]  # a cap that cannot beat the best stops early
-                sol = solve(sub, memory_budget=memory_budget - cap, method=method, cutoff=cutoff)  # type: ignore[arg-type]
+                sol = search.solve(memory_budget=memory_budget - cap, cutoff=cutoff, hints=hints)
+                hints = sol.multipliers or hints  # the next cap's budget is a little larger, its plans alike
             except InfeasibleBudget as exc:
                 smallest = min(smallest, exc.min_memory + cap)
                 continue
@@ -92,12 +94,18 @@ def plan_peak(priced: PricedGraph, choice: dict[str, int]) -> float:
 
 
 def ring_buffers(priced: PricedGraph) -> dict[str, np.ndarray]:
-    """Each search node's ring receive buffer per strategy (a virtual node of :mod:`planning.sharing`: none)."""
+    """Each search node's ring receive buffer per strategy (a virtual node of :mod:`planning.sharing`: none).
+    Equal vectors are one array, so the graphs built from them keep identical layers shared."""
     graph = priced.search_graph
+    interned: dict[bytes, np.ndarray] = {}
+
+    def intern(arr: np.ndarray) -> np.ndarray:
+        return interned.setdefault(arr.tobytes(), arr)
+
     return {
-        n: np.array([c.buffer_bytes for c in priced.node_costs[n]], dtype=float)
+        n: intern(np.array([c.buffer_bytes for c in priced.node_costs[n]], dtype=float))
         if n in priced.node_costs
-        else np.zeros(graph.strategies(n))
+        else intern(np.zeros(graph.strategies(n)))
         for n in graph.nodes
     }
 
@@ -105,18 +113,17 @@ def ring_buffers(priced: PricedGraph) -> dict[str, np.ndarray]:
 def static_part(
     graph: CostGraph, buffers: dict[str, np.ndarray], keep: dict[str, np.ndarray] | None = None
 ) -> CostGraph:
-    """``graph`` with each node's memory less its ring buffer, on the strategies ``keep`` (default: all)."""
-
-    def pick(n: str, a: np.ndarray) -> np.ndarray:
-        return a if keep is None else a[keep[n]]
-
-    return CostGraph(
-        nodes=graph.nodes,
-        node_cost={n: pick(n, graph.node_cost[n]) for n in graph.nodes},
-        edge_cost={(u, v): m if keep is None else m[np.ix_(keep[u], keep[v])] for (u, v), m in graph.edge_cost.items()},
-        node_memory={n: pick(n, graph.node_memory[n] - buffers[n]) for n in graph.nodes},  # type: ignore[index]
-        node_key=graph.node_key,
-    )
+    """``graph`` with each node's memory less its ring buffer, on the strategies ``keep`` (default: all). Arrays
+    shared between nodes stay shared (:func:`~primepar_fx.search.restrict`)."""
+    static: dict[tuple[int, int], np.ndarray] = {}
+    memory = {}
+    for n in graph.nodes:
+        mem, buf = graph.node_memory[n], buffers[n]  # type: ignore[index]
+        key = (id(mem), id(buf))
+        if key not in static:
+            static[key] = mem - buf
+        memory[n] = static[key]
+    return restrict(graph, keep or {}, memory)
 
 
 def least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], budget: float = math.inf) -> float:

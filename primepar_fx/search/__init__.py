@@ -18,8 +18,9 @@ from primepar_fx.search.problem import (
     evaluate,
     plan_memory,
     reduce_graph,
+    restrict,
 )
-from primepar_fx.search.solve import smallest_memory, solve
+from primepar_fx.search.solve import Search, smallest_memory, solve
 
 __all__ = [
     "CostGraph",
@@ -29,6 +30,7 @@ __all__ = [
     "IlpResult",
     "InfeasibleBudget",
     "InfeasibleGraph",
+    "Search",
     "SearchError",
     "Solution",
     "TableTooLarge",
@@ -36,6 +38,7 @@ __all__ = [
     "least_memory",
     "plan_memory",
     "reduce_graph",
+    "restrict",
     "smallest_memory",
     "solve",
     "solve_budget_dp",

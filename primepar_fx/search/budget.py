@@ -9,7 +9,8 @@ weight ``alpha + lam`` (:meth:`~primepar_fx.search.dp.DPSolver.minimise`), and `
 every run yields a proven lower bound.
 
 Multiplier search (bisection on the breakpoints of the concave dual): keep the cheapest plan known to break the
-budget (``lo``; at first the unconstrained optimum) and one known to fit (``hi``; at first the least-memory plan).
+budget (``lo``; at first the unconstrained optimum) and one known to fit (``hi``; at first the least-memory plan,
+or the best fitting plan of the multipliers a caller hints, e.g. those that bracketed a similar budget).
 Each plan is a line ``C + lam * M`` in ``lam``; try the ``lam`` where the two lines cross. If the DP finds nothing
 below the crossing, that ``lam`` maximises the dual and the search stops; otherwise the new plan replaces ``lo``
 or ``hi``. Each step discards a plan for good, so this ends; in practice within a few runs.
@@ -32,11 +33,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from primepar_fx.search.dp import DPOptions, DPSolver
+from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
 from primepar_fx.search.problem import CostGraph, InfeasibleBudget, evaluate, plan_memory
 from primepar_fx.search.structure import Structure
 
@@ -56,6 +58,9 @@ class BudgetResult:
     memory: float
     bound: float
     runs: int
+    #: the Lagrange multipliers that bracketed the budget at the end (the last plan over it, the last within it;
+    #: empty when the free plan fit): hints for a search of a similar budget
+    multipliers: tuple[float, ...] = ()
 
     @property
     def proven_optimal(self) -> bool:
@@ -105,28 +110,52 @@ def solve_budget_dp(
     options: DPOptions | None = None,
     max_runs: int = 64,
     cutoff: float = math.inf,
+    solver: DPSolver | None = None,
+    first: DPResult | None = None,
+    hints: Sequence[float] = (),
 ) -> BudgetResult:
     """The cheapest plan within ``budget`` the Lagrangian search finds, with a proven lower bound.
 
     ``cutoff``: the caller has a plan of that cost already. Once the lower bound reaches it, no plan here can be
-    cheaper, so the search stops with what it has (its cost is then >= ``cutoff``, and not proven optimal)."""
-    solver = DPSolver(graph, options)
+    cheaper, so the search stops with what it has (its cost is then >= ``cutoff``, and not proven optimal).
+    ``solver``: a :class:`DPSolver` of ``graph`` already built; ``first``: its minimum at weight ``alpha``, when
+    the caller has it (:class:`~primepar_fx.search.solve.Search` keeps both). ``hints``: multipliers to try first
+    (:attr:`BudgetResult.multipliers` of a search of a similar budget); a hint whose plan fits replaces the
+    least-memory plan as the first plan within budget, so a good hint saves that run and most of the bisection.
+    The guarantees (within budget, a proven bound) hold with any hints; where a duality gap remains, the plan the
+    crossover makes from fewer plans seen may differ (by no more than the gap)."""
+    solver = solver or DPSolver(graph, options)
     seen: list[_Plan] = []
 
     def run(lam: float) -> _Plan:
-        choice = solver.minimise(alpha + lam).choice
+        choice = first.choice if lam == 0.0 and first is not None else solver.minimise(alpha + lam).choice
         seen.append(_Plan(choice, evaluate(graph, choice, alpha), plan_memory(graph, choice)))
         return seen[-1]
 
     lo = run(0.0)
     if lo.memory <= budget:
         return BudgetResult(lo.choice, lo.cost, lo.memory, lo.cost, 1)
-    choice, least = least_memory(graph, options)
-    if least > budget:
-        raise InfeasibleBudget(budget, least)
-    hi = best = _Plan(choice, evaluate(graph, choice, alpha), least)
-    seen.append(hi)
-    bound, runs = lo.cost, 2
+    bound, runs, hi = lo.cost, 1, None
+    lam_lo = lam_hi = 0.0  # the multipliers at which lo and hi were found (0: not by a multiplier)
+    for lam in sorted(hints, reverse=True):  # multipliers that bracketed a similar budget, larger (leaner) first
+        if not (math.isfinite(lam) and lam > 0) or runs >= max_runs:
+            continue
+        plan, runs = run(lam), runs + 1
+        bound = max(bound, plan.cost + lam * plan.memory - lam * budget)
+        log.debug("budget: hint lam=%.6g cost=%.6g memory=%.6g bound=%.6g", lam, plan.cost, plan.memory, bound)
+        if plan.memory <= budget:
+            if hi is None or plan.cost < hi.cost:
+                hi, lam_hi = plan, lam
+        elif plan.cost > lo.cost:  # a costlier plan over the budget: the crossing moves closer
+            lo, lam_lo = plan, lam
+    if hi is None:
+        choice, least = least_memory(graph, options)
+        if least > budget:
+            raise InfeasibleBudget(budget, least)
+        hi = _Plan(choice, evaluate(graph, choice, alpha), least)
+        seen.append(hi)
+        runs += 1
+    best = hi
     while runs < max_runs and best.cost - bound > TOLERANCE * max(1.0, abs(best.cost)) and bound < cutoff:
         lam = (hi.cost - lo.cost) / (lo.memory - hi.memory)
         plan, runs = run(lam), runs + 1
@@ -138,10 +167,11 @@ def solve_budget_dp(
         if value >= crossing - TOLERANCE * max(1.0, abs(crossing)):
             break  # nothing below the crossing: lam maximises the dual
         if plan.memory <= budget:
-            hi = plan
+            hi, lam_hi = plan, lam
         else:
-            lo = plan
-    result = BudgetResult(best.choice, best.cost, best.memory, bound, runs)
+            lo, lam_lo = plan, lam
+    multipliers = tuple(x for x in (lam_lo, lam_hi) if x > 0)
+    result = BudgetResult(best.choice, best.cost, best.memory, bound, runs, multipliers)
     if result.proven_optimal or bound >= cutoff:
         return result
     px = solver.proxied  # the crossover cuts where the DP does, on the graph with its proxies
@@ -154,7 +184,7 @@ def solve_budget_dp(
         log.debug("budget: crossing plans over lowers the cost from %.6g to %.6g", best.cost, mixed.cost)
         best = mixed
     best = _polish(graph, best, budget, alpha)
-    return BudgetResult(best.choice, best.cost, best.memory, bound, runs)
+    return BudgetResult(best.choice, best.cost, best.memory, bound, runs, multipliers)
 
 
 def _polish(graph: CostGraph, plan: _Plan, budget: float, alpha: float, passes: int = 3) -> _Plan:

@@ -180,6 +180,8 @@ class Solution:
     proven_optimal: bool
     seconds: float
     bound: float = -math.inf
+    #: under a budget, the DP's Lagrange multipliers that bracketed it (hints for a search of a similar budget)
+    multipliers: tuple[float, ...] = ()
 
 
 def evaluate(graph: CostGraph, choice: Mapping[str, int], alpha: float = 0.0) -> float:
@@ -237,22 +239,59 @@ def _arc_consistent(graph: CostGraph) -> dict[str, np.ndarray]:
 def reduce_graph(graph: CostGraph) -> Reduced:
     """Drop strategies with +inf cost, and those left without a finite partner on some edge (arc consistency).
 
-    Arrays of nodes and edges that lose nothing are kept as the same objects, so repeated layers stay cheap to
-    recognise. Raises :class:`InfeasibleGraph` if a node loses every strategy.
+    Arrays of nodes and edges that lose nothing are kept as the same objects, and arrays shared between nodes
+    stay shared (:func:`restrict`), so repeated layers stay cheap to recognise. Raises :class:`InfeasibleGraph`
+    if a node loses every strategy.
     """
     alive = _arc_consistent(graph)
     kept = {n: np.flatnonzero(a) for n, a in alive.items()}
-    full = {n: bool(a.all()) for n, a in alive.items()}
-    if all(full.values()):
+    if all(a.all() for a in alive.values()):
         return Reduced(graph, kept)
+    return Reduced(restrict(graph, kept), kept)
 
-    def sub(n: str, arr: np.ndarray) -> np.ndarray:
-        return arr if full[n] else arr[kept[n]]
 
-    costs = {n: sub(n, graph.node_cost[n]) for n in graph.nodes}
-    memory = None if graph.node_memory is None else {n: sub(n, graph.node_memory[n]) for n in graph.nodes}
-    edges = {}
-    for (u, v), arr in graph.edge_cost.items():
-        edges[(u, v)] = arr if full[u] and full[v] else arr[np.ix_(kept[u], kept[v])]
-    reduced = CostGraph(graph.nodes, costs, edges, memory, graph.node_key)
-    return Reduced(reduced, kept)
+def restrict(
+    graph: CostGraph,
+    kept: Mapping[str, np.ndarray],
+    node_memory: Mapping[str, np.ndarray] | None = None,
+) -> CostGraph:
+    """``graph`` on the strategies ``kept[n]`` of each node (original indices, in order; a node left out keeps
+    all), with ``node_memory`` in place of the graph's when given.
+
+    Sharing is kept: nodes whose arrays are one object and whose kept indices are equal get one sub-array, so the
+    DP still finds identical layers by identity (:mod:`~primepar_fx.search.structure`) and checks, proxies and
+    compares each distinct array once. A node that keeps every strategy keeps its arrays as they are.
+    """
+    canonical: dict[bytes, np.ndarray] = {}
+    index: dict[str, np.ndarray | None] = {}
+    for n in graph.nodes:
+        k = kept.get(n)
+        if k is None or (len(k) == graph.strategies(n) and bool((k == np.arange(len(k))).all())):
+            index[n] = None
+        else:
+            k = np.asarray(k, dtype=np.intp)
+            index[n] = canonical.setdefault(k.tobytes(), k)
+    memo: dict[tuple[int, ...], np.ndarray] = {}  # the ids stay valid: graph and index hold every array meanwhile
+
+    def take(arr: np.ndarray, *nodes: str) -> np.ndarray:
+        picks = [index[n] for n in nodes]
+        if all(p is None for p in picks):
+            return arr
+        key = (id(arr), *(-1 if p is None else id(p) for p in picks))
+        if key not in memo:
+            if len(picks) == 1:
+                memo[key] = arr[picks[0]]
+            else:
+                rows = np.arange(arr.shape[0]) if picks[0] is None else picks[0]
+                cols = np.arange(arr.shape[1]) if picks[1] is None else picks[1]
+                memo[key] = arr[np.ix_(rows, cols)]
+        return memo[key]
+
+    memory = graph.node_memory if node_memory is None else node_memory
+    return CostGraph(
+        graph.nodes,
+        {n: take(graph.node_cost[n], n) for n in graph.nodes},
+        {(u, v): take(a, u, v) for (u, v), a in graph.edge_cost.items()},
+        None if memory is None else {n: take(memory[n], n) for n in graph.nodes},
+        graph.node_key,
+    )

@@ -61,6 +61,20 @@ def _narrow_side(matrix: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     return 0, rows, row_of.reshape(-1)
 
 
+def _screen(matrix: np.ndarray, weights: np.ndarray, max_states: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """:func:`_narrow_side` of ``matrix`` when its narrow side has at most ``max_states`` distinct slices and fewer
+    than its strategies, else ``None``."""
+    # a quick bound first: equal rows have equal sums under any weights (rows of +inf stay +inf, never NaN)
+    rows = len(np.unique(matrix @ weights[: matrix.shape[1]]))
+    cols = len(np.unique(weights[: matrix.shape[0]] @ matrix))
+    if min(rows, cols) > max_states:
+        return None
+    axis, distinct, classes = _narrow_side(matrix)
+    if len(distinct) <= max_states and len(distinct) < matrix.shape[axis]:
+        return axis, distinct, classes
+    return None
+
+
 def add_proxies(
     graph: CostGraph, *, max_states: int, min_jumps: int = 2, skip: frozenset[str] = frozenset()
 ) -> Proxied:
@@ -77,18 +91,15 @@ def add_proxies(
     weights = np.random.default_rng(0).random(max((max(m.shape) for m in graph.edge_cost.values()), default=1)) + 0.5
     alone = np.concatenate(([0], np.cumsum(jump_counts(order, kept) == 1)))  # alone[k]: such positions before k
     cands = {}
+    screened: dict[int, tuple[int, np.ndarray, np.ndarray] | None] = {}  # by the id of a (shared) edge matrix
     for u, v in kept:
         lo, hi, matrix = graph.index[u], graph.index[v], graph.edge_cost[u, v]
         if alone[hi] - alone[lo + 1] < min_jumps or min(matrix.shape) <= 1:
             continue
-        # a quick bound first: equal rows have equal sums under any weights (rows of +inf stay +inf, never NaN)
-        rows = len(np.unique(matrix @ weights[: matrix.shape[1]]))
-        cols = len(np.unique(weights[: matrix.shape[0]] @ matrix))
-        if min(rows, cols) > max_states:
-            continue
-        axis, distinct, classes = _narrow_side(matrix)
-        if len(distinct) <= max_states and len(distinct) < matrix.shape[axis]:
-            cands[u, v] = (axis, distinct, classes)
+        if id(matrix) not in screened:
+            screened[id(matrix)] = _screen(matrix, weights, max_states)
+        if screened[id(matrix)] is not None:
+            cands[u, v] = screened[id(matrix)]
     if not cands:
         return Proxied(graph, {})
     cuts = cut_positions(order, [e for e in kept if e not in cands])
@@ -97,23 +108,27 @@ def add_proxies(
     keys = None if graph.node_key is None else dict(graph.node_key)
     after: dict[str, list[str]] = {}
     proxies: dict[str, tuple[str, np.ndarray]] = {}
+    arrays: dict[int, tuple[np.ndarray, ...]] = {}
     for (u, v), (axis, distinct, classes) in cands.items():
         lo, hi = graph.index[u], graph.index[v]
         if bisect.bisect_left(cuts, hi) - bisect.bisect_right(cuts, lo) < min_jumps:
             continue
         w = f"{PREFIX}{u}->{v}"
         states = len(distinct)
-        pick = np.where(classes[:, None] == np.arange(states)[None, :], 0.0, np.inf)  # [strategy of the side, state]
+        if id(classes) not in arrays:  # one set per screened matrix, so proxies of identical layers share them
+            pick = np.where(classes[:, None] == np.arange(states)[None, :], 0.0, np.inf)  # [side's strategy, state]
+            arrays[id(classes)] = (pick, pick.T, np.ascontiguousarray(distinct.T), np.zeros(states))
+        pick, pick_t, distinct_t, zeros = arrays[id(classes)]
         del edge_cost[u, v]
         if axis == 0:  # u's strategy picks the row: u -> w (consistency), w -> v (the row)
             edge_cost[u, w], edge_cost[w, v] = pick, distinct
             proxies[w] = (u, classes)
         else:  # v's strategy picks the column: u -> w (the column), w -> v (consistency)
-            edge_cost[u, w], edge_cost[w, v] = np.ascontiguousarray(distinct.T), pick.T
+            edge_cost[u, w], edge_cost[w, v] = distinct_t, pick_t
             proxies[w] = (v, classes)
-        node_cost[w] = np.zeros(states)
+        node_cost[w] = zeros
         if memory is not None:
-            memory[w] = np.zeros(states)
+            memory[w] = zeros
         if keys is not None:
             keys[w] = ("proxy", u, v, states)
         after.setdefault(u, []).append(w)

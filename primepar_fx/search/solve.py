@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 from primepar_fx.search.budget import least_memory, solve_budget_dp
-from primepar_fx.search.dp import DPOptions, DPSolver
+from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
 from primepar_fx.search.ilp import IlpInfeasible, ilp_size, solve_ilp
 from primepar_fx.search.problem import (
     CostGraph,
@@ -42,18 +43,6 @@ log = logging.getLogger(__name__)
 Method = Literal["dp", "ilp", "auto"]
 
 
-def _dp(
-    red: Reduced, budget: float | None, alpha: float, options: DPOptions | None, cutoff: float = math.inf
-) -> tuple[dict, bool, float]:
-    """DP plan on the reduced graph, whether it is proven optimal, and its lower bound."""
-    if budget is None:
-        res = DPSolver(red.graph, options).minimise(alpha)
-        return res.choice, True, evaluate(red.graph, res.choice, alpha)
-    res = solve_budget_dp(red.graph, budget, alpha=alpha, options=options, cutoff=cutoff)
-    log.info("DP under budget: %d runs, cost %.6g, bound %.6g", res.runs, res.cost, res.bound)
-    return res.choice, res.proven_optimal, res.bound
-
-
 def _ilp(red: Reduced, budget: float | None, alpha: float, time_limit: float | None) -> tuple[dict, bool]:
     try:
         res = solve_ilp(red.graph, alpha=alpha, memory_budget=budget, time_limit=time_limit)
@@ -63,32 +52,122 @@ def _ilp(red: Reduced, budget: float | None, alpha: float, time_limit: float | N
     return res.choice, res.proven_optimal
 
 
-def _auto(
-    red: Reduced,
-    budget: float | None,
-    alpha: float,
-    options: DPOptions | None,
-    time_limit: float | None,
-    ilp_max_variables: int,
-    cutoff: float = math.inf,
-) -> tuple[dict, bool, float, str]:
-    try:
-        choice, proven, bound = _dp(red, budget, alpha, options, cutoff)
-    except TableTooLarge as err:
-        size = ilp_size(red.graph)
-        if size > ilp_max_variables:
-            raise TableTooLarge(
-                f"{err}; the ILP fallback would need {size:,} variables (limit {ilp_max_variables:,}), so neither "
-                "solver can take this graph: use a smaller world size, canonical=True, or raise the limits"
-            ) from None
-        log.info("DP tables too large (%s); solving the ILP instead", err)
-        return (*_ilp(red, budget, alpha, time_limit), -math.inf, "ilp")
-    if proven or bound >= cutoff or ilp_size(red.graph) > ilp_max_variables:
-        return choice, proven, bound, "dp"
-    ilp_choice, ilp_proven = _ilp(red, budget, alpha, time_limit)
-    if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
-        choice = ilp_choice
-    return choice, ilp_proven, bound, "dp+ilp"
+class Search:
+    """One graph, reduced and (for the DP) analysed once, then searched as often as the caller needs: free, under
+    several budgets, with several cutoffs (:meth:`solve`). The DP's plan for a memory weight is kept, so a budgeted
+    search after a free one starts from it instead of running it again. :func:`solve` is one such search."""
+
+    def __init__(
+        self,
+        graph: CostGraph,
+        *,
+        method: Method = "auto",
+        options: DPOptions | None = None,
+        time_limit: float | None = None,
+        ilp_max_variables: int = 200_000,
+    ) -> None:
+        if method not in ("dp", "ilp", "auto"):
+            raise ValueError(f"method must be 'dp', 'ilp' or 'auto', got {method!r}")
+        self.graph, self.method, self.options = graph, method, options
+        self.time_limit, self.ilp_max_variables = time_limit, ilp_max_variables
+        self.reduced = reduce_graph(graph)
+        self._solver: DPSolver | TableTooLarge | None = None
+        self._minima: dict[float, DPResult] = {}
+        self._multipliers: tuple[float, ...] = ()
+
+    def solve(
+        self,
+        *,
+        memory_budget: float | None = None,
+        alpha: float = 0.0,
+        cutoff: float = math.inf,
+        hints: Sequence[float] = (),
+    ) -> Solution:
+        """The cheapest plan (module docstring); ``cutoff`` (with a budget, DP and auto): the caller already has a
+        plan of that cost, so the search may stop as soon as it proves that nothing here is cheaper; the plan it
+        returns then costs at least ``cutoff`` (within budget, not proven optimal). Below the cutoff the answer is
+        the same as without it. ``hints``: Lagrange multipliers for the DP's budgeted search to try first
+        (:attr:`Solution.multipliers` of a search of a similar budget; :func:`~primepar_fx.search.solve_budget_dp`)."""
+        if not math.isfinite(alpha) or alpha < 0:
+            raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+        if memory_budget is not None and math.isnan(memory_budget):
+            raise ValueError("memory_budget is NaN")
+        start, red, method = time.perf_counter(), self.reduced, self.method
+        self._multipliers = ()
+        if method == "dp":
+            choice, proven, bound = self._dp(memory_budget, alpha, cutoff, hints)
+        elif method == "ilp":
+            choice, proven = _ilp(red, memory_budget, alpha, self.time_limit)
+            bound = -math.inf
+        else:
+            choice, proven, bound, method = self._auto(memory_budget, alpha, cutoff, hints)
+        choice = red.lift(choice)
+        graph = self.graph
+        cost, memory = evaluate(graph, choice, alpha), plan_memory(graph, choice)
+        if memory_budget is not None and memory > memory_budget:
+            raise SearchError(f"internal error: the {method} plan needs {memory:.6g} > budget {memory_budget:.6g}")
+        bound = cost if proven else bound
+        seconds = time.perf_counter() - start
+        return Solution(choice, cost, memory, method, proven, seconds, bound, self._multipliers)
+
+    def _dp_solver(self) -> DPSolver:
+        if self._solver is None:
+            try:
+                self._solver = DPSolver(self.reduced.graph, self.options)
+            except TableTooLarge as err:
+                self._solver = err
+        if isinstance(self._solver, TableTooLarge):
+            raise self._solver
+        return self._solver
+
+    def _minimum(self, weight: float) -> DPResult:
+        if weight not in self._minima:
+            self._minima[weight] = self._dp_solver().minimise(weight)
+        return self._minima[weight]
+
+    def _dp(
+        self, budget: float | None, alpha: float, cutoff: float = math.inf, hints: Sequence[float] = ()
+    ) -> tuple[dict, bool, float]:
+        """DP plan on the reduced graph, whether it is proven optimal, and its lower bound."""
+        graph = self.reduced.graph
+        if budget is None:
+            res = self._minimum(alpha)
+            return res.choice, True, evaluate(graph, res.choice, alpha)
+        res = solve_budget_dp(
+            graph,
+            budget,
+            alpha=alpha,
+            options=self.options,
+            cutoff=cutoff,
+            solver=self._dp_solver(),
+            first=self._minimum(alpha),
+            hints=hints,
+        )
+        self._multipliers = res.multipliers
+        log.info("DP under budget: %d runs, cost %.6g, bound %.6g", res.runs, res.cost, res.bound)
+        return res.choice, res.proven_optimal, res.bound
+
+    def _auto(
+        self, budget: float | None, alpha: float, cutoff: float = math.inf, hints: Sequence[float] = ()
+    ) -> tuple[dict, bool, float, str]:
+        red = self.reduced
+        try:
+            choice, proven, bound = self._dp(budget, alpha, cutoff, hints)
+        except TableTooLarge as err:
+            size = ilp_size(red.graph)
+            if size > self.ilp_max_variables:
+                raise TableTooLarge(
+                    f"{err}; the ILP fallback would need {size:,} variables (limit {self.ilp_max_variables:,}), so "
+                    "neither solver can take this graph: use a smaller world size, canonical=True, or raise the limits"
+                ) from None
+            log.info("DP tables too large (%s); solving the ILP instead", err)
+            return (*_ilp(red, budget, alpha, self.time_limit), -math.inf, "ilp")
+        if proven or bound >= cutoff or ilp_size(red.graph) > self.ilp_max_variables:
+            return choice, proven, bound, "dp"
+        ilp_choice, ilp_proven = _ilp(red, budget, alpha, self.time_limit)
+        if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
+            choice = ilp_choice
+        return choice, ilp_proven, bound, "dp+ilp"
 
 
 def solve(
@@ -106,28 +185,16 @@ def solve(
 
     ``cutoff`` (with a budget, DP and auto): the caller already has a plan of that cost. The search may stop as
     soon as it proves that nothing here is cheaper; the plan it returns then costs at least ``cutoff`` (within
-    budget, not proven optimal). Below the cutoff the answer is the same as without it."""
+    budget, not proven optimal). Below the cutoff the answer is the same as without it. :class:`Search` runs
+    several searches of one graph."""
     if method not in ("dp", "ilp", "auto"):
         raise ValueError(f"method must be 'dp', 'ilp' or 'auto', got {method!r}")
     if not math.isfinite(alpha) or alpha < 0:
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
     if memory_budget is not None and math.isnan(memory_budget):
         raise ValueError("memory_budget is NaN")
-    start = time.perf_counter()
-    red = reduce_graph(graph)
-    if method == "dp":
-        choice, proven, bound = _dp(red, memory_budget, alpha, options, cutoff)
-    elif method == "ilp":
-        choice, proven = _ilp(red, memory_budget, alpha, time_limit)
-        bound = -math.inf
-    else:
-        choice, proven, bound, method = _auto(red, memory_budget, alpha, options, time_limit, ilp_max_variables, cutoff)
-    choice = red.lift(choice)
-    cost, memory = evaluate(graph, choice, alpha), plan_memory(graph, choice)
-    if memory_budget is not None and memory > memory_budget:
-        raise SearchError(f"internal error: the {method} plan needs {memory:.6g} > budget {memory_budget:.6g}")
-    bound = cost if proven else bound
-    return Solution(choice, cost, memory, method, proven, time.perf_counter() - start, bound)
+    search = Search(graph, method=method, options=options, time_limit=time_limit, ilp_max_variables=ilp_max_variables)
+    return search.solve(memory_budget=memory_budget, alpha=alpha, cutoff=cutoff)
 
 
 def smallest_memory(graph: CostGraph, options: DPOptions | None = None) -> float:

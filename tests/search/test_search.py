@@ -20,12 +20,15 @@ from primepar_fx.search import (
     DPSolver,
     InfeasibleBudget,
     InfeasibleGraph,
+    Search,
     TableTooLarge,
     evaluate,
     plan_memory,
     reduce_graph,
+    restrict,
     smallest_memory,
     solve,
+    solve_budget_dp,
 )
 from primepar_fx.search.engine import backtrack, plan_elimination, run
 from primepar_fx.search.minplus import boundaries, leaf, minplus, power
@@ -401,3 +404,83 @@ def test_a_larger_synthetic_model_agrees_across_merge_modes():
     power_ = DPSolver(graph, DPOptions(layer_merge="power")).minimise()
     assert_close(evaluate(graph, auto.choice), auto.value)
     assert_close(evaluate(graph, power_.choice), auto.value)
+
+
+def test_restrict_takes_the_kept_strategies_and_keeps_shared_arrays_shared():
+    graph = transformer_graph(4, strategies=(3, 5), views=1, mask_states=2, inf_fraction=0.0, seed=3)
+    rng = np.random.default_rng(0)
+    by_kind = {}  # one random subset per kind, so every layer keeps the same strategies
+    kept = {}
+    for n in graph.nodes:
+        kind, size = graph.node_key[n], graph.strategies(n)
+        if kind not in by_kind:
+            by_kind[kind] = np.sort(rng.choice(size, size=max(1, size - 1), replace=False))
+        kept[n] = by_kind[kind].copy()  # equal contents, distinct objects
+    memory = {n: graph.node_memory[n] * 2.0 for n in graph.nodes}
+    sub = restrict(graph, kept, memory)
+    for n in graph.nodes:
+        np.testing.assert_array_equal(sub.node_cost[n], graph.node_cost[n][kept[n]])
+        np.testing.assert_array_equal(sub.node_memory[n], memory[n][kept[n]])
+    for (u, v), arr in graph.edge_cost.items():
+        np.testing.assert_array_equal(sub.edge_cost[u, v], arr[np.ix_(kept[u], kept[v])])
+    # every layer's copy of a shared array, cut the same way, is one array again
+    assert sub.node_cost["l1.up"] is sub.node_cost["l2.up"]
+    assert sub.edge_cost["l1.mul", "l1.down"] is sub.edge_cost["l3.mul", "l3.down"]
+    assert len({id(a) for a in sub.edge_cost.values()}) == len({id(a) for a in graph.edge_cost.values()})
+    # a node left out, or keeping every strategy, keeps its arrays as they are
+    whole = restrict(graph, {n: np.arange(graph.strategies(n)) for n in graph.nodes})
+    assert all(whole.edge_cost[e] is graph.edge_cost[e] for e in graph.edge_cost)
+    assert restrict(graph, {}).node_cost["l0.up"] is graph.node_cost["l0.up"]
+
+
+def test_reducing_forbidden_strategies_keeps_identical_layers_shared():
+    graph = transformer_graph(6, strategies=(3, 6), views=1, mask_states=None, inf_fraction=0.2, seed=2)
+    red = reduce_graph(graph)
+    assert any(len(k) < graph.strategies(n) for n, k in red.kept.items())
+    reduced = {(u, v) for u, v in graph.edge_cost if len(red.kept[u]) < graph.strategies(u)}
+    assert any(u.startswith("l1.") for u, _ in reduced)  # the layers' edges lost strategies, and stay shared:
+    assert len({id(a) for a in red.graph.edge_cost.values()}) == len({id(a) for a in graph.edge_cost.values()})
+    assert_close(evaluate(graph, solve(graph, method="dp").choice), ilp_cost(graph))
+
+
+def test_a_search_builds_its_dp_once_and_a_budget_after_a_free_search_gives_the_same_plan(monkeypatch):
+    graph = fig6_stack(3, seed=11, max_p=3)
+    least, free = smallest_memory(graph), solve(graph, method="dp").memory
+    budgets = [least + f * (free - least) for f in (0.3, 0.6)]
+    built = []
+    init = DPSolver.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(args[0])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DPSolver, "__init__", counting)
+    search = Search(graph, method="dp")
+    plans = [search.solve(), *(search.solve(memory_budget=b) for b in budgets)]
+    ours = [g for g in built if g is search.reduced.graph]
+    assert len(ours) == 1  # the least-memory DPs run on a graph of their own
+    for budget, plan in zip([None, *budgets], plans):
+        alone = solve(graph, method="dp", memory_budget=budget)
+        assert plan.choice == alone.choice and plan.cost == alone.cost and plan.proven_optimal == alone.proven_optimal
+        if budget is not None:
+            assert plan.memory <= budget
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), slack=st.floats(0.05, 0.6))
+def test_hinted_multipliers_keep_the_guarantees_and_a_bracket_of_the_same_budget_saves_runs(seed, slack):
+    """``hints``: multipliers tried first. The plan stays within budget and its bound below the optimum, whatever
+    the hints; the bracket a search ended with, given back for the same budget, needs at most four DP runs (the
+    free plan, the two hints, one crossing) and no least-memory run."""
+    graph = fig6_stack(2, seed=seed, max_p=3)
+    least, free = smallest_memory(graph), solve(graph, method="dp").memory
+    budget = least + slack * (free - least)
+    optimum = solve(graph, method="ilp", memory_budget=budget).cost
+    plain = solve_budget_dp(graph, budget)
+    hinted = solve_budget_dp(graph, budget, hints=plain.multipliers)
+    odd = solve_budget_dp(graph, budget, hints=(1e9, 1e-12, -1.0, math.inf, math.nan))
+    for result in (plain, hinted, odd):
+        assert result.memory <= budget
+        assert result.bound <= optimum * (1 + REL) + REL <= result.cost * (1 + REL) + 2 * REL
+    if len(plain.multipliers) == 2:
+        assert hinted.runs <= min(plain.runs, 4)
