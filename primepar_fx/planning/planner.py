@@ -59,7 +59,7 @@ from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
 from primepar_fx.planning.summary import Summary, per_step, summarize  # noqa: F401  (re-exported)
-from primepar_fx.search import InfeasibleBudget
+from primepar_fx.search import InfeasibleBudget, solve
 from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
@@ -250,11 +250,10 @@ def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: i
         raise ValueError(f"micro_batches={m} does not divide the batch of {opts.batch}")
     values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
     costs = dataclasses.replace(opts.cost_options(), micro_batches=m)
-    best, tried, infeasible = None, [], []
-    for mesh in tqdm(meshes, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
+
+    def price(mesh: DeviceMesh) -> PricedGraph:
         clear_caches()  # each mesh numbers its own index sets, so the table of their overlaps holds this one's
-        start = time.perf_counter()
-        priced = price_graph(
+        return price_graph(
             graph,
             mesh,
             opts.cluster,
@@ -264,6 +263,26 @@ def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: i
             canonical=opts.canonical,
             progress=opts.progress,
         )
+
+    # Under a budget each mesh weighs recomputation, ZeRO and budget caps: many DP runs. A mesh's fastest plan
+    # without a budget bounds all of that from below (recomputation only adds time, ZeRO-2 none), so the meshes are
+    # searched in the order of that bound, and those whose bound is no faster than the best plan found are skipped.
+    bounds: list[float | None] = [None] * len(meshes)
+    if len(meshes) > 1 and opts.memory_budget is not None and opts.alpha == 0:
+        for i, mesh in enumerate(tqdm(meshes, desc="groupings' bounds", disable=not opts.progress, leave=False)):
+            bounds[i] = solve(price(mesh).search_graph, method=opts.method).cost  # type: ignore[arg-type]
+    order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
+    best, entries, infeasible = None, {}, []
+    for i in tqdm(order, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
+        mesh, start = meshes[i], time.perf_counter()
+        entry: dict[str, Any] = {"digits": list(mesh.digits), "objective": None}
+        if bounds[i] is not None:
+            entry["bound"] = bounds[i] * m  # type: ignore[operator]
+        entries[i] = entry
+        if best is not None and bounds[i] is not None and bounds[i] >= best.chosen.solution.cost:  # type: ignore[operator]
+            entry["seconds"] = 0.0  # its fastest plan is no faster than the best found: not searched
+            continue
+        priced = price(mesh)
         priced_s = time.perf_counter() - start
         try:
             chosen, stage = _choose_levers(graph, priced, values, costs, opts)
@@ -271,21 +290,19 @@ def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: i
             if len(meshes) == 1:
                 raise
             infeasible.append(exc)
-            tried.append(
-                {"digits": list(mesh.digits), "objective": None, "seconds": round(time.perf_counter() - start, 4)}
-            )
+            entry["seconds"] = round(time.perf_counter() - start, 4)
             continue
         sol = chosen.solution
-        tried.append(
-            {"digits": list(mesh.digits), "objective": sol.cost * m, "seconds": round(time.perf_counter() - start, 4)}
-        )
+        entry |= {"objective": sol.cost * m, "seconds": round(time.perf_counter() - start, 4)}
         if best is None or sol.cost < best.chosen.solution.cost:
             searched_s = time.perf_counter() - start - priced_s
             best = _Found(
-                mesh, chosen.priced, chosen, priced_s, searched_s, dataclasses.replace(costs, zero=stage), m, tried
+                mesh, chosen.priced, chosen, priced_s, searched_s, dataclasses.replace(costs, zero=stage), m, []
             )
         else:
             del priced  # only the cheapest grouping's pricing is kept (its split-only baseline is read off it)
+    if best is not None:
+        best.tried.extend(entries[i] for i in range(len(meshes)))
     if best is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     return best
