@@ -521,11 +521,14 @@ def megatron_configs(mesh: DeviceMesh) -> list[dict]:
 
 
 def config_name(config: dict) -> str:
-    """``"megatron dp2 x mp4 +SP"``, ``"megatron dp8 x mp4 +SP +distributed optimizer +full recompute"``."""
+    """``"megatron dp2 x mp4 +SP"``, ``"megatron dp8 x mp4 +SP +distributed optimizer +full recompute +4
+    micro-batches"``."""
     sp = " +SP" if config.get("sequence_parallel") else ""
     dist = " +distributed optimizer" if config.get("distributed_optimizer") else ""
     recompute = f" +{config['recompute']} recompute" if config.get("recompute") else ""
-    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{sp}{dist}{recompute}"
+    m = config.get("micro_batches", 1)
+    micro = f" +{m} micro-batches" if m > 1 else ""
+    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{sp}{dist}{recompute}{micro}"
 
 
 def assignment_from_text(

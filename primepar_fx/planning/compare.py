@@ -13,16 +13,17 @@ import sympy
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions
+from primepar_fx.frontend.symbols import B
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import layer_units
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
-from primepar_fx.planning.levers import Recompute
+from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.plan import Baseline, Predicted
 from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import layer_pricing
-from primepar_fx.planning.summary import Summary, summarize
+from primepar_fx.planning.summary import Summary, per_step, summarize
 
 log = logging.getLogger(__name__)
 
@@ -201,13 +202,18 @@ def price_baselines(
     model.
 
     With a memory budget, the best Megatron configuration is the fastest one that fits (the fastest overall,
-    marked ``"fits_budget": false``, when none does); data parallelism says whether it fits the same way.
+    marked ``"fits_budget": false``, when none does); data parallelism says whether it fits the same way. Megatron
+    then also accumulates gradients over micro-batches (:func:`best_megatron_micro_batches`).
     """
     out: dict[str, Baseline] = {}
     dp = data_parallel_assignment(graph, mesh, values=values)
     (config, summary, assignment), (dp_predicted,) = best_megatron(
         graph, mesh, cluster, values, opts, memory_budget, also=[dp]
     )
+    if memory_budget is not None:
+        config, summary, assignment = best_megatron_micro_batches(
+            graph, mesh, cluster, values, opts, memory_budget, (config, summary, assignment)
+        )
     out["megatron"] = Baseline("megatron", config, summary.predicted, {n: str(s) for n, s in assignment.items()})
     dp_config: dict[str, Any] = {"dp": mesh.size}
     if memory_budget is not None:
@@ -215,3 +221,44 @@ def price_baselines(
     out["data_parallel"] = Baseline("data_parallel", dp_config, dp_predicted, {n: str(s) for n, s in dp.items()})
     out["fsdp"] = best_fsdp(graph, mesh, cluster, values, opts, memory_budget, dp)
     return out
+
+
+def best_megatron_micro_batches(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float,
+    whole: tuple[dict[str, Any], Summary, dict[str, PartitionSeq]],
+) -> tuple[dict[str, Any], Summary, dict[str, PartitionSeq]]:
+    """Megatron-LM's gradient accumulation: the best configuration of :func:`best_megatron` at ``m`` micro-batches
+    of ``B / m`` (activations of one micro-batch held, gradients reduced once a step: ``CostOptions.micro_batches``),
+    priced as the whole step (:func:`~primepar_fx.planning.summary.per_step`), for the counts of
+    :data:`~primepar_fx.planning.levers.MICRO_BATCH_TRIES` that leave every data-parallel rank a whole sample.
+    ``whole`` is the best at one micro-batch. As for our plans, more micro-batches are tried only while the best so
+    far needs recomputation or does not fit, and not after one that is slower; the fastest that fits wins (config
+    ``"micro_batches"``)."""
+    best = whole
+    batch = values[B]
+
+    def rank(found: tuple[dict[str, Any], Summary, Any]) -> tuple[bool, float]:
+        return (not found[0].get("fits_budget", True), found[1].predicted.step_time_s)
+
+    for m in MICRO_BATCH_TRIES[1:]:
+        if batch % m:
+            continue
+        if best[0].get("fits_budget", True) and not best[0].get("recompute"):
+            break  # it fits holding every activation: more micro-batches would only run smaller ones
+        micro = {**values, B: batch // m}
+        config, summary, assignment = best_megatron(
+            graph, mesh, cluster, micro, dataclasses.replace(opts, micro_batches=m), memory_budget
+        )[0]
+        if (batch // m) % config["dp"]:
+            continue  # its data-parallel ranks would share a sample (the split falls back): not Megatron's
+        config = {**config, "micro_batches": m}
+        found = ({**config, "name": config_name(config)}, per_step(summary, m), assignment)
+        if rank(found) >= rank(best):
+            break  # slower than the fewer micro-batches
+        best = found
+    return best

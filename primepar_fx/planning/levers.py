@@ -17,6 +17,10 @@ CHOICES = ("auto", *MODES)
 RECOMPUTE_KIND = "recomputation"
 
 
+#: the micro-batch counts a search under a budget tries, in order, where they divide the batch (ours and
+#: Megatron-LM's gradient accumulation alike)
+MICRO_BATCH_TRIES = (1, 2, 4, 8)
+
 #: what a plan's options may ask of ZeRO: a stage, or ``"auto"`` (0 when the plan fits without, else 2)
 ZERO_CHOICES = ("auto", 0, 1, 2)
 

@@ -51,7 +51,7 @@ from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     price_fixed,
     variant_summary,
 )
-from primepar_fx.planning.levers import Recompute
+from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
 from primepar_fx.planning.peak import plan_peak, solve_for_peak
 from primepar_fx.planning.plan import Baseline, Plan
@@ -207,10 +207,6 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
         search["groupings"] = found.tried
         search["groupings_s"] = round(t2 - t0, 4)
     return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute, costs=costs)
-
-
-#: the micro-batch counts ``micro_batches="auto"`` tries, in order, where they divide the batch
-MICRO_BATCH_TRIES = (1, 2, 4, 8)
 
 
 def micro_batch_tries(opts: PlanOptions) -> list[int]:
@@ -380,8 +376,8 @@ def _baselines(
 ) -> dict[str, Baseline]:
     """Megatron-LM, data parallelism and, when the plan's space has P(S x S), split-only."""
     values = {B: opts.batch, S: opts.seq}
-    # Megatron, data parallelism and FSDP bring their own levers (the distributed optimizer, not our ZeRO), at the
-    # whole batch (their micro-batches are not priced)
+    # Megatron, data parallelism and FSDP bring their own levers (the distributed optimizer, not our ZeRO), from the
+    # whole batch (Megatron tries its micro-batches itself: compare.best_megatron_micro_batches)
     whole = dataclasses.replace(costs, zero=0, micro_batches=1)
     base = price_baselines(graph, full, opts.cluster, values, whole, opts.memory_budget)
     if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again

@@ -312,3 +312,40 @@ def test_fsdp_shards_everything_and_gathers_each_layer_twice() -> None:
     # a budget under that: FSDP recomputes every layer to fit
     tight = price_baselines(graph, mesh, cluster, values, CostOptions(), fsdp.predicted.peak_memory_bytes - 1)
     assert tight["fsdp"].config["fits_budget"] and tight["fsdp"].config["recompute"] in ("full", "selective")
+
+
+def test_megatron_accumulates_gradients_over_micro_batches_where_that_is_the_fastest_fit() -> None:
+    """Under a budget Megatron may also run the batch as micro-batches (activations of one held, gradients
+    reduced once a step). Where two micro-batches fit without recomputation they beat recomputing every layer;
+    where they would need recomputation too, one batch with recomputation stays (more micro-batches only add
+    per-step overhead then)."""
+    from primepar_fx.cost.blocks import CostOptions
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.planning.compare import best_megatron
+    from primepar_fx.planning.planner import price_baselines
+
+    graph = graph_of("llama-tiny")
+    mesh, cluster, values = DeviceMesh((4,)), load_cluster("v100-paper"), {B: 32, S: 1024}
+    peak = price_baselines(graph, mesh, cluster, values, CostOptions(), None)["megatron"].predicted.peak_memory_bytes
+
+    def by_hand(m: int, budget: float):
+        config, summary, _ = best_megatron(
+            graph, mesh, cluster, {B: 32 // m, S: 1024}, CostOptions(micro_batches=m), budget
+        )[0]
+        return config, summary.predicted
+
+    roomy = 0.9 * peak
+    got = price_baselines(graph, mesh, cluster, values, CostOptions(), roomy)["megatron"]
+    whole, (two, half) = by_hand(1, roomy), by_hand(2, roomy)
+    assert whole[0]["recompute"] == "full" and "recompute" not in two and two["fits_budget"]
+    assert got.config["micro_batches"] == 2 and got.config["name"] == "megatron dp4 x mp1 +2 micro-batches"
+    assert got.config["fits_budget"] and got.predicted.peak_memory_bytes == half.peak_memory_bytes <= roomy
+    assert got.predicted.step_time_s == pytest.approx(2 * half.step_time_s, rel=1e-12)
+    assert got.predicted.comm_bytes == 2 * half.comm_bytes
+    assert got.predicted.step_time_s < whole[1].step_time_s
+    tight = 0.5 * peak
+    kept = price_baselines(graph, mesh, cluster, values, CostOptions(), tight)["megatron"]
+    (config, predicted), (two, half) = by_hand(1, tight), by_hand(2, tight)
+    assert config["recompute"] == two["recompute"] == "full" and 2 * half.step_time_s > predicted.step_time_s
+    assert "micro_batches" not in kept.config and kept.config["recompute"] == "full"
+    assert kept.predicted.step_time_s == predicted.step_time_s
