@@ -14,11 +14,16 @@ import time
 import numpy as np
 
 from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.search import CostGraph, InfeasibleBudget, Search, Solution, least_memory, restrict, solve
+from primepar_fx.search import CostGraph, CutOff, InfeasibleBudget, Search, Solution, least_memory, restrict, solve
 
 
 def solve_for_peak(
-    priced: PricedGraph, *, memory_budget: float | None, alpha: float = 0.0, method: str = "auto"
+    priced: PricedGraph,
+    *,
+    memory_budget: float | None,
+    alpha: float = 0.0,
+    method: str = "auto",
+    cutoff: float = math.inf,
 ) -> Solution:
     """:func:`~primepar_fx.search.solve` under the budget the plan reports: ``static + max buffer <= budget``.
 
@@ -28,6 +33,10 @@ def solve_for_peak(
     distinct buffer size is tried as the cap ``C``: strategies with a larger buffer are dropped and the static part
     must fit ``budget - C``. The best of these is optimal for the reported peak (up to 24 caps are tried; more
     distinct sizes are thinned to quantiles, and the solution is then not marked proven).
+
+    ``cutoff``: the caller has a plan of that cost. Under a budget the caps whose plans cannot be cheaper are not
+    searched; when no plan within the budget is cheaper, :class:`~primepar_fx.search.CutOff` is raised (the fastest
+    plan, when it fits, is returned whatever its cost).
     """
     graph = priced.search_graph
     if memory_budget is None or alpha > 0:
@@ -54,6 +63,7 @@ def solve_for_peak(
     if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
         raise InfeasibleBudget(memory_budget, least)
     hints: tuple[float, ...] = ()
+    cut = False
     for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
         if cap > memory_budget:
             continue
@@ -62,22 +72,29 @@ def solve_for_peak(
             continue
         search = Search(static_part(graph, buffers, keep), method=method)  # type: ignore[arg-type]
         relaxed = search.solve()  # a lower bound for this cap, in milliseconds
-        if best is not None and relaxed.cost >= best[0]:
+        limit = cutoff if best is None else min(best[0], cutoff)
+        if relaxed.cost >= limit:
+            cut = cut or best is None
             break  # a smaller cap keeps fewer strategies: its relaxed optimum is no lower
         if relaxed.memory <= memory_budget - cap:
             sol = relaxed
         else:
             try:
-                cutoff = math.inf if best is None else best[0]  # a cap that cannot beat the best stops early
-                sol = search.solve(memory_budget=memory_budget - cap, cutoff=cutoff, hints=hints)
+                # a cap that cannot beat the best (or the caller's) stops early
+                sol = search.solve(memory_budget=memory_budget - cap, cutoff=limit, hints=hints)
                 hints = sol.multipliers or hints  # the next cap's budget is a little larger, its plans alike
             except InfeasibleBudget as exc:
                 smallest = min(smallest, exc.min_memory + cap)
                 continue
+        if sol.cost >= cutoff:
+            cut = True
+            continue
         choice = {n: int(keep[n][i]) for n, i in sol.choice.items()}
         if best is None or sol.cost < best[0]:
             best = (sol.cost, choice, sol)
     if best is None:
+        if cut:
+            raise CutOff(cutoff)
         raise InfeasibleBudget(memory_budget, smallest)
     cost, choice, sol = best
     proven = sol.proven_optimal and exhaustive

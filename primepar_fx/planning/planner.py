@@ -29,6 +29,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,7 @@ from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
 from primepar_fx.planning.summary import Summary, per_step, summarize  # noqa: F401  (re-exported)
-from primepar_fx.search import InfeasibleBudget, solve
+from primepar_fx.search import CutOff, InfeasibleBudget, solve
 from primepar_fx.utils.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
@@ -170,11 +171,41 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
     found, infeasible = None, []
-    for m in micro_batch_tries(opts):
+    tries = micro_batch_tries(opts)
+    probes: dict[int, _Found | None] = {}
+    for i, m in enumerate(tries):
+        after = tries[i + 1] if i + 1 < len(tries) and opts.zero == opts.recompute == "auto" else None
+
+        def upper(after: int | None = after, found: _Found | None = found) -> float:
+            """The per-step objective the search at ``m`` must beat: the plan found with fewer micro-batches, or,
+            before there is one, the fastest plan of the next count when it fits as it is (a probe, run only
+            when ``m`` needs the levers)."""
+            if found is not None:
+                return found.step_objective
+            if after is None:
+                return math.inf
+            if after not in probes:
+                try:
+                    probes[after] = _search_at(graph, opts, meshes, after, free_only=True)
+                except (CutOff, InfeasibleBudget):
+                    probes[after] = None
+            probe = probes[after]
+            return math.inf if probe is None else probe.step_objective
+
         try:
-            got = _search_at(graph, opts, meshes, m)
+            got = _search_at(graph, opts, meshes, m, upper)
         except InfeasibleBudget as exc:
             infeasible.append(exc)
+            got = None
+        except CutOff:
+            got = None
+        if got is None:
+            probe = probes.get(after) if after is not None else None
+            if probe is not None and (found is None or probe.step_objective < found.step_objective):
+                found = probe  # the next count's fastest plan fits as it is, and nothing here beats it
+                break
+            if found is not None:
+                break  # nothing with more micro-batches beats the plan found
             continue
         if found is not None and got.step_objective >= found.step_objective:
             break  # more micro-batches made it slower
@@ -239,9 +270,21 @@ class _Found:
         return self.chosen.solution.cost * self.micro_batches
 
 
-def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: int) -> _Found:
+def _search_at(
+    graph: OpGraph,
+    opts: PlanOptions,
+    meshes: list[DeviceMesh],
+    m: int,
+    upper: Callable[[], float] | None = None,
+    *,
+    free_only: bool = False,
+) -> _Found:
     """The search on every mesh of ``meshes`` with ``m`` micro-batches of ``opts.batch / m`` (priced at that
-    batch), the cheapest kept; raises :class:`InfeasibleBudget` with the least any mesh needs."""
+    batch), the cheapest kept; raises :class:`InfeasibleBudget` with the least any mesh needs.
+
+    ``upper()``: the per-step objective of a plan the caller has (called only when a mesh needs the memory
+    levers); a mesh whose plans cannot beat it is not searched, and :class:`~primepar_fx.search.CutOff` is raised
+    when none can. ``free_only``: keep only meshes whose fastest plan fits as it is (no levers searched)."""
     if opts.batch % m:  # type: ignore[operator]
         raise ValueError(f"micro_batches={m} does not divide the batch of {opts.batch}")
     values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
@@ -268,7 +311,12 @@ def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: i
         for i, mesh in enumerate(tqdm(meshes, desc="groupings' bounds", disable=not opts.progress, leave=False)):
             bounds[i] = solve(price(mesh).search_graph, method=opts.method).cost  # type: ignore[arg-type]
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
-    best, entries, infeasible = None, {}, []
+    best, entries, infeasible, cut = None, {}, [], False
+
+    def limit() -> float:  # per micro-batch
+        own = math.inf if best is None else best.chosen.solution.cost
+        return min(own, math.inf if upper is None else upper() / m)
+
     for i in tqdm(order, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
         mesh, start = meshes[i], time.perf_counter()
         entry: dict[str, Any] = {"digits": list(mesh.digits), "objective": None}
@@ -281,11 +329,15 @@ def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: i
         priced = price(mesh)
         priced_s = time.perf_counter() - start
         try:
-            chosen, stage = _choose_levers(graph, priced, values, costs, opts)
+            chosen, stage = _choose_levers(graph, priced, values, costs, opts, limit, free_only=free_only)
         except InfeasibleBudget as exc:
             if len(meshes) == 1:
                 raise
             infeasible.append(exc)
+            entry["seconds"] = round(time.perf_counter() - start, 4)
+            continue
+        except CutOff:
+            cut = True
             entry["seconds"] = round(time.perf_counter() - start, 4)
             continue
         sol = chosen.solution
@@ -299,20 +351,31 @@ def _search_at(graph: OpGraph, opts: PlanOptions, meshes: list[DeviceMesh], m: i
             del priced  # only the cheapest grouping's pricing is kept (its split-only baseline is read off it)
     if best is not None:
         best.tried.extend(entries[i] for i in range(len(meshes)))
+    elif cut:
+        raise CutOff(limit() * m)
     if best is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     return best
 
 
 def _choose_levers(
-    graph: OpGraph, priced: PricedGraph, values: dict, costs: CostOptions, opts: PlanOptions
+    graph: OpGraph,
+    priced: PricedGraph,
+    values: dict,
+    costs: CostOptions,
+    opts: PlanOptions,
+    cutoff: Callable[[], float] | None = None,
+    *,
+    free_only: bool = False,
 ) -> tuple[Chosen, int]:
     """The plan's recomputation and solution on one mesh, and its ZeRO stage.
 
     A stage asked for is priced as it is. ``"auto"``: stage 0 when the fastest plan fits the budget without it;
     else stage 2, which moves the bytes of stage 0 in the same time and holds less, so every plan that fits at
     stage 0 fits at stage 2 as fast (it is the stage to weigh against recomputation and slower partitions).
-    ``priced`` is priced at ``costs``' stage.
+    ``priced`` is priced at ``costs``' stage. ``cutoff()``: the objective of a plan the caller has (asked only
+    when the levers are searched; :class:`~primepar_fx.search.CutOff` when nothing that fits beats it).
+    ``free_only``: :class:`~primepar_fx.search.CutOff` where the fastest plan does not fit as it is.
     """
 
     def choose(p: PricedGraph, c: CostOptions) -> Chosen:
@@ -325,6 +388,7 @@ def _choose_levers(
             memory_budget=opts.memory_budget,
             alpha=opts.alpha,
             method=opts.method,
+            cutoff=math.inf if cutoff is None else cutoff(),
         )
 
     if opts.zero != "auto":
@@ -339,6 +403,8 @@ def _choose_levers(
             return Chosen(free, unsharded, None), 0
         if plan_peak(priced, free.choice) <= opts.memory_budget:  # type: ignore[operator]
             return Chosen(free, priced, None), costs.zero
+    if free_only:
+        raise CutOff(math.inf)
     return choose(priced, costs), costs.zero
 
 

@@ -58,7 +58,7 @@ from primepar_fx.planning.levers import RECOMPUTE_KIND, Recompute, check_choice
 from primepar_fx.planning.peak import least_peak, least_plan, plan_peak, ring_buffers, solve_for_peak
 from primepar_fx.planning.priced import PricedGraph, ShareFlow, frozen
 from primepar_fx.planning.pricing import node_key, out_index, tensor_itemsize
-from primepar_fx.search import CostGraph, InfeasibleBudget, Solution
+from primepar_fx.search import CostGraph, CutOff, InfeasibleBudget, Solution
 from primepar_fx.search.problem import evaluate
 
 log = logging.getLogger(__name__)
@@ -272,10 +272,18 @@ class Chosen:
     extra_peak: int = 0
 
 
-def _solve_policy(layers: LayerPricing, policy: Recompute, budget: float | None, alpha: float, method: str) -> Chosen:
+def _solve_policy(
+    layers: LayerPricing,
+    policy: Recompute,
+    budget: float | None,
+    alpha: float,
+    method: str,
+    cutoff: float = math.inf,
+) -> Chosen:
     """The fastest plan under ``policy`` whose real peak fits ``budget``: the search's budget is lowered by the
     extra peak of Backward's recomputation until the plan it returns fits (a few rounds at most), else the plan of
-    least memory if it fits; :class:`InfeasibleBudget` with that plan's real peak when it does not."""
+    least memory if it fits; :class:`InfeasibleBudget` with that plan's real peak when it does not;
+    :class:`~primepar_fx.search.CutOff` when no plan within the budget is cheaper than ``cutoff``."""
     applied = layers.apply(policy)
     reserve = 0.0
     for _ in range(4):
@@ -283,7 +291,7 @@ def _solve_policy(layers: LayerPricing, policy: Recompute, budget: float | None,
         if limit is not None and limit <= 0:
             break
         try:
-            sol = solve_for_peak(applied, memory_budget=limit, alpha=alpha, method=method)
+            sol = solve_for_peak(applied, memory_budget=limit, alpha=alpha, method=method, cutoff=cutoff)
         except InfeasibleBudget:
             if not policy.active:
                 raise
@@ -324,10 +332,13 @@ def choose_recompute(
     memory_budget: float | None,
     alpha: float,
     method: str,
+    cutoff: float = math.inf,
 ) -> Chosen:
     """The plan's recomputation and its solution (module docstring); ``choice`` a mode for every layer or
     ``"auto"``. Raises :class:`InfeasibleBudget` with the least peak of the most memory-saving mode when nothing
-    fits."""
+    fits. ``cutoff``: the caller has a plan of that cost; under a budget the policies and caps that cannot beat it
+    are not searched, and :class:`~primepar_fx.search.CutOff` is raised when nothing that fits is cheaper (the
+    fastest plan, when it fits, is returned whatever its cost)."""
     check_choice(choice)
     layers = layer_pricing(graph, priced, values, opts) if choice != "none" else None
     if layers is None:
@@ -340,16 +351,17 @@ def choose_recompute(
         log.info("recompute='selective': %s keeps no attention scores; nothing to recompute", graph.name)
         return Chosen(solve_for_peak(priced, memory_budget=memory_budget, alpha=alpha, method=method), priced, None)
     if choice != "auto":
-        return _solve_policy(layers, Recompute.uniform(stack, count, choice), memory_budget, alpha, method)
+        return _solve_policy(layers, Recompute.uniform(stack, count, choice), memory_budget, alpha, method, cutoff)
     free = _solve_policy(layers, Recompute.uniform(stack, count, "none"), None, alpha, method)
     if memory_budget is None or alpha > 0 or free.solution.memory <= memory_budget:
         return dataclasses.replace(free, recompute=None)
     # the budget binds: the fastest of no recomputation, selective, and full on the fewest first layers that fit
     needs: list[float] = []
-    found = [_try(layers, Recompute.uniform(stack, count, "none"), memory_budget, alpha, method, needs)]
+    cuts: list[CutOff] = []
+    found = [_try(layers, Recompute.uniform(stack, count, "none"), memory_budget, alpha, method, needs, cutoff, cuts)]
 
     def best_cost() -> float:
-        return min((c.solution.cost for c in found if c is not None), default=math.inf)
+        return min((c.solution.cost for c in found if c is not None), default=cutoff)
 
     def bounded(policy: Recompute) -> tuple[Chosen | None, bool]:
         """The plan under ``policy``, and whether a budgeted search found it. The policy's fastest plan without
@@ -361,7 +373,7 @@ def choose_recompute(
             return bound, False
         if bound.solution.cost >= best_cost():
             return None, False
-        return _try(layers, policy, memory_budget, alpha, method, needs), True
+        return _try(layers, policy, memory_budget, alpha, method, needs, best_cost(), cuts), True
 
     if layers.selective_differs:
         found.append(bounded(Recompute.uniform(stack, count, "selective"))[0])
@@ -373,6 +385,8 @@ def choose_recompute(
             break
         k = None if k == count else min(count, 2 * k if got is not None else k + 1)
     best = min((c for c in found if c is not None), key=lambda c: c.solution.cost, default=None)
+    if best is None and cutoff < math.inf:  # nothing that fits beats the caller's plan (if anything fits)
+        raise CutOff(cutoff)
     if best is None:
         full = Recompute.uniform(stack, count, "full")
         needs.append(_least_real(layers, full, layers.apply(full))[0])
@@ -381,13 +395,26 @@ def choose_recompute(
 
 
 def _try(
-    layers: LayerPricing, policy: Recompute, budget: float, alpha: float, method: str, needs: list[float]
+    layers: LayerPricing,
+    policy: Recompute,
+    budget: float,
+    alpha: float,
+    method: str,
+    needs: list[float],
+    cutoff: float = math.inf,
+    cuts: list[CutOff] | None = None,
 ) -> Chosen | None:
-    """The plan under ``policy``, or ``None`` with the least it needs appended to ``needs``."""
+    """The plan under ``policy``, or ``None`` with the least it needs appended to ``needs`` (or, when nothing
+    that fits is cheaper than ``cutoff``, the :class:`~primepar_fx.search.CutOff` appended to ``cuts``)."""
     try:
-        return _solve_policy(layers, policy, budget, alpha, method)
+        return _solve_policy(layers, policy, budget, alpha, method, cutoff)
     except InfeasibleBudget as exc:
         needs.append(exc.min_memory)
+        return None
+    except CutOff as exc:
+        if cuts is None:
+            raise
+        cuts.append(exc)
         return None
 
 

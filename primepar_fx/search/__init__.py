@@ -10,6 +10,7 @@ from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
 from primepar_fx.search.ilp import IlpResult, solve_ilp
 from primepar_fx.search.problem import (
     CostGraph,
+    CutOff,
     InfeasibleBudget,
     InfeasibleGraph,
     SearchError,
@@ -24,6 +25,7 @@ from primepar_fx.search.solve import Search, smallest_memory, solve
 
 __all__ = [
     "CostGraph",
+    "CutOff",
     "DPOptions",
     "DPResult",
     "DPSolver",

@@ -33,6 +33,15 @@ class InfeasibleGraph(SearchError):
     """Every choice of strategies has infinite cost (forbidden strategies or pairs leave nothing)."""
 
 
+class CutOff(SearchError):
+    """No plan within the budget is cheaper than the caller's ``cutoff`` (a plan it already has): the search
+    stopped without one."""
+
+    def __init__(self, cutoff: float) -> None:
+        self.cutoff = cutoff
+        super().__init__(f"no plan within the budget is cheaper than the cutoff {cutoff:.6g}")
+
+
 class InfeasibleBudget(SearchError):
     """No plan fits the memory budget; ``min_memory`` is the smallest memory any finite-cost plan needs."""
 

@@ -221,3 +221,35 @@ def test_recompute_options_are_checked() -> None:
         method="dp",
     ).recompute  # fmt: skip  # llama's fused attention keeps no scores: nothing to recompute selectively
     assert plan_peak(lp.priced, solve(lp.priced.search_graph, method="dp").choice) > 0
+
+
+@pytest.mark.parametrize("budget", [5_000_000, 4_440_000])
+def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_bounds_the_lever_search(
+    budget, monkeypatch
+) -> None:
+    """Where one batch needs recomputation to fit, the lever search at one micro-batch is told the step of two
+    micro-batches' fastest plan when that fits as it is (a probe), and skips what cannot beat it; the plan is still
+    the fastest of the counts searched one by one."""
+    import primepar_fx.planning.planner as planner
+
+    cutoffs = []
+    original = planner.choose_recompute
+
+    def spy(*args, **kwargs):
+        cutoffs.append(kwargs["cutoff"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "choose_recompute", spy)
+    auto = plan_graph(graph(), **{**SIZES, "memory_budget": budget})
+    probe = plan_graph(graph(), **{**SIZES, "memory_budget": None, "micro_batches": 2, "zero": 2})
+    assert probe.recompute is None and probe.predicted.peak_memory_bytes <= budget
+    assert cutoffs[0] == pytest.approx(probe.predicted.step_time_s, rel=1e-12)  # the probe's step
+    fixed = []
+    for m in (1, 2):
+        try:
+            fixed.append(plan_graph(graph(), **{**SIZES, "memory_budget": budget, "micro_batches": m}))
+        except InfeasibleBudget:
+            pass
+    fastest = min(fixed, key=lambda p: p.predicted.step_time_s)
+    assert auto.predicted.step_time_s == pytest.approx(fastest.predicted.step_time_s, rel=1e-12)
+    assert auto.micro_batches == fastest.micro_batches and auto.predicted.peak_memory_bytes <= budget
