@@ -307,7 +307,7 @@ def _search_at(
     # without a budget bounds all of that from below (recomputation only adds time, ZeRO-2 none), so the meshes are
     # searched in the order of that bound, and those whose bound is no faster than the best plan found are skipped.
     bounds: list[float | None] = [None] * len(meshes)
-    if len(meshes) > 1 and opts.memory_budget is not None and opts.alpha == 0:
+    if len(meshes) > 1 and opts.memory_budget is not None and opts.alpha == 0 and not free_only:
         for i, mesh in enumerate(tqdm(meshes, desc="groupings' bounds", disable=not opts.progress, leave=False)):
             bounds[i] = solve(price(mesh).search_graph, method=opts.method).cost  # type: ignore[arg-type]
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
