@@ -172,40 +172,44 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     t0 = time.perf_counter()
     found, infeasible = None, []
     tries = micro_batch_tries(opts)
-    probes: dict[int, _Found | None] = {}
-    for i, m in enumerate(tries):
-        after = tries[i + 1] if i + 1 < len(tries) and opts.zero == opts.recompute == "auto" else None
+    probing = len(tries) > 1 and opts.zero == opts.recompute == "auto"
+    probes: dict[int, _Found | None] = {}  # a count's fastest plan where it fits as it is, else None
 
-        def upper(after: int | None = after, found: _Found | None = found) -> float:
-            """The per-step objective the search at ``m`` must beat: the plan found with fewer micro-batches, or,
-            before there is one, the fastest plan of the next count when it fits as it is (a probe, run only
-            when ``m`` needs the levers)."""
+    def probe(m: int) -> _Found | None:
+        if m not in probes:
+            try:
+                probes[m] = _search_at(graph, opts, meshes, m, free_only=True)
+            except (CutOff, InfeasibleBudget):
+                probes[m] = None
+        return probes[m]
+
+    for i, m in enumerate(tries):
+
+        def upper(i: int = i, found: _Found | None = found) -> float:
+            """The per-step objective the search at ``tries[i]`` must beat: the plan found with fewer
+            micro-batches, or, before there is one, the fastest plan of the first later count that fits as it is
+            (probes, run only when ``tries[i]`` needs the levers)."""
             if found is not None:
                 return found.step_objective
-            if after is None:
-                return math.inf
-            if after not in probes:
-                try:
-                    probes[after] = _search_at(graph, opts, meshes, after, free_only=True)
-                except (CutOff, InfeasibleBudget):
-                    probes[after] = None
-            probe = probes[after]
-            return math.inf if probe is None else probe.step_objective
+            for later in tries[i + 1 :] if probing else ():
+                got = probe(later)
+                if got is not None:
+                    return got.step_objective
+            return math.inf
 
-        try:
-            got = _search_at(graph, opts, meshes, m, upper)
-        except InfeasibleBudget as exc:
-            infeasible.append(exc)
-            got = None
-        except CutOff:
-            got = None
+        if probes.get(m) is not None:
+            got = probes[m]  # its fastest plan fits as it is: the best at this count
+        else:
+            try:
+                got = _search_at(graph, opts, meshes, m, upper)
+            except InfeasibleBudget as exc:
+                infeasible.append(exc)
+                got = None
+            except CutOff:
+                got = None  # nothing at this count beats the plan found or probed
         if got is None:
-            probe = probes.get(after) if after is not None else None
-            if probe is not None and (found is None or probe.step_objective < found.step_objective):
-                found = probe  # the next count's fastest plan fits as it is, and nothing here beats it
-                break
             if found is not None:
-                break  # nothing with more micro-batches beats the plan found
+                break  # nothing with more micro-batches beats the plan found (nor can a probed count: it bounded it)
             continue
         if found is not None and got.step_objective >= found.step_objective:
             break  # more micro-batches made it slower
