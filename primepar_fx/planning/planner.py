@@ -173,12 +173,14 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     found, infeasible = None, []
     tries = micro_batch_tries(opts)
     probing = len(tries) > 1 and opts.zero == opts.recompute == "auto"
-    probes: dict[int, _Found | None] = {}  # a count's fastest plan where it fits as it is, else None
+    # a count's fastest plan's per-step objective where it fits as it is, else None; only the number is kept (a
+    # large model's priced graphs take gigabytes), and the plan is found again if that count is reached
+    probes: dict[int, float | None] = {}
 
-    def probe(m: int) -> _Found | None:
+    def probe(m: int) -> float | None:
         if m not in probes:
             try:
-                probes[m] = _search_at(graph, opts, meshes, m, free_only=True)
+                probes[m] = _search_at(graph, opts, meshes, m, free_only=True).step_objective
             except (CutOff, InfeasibleBudget):
                 probes[m] = None
         return probes[m]
@@ -192,13 +194,13 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
             if found is not None:
                 return found.step_objective
             for later in tries[i + 1 :] if probing else ():
-                got = probe(later)
-                if got is not None:
-                    return got.step_objective
+                objective = probe(later)
+                if objective is not None:
+                    return objective
             return math.inf
 
         if probes.get(m) is not None:
-            got = probes[m]  # its fastest plan fits as it is: the best at this count
+            got = _search_at(graph, opts, meshes, m, free_only=True)  # its fastest plan fits: the best at this count
         else:
             try:
                 got = _search_at(graph, opts, meshes, m, upper)
