@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -26,6 +26,9 @@ from primepar_fx.planning.recompute import layer_pricing
 from primepar_fx.planning.summary import Summary, per_step, summarize
 
 log = logging.getLogger(__name__)
+
+#: a baseline found at some micro-batch count: ``(config, ...)``, its prediction read by the caller
+Found = tuple[Any, ...]
 
 
 def price_fixed(
@@ -159,7 +162,42 @@ def best_fsdp(
     all devices, a layer's parameters all-gathered before its Forward and again before its Backward and its
     gradients reduce-scattered (``CostOptions.zero`` 3), :data:`FSDP_GATHERED_LAYERS` layers' parameters whole at
     a time; with activation recomputation of every layer (full, or selective where the model keeps attention
-    scores) or none, the fastest that fits the budget (the fastest, marked not fitting, when none does)."""
+    scores) or none, the fastest that fits the budget (the fastest, marked not fitting, when none does).
+
+    Under a budget FSDP also accumulates gradients over micro-batches as Megatron does
+    (:func:`best_micro_batches`): the parameters gathered again for every micro-batch, the local gradients
+    accumulated whole and reduce-scattered once a step (FSDP2's ``set_requires_gradient_sync(False)`` until the
+    last micro-batch); config ``"micro_batches"``."""
+    config, predicted = _fsdp(graph, mesh, cluster, values, opts, memory_budget, dp)
+    if memory_budget is not None:
+        batch = values[B]
+
+        def find(m: int) -> tuple[dict[str, Any], Predicted] | None:
+            micro = {**values, B: batch // m}
+            if micro[B] % mesh.size:
+                return None  # its ranks would share a sample
+            costs = dataclasses.replace(opts, micro_batches=m)
+            config, p = _fsdp(
+                graph, mesh, cluster, micro, costs, memory_budget, data_parallel_assignment(graph, mesh, values=micro)
+            )
+            config = {**config, "micro_batches": m}
+            config["name"] += f" +{m} micro-batches"
+            return config, Predicted(p.step_time_s * m, p.peak_memory_bytes, p.comm_bytes * m)
+
+        config, predicted = best_micro_batches(batch, (config, predicted), find, lambda found: found[1])
+    return Baseline("fsdp", config, predicted, {n: str(s) for n, s in dp.items()})
+
+
+def _fsdp(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+    dp: Mapping[str, PartitionSeq],
+) -> tuple[dict[str, Any], Predicted]:
+    """FSDP at ``values``' batch in one micro-batch of ``opts``' (:func:`best_fsdp`): its config and prediction."""
     costs = dataclasses.replace(opts, zero=3, optimizer_shards=1)
     priced, (choice,) = price_assignments(graph, [dp], mesh, cluster, values, costs)
     units = layer_units(graph)
@@ -187,7 +225,7 @@ def best_fsdp(
     config["name"] = f"fsdp{mesh.size} (ZeRO-3)" + (f" +{mode} recompute" if mode != "none" else "")
     if memory_budget is not None:
         config["fits_budget"] = not unfit
-    return Baseline("fsdp", config, pred, {n: str(s) for n, s in dp.items()})
+    return config, pred
 
 
 def price_baselines(
@@ -239,25 +277,43 @@ def best_megatron_micro_batches(
     ``whole`` is the best at one micro-batch. As for our plans, more micro-batches are tried only while the best so
     far needs recomputation or does not fit, and not after one that is slower; the fastest that fits wins (config
     ``"micro_batches"``)."""
-    best = whole
     batch = values[B]
 
-    def rank(found: tuple[dict[str, Any], Summary, Any]) -> tuple[bool, float]:
-        return (not found[0].get("fits_budget", True), found[1].predicted.step_time_s)
-
-    for m in MICRO_BATCH_TRIES[1:]:
-        if batch % m:
-            continue
-        if best[0].get("fits_budget", True) and not best[0].get("recompute"):
-            break  # it fits holding every activation: more micro-batches would only run smaller ones
+    def find(m: int) -> tuple[dict[str, Any], Summary, dict[str, PartitionSeq]] | None:
         micro = {**values, B: batch // m}
         config, summary, assignment = best_megatron(
             graph, mesh, cluster, micro, dataclasses.replace(opts, micro_batches=m), memory_budget
         )[0]
         if (batch // m) % config["dp"]:
-            continue  # its data-parallel ranks would share a sample (the split falls back): not Megatron's
+            return None  # its data-parallel ranks would share a sample (the split falls back): not Megatron's
         config = {**config, "micro_batches": m}
-        found = ({**config, "name": config_name(config)}, per_step(summary, m), assignment)
+        return {**config, "name": config_name(config)}, per_step(summary, m), assignment
+
+    return best_micro_batches(batch, whole, find, lambda found: found[1].predicted)
+
+
+def best_micro_batches(
+    batch: int, whole: Found, find: Callable[[int], Found | None], predicted: Callable[[Found], Predicted]
+) -> Found:
+    """A baseline's gradient accumulation: ``whole`` (``(config, ...)`` at one micro-batch) or ``find(m)`` at ``m``
+    micro-batches, priced per step, for the counts of :data:`~primepar_fx.planning.levers.MICRO_BATCH_TRIES` that
+    divide ``batch`` (``find`` returns ``None`` for a count the baseline cannot run). More micro-batches are tried
+    only while the best so far recomputes or does not fit, and not after one that is slower; the fastest that fits
+    wins."""
+    best = whole
+
+    def rank(found: Found) -> tuple[bool, float]:
+        return (not found[0].get("fits_budget", True), predicted(found).step_time_s)
+
+    for m in MICRO_BATCH_TRIES[1:]:
+        if batch % m:
+            continue
+        config = best[0]
+        if config.get("fits_budget", True) and config.get("recompute", "none") == "none":
+            break  # it fits holding every activation: more micro-batches would only run smaller ones
+        found = find(m)
+        if found is None:
+            continue
         if rank(found) >= rank(best):
             break  # slower than the fewer micro-batches
         best = found

@@ -314,6 +314,53 @@ def test_fsdp_shards_everything_and_gathers_each_layer_twice() -> None:
     assert tight["fsdp"].config["fits_budget"] and tight["fsdp"].config["recompute"] in ("full", "selective")
 
 
+def test_fsdp_accumulates_gradients_over_micro_batches_where_that_is_the_fastest_fit() -> None:
+    """FSDP under a budget may run the batch as micro-batches too: the parameters gathered again for each, the
+    gradients reduce-scattered once a step. Priced per step as FSDP at half the batch, twice; chosen where it fits
+    without recomputation, not where recomputing one whole batch is faster."""
+    from primepar_fx.cost.blocks import CostOptions
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.planning.baselines import data_parallel_assignment
+    from primepar_fx.planning.compare import _fsdp
+    from primepar_fx.planning.planner import price_baselines
+
+    graph = graph_of("llama-tiny")
+    mesh, cluster, values = DeviceMesh((4,)), load_cluster("v100-paper"), {B: 32, S: 1024}
+    free = price_baselines(graph, mesh, cluster, values, CostOptions(), None)["fsdp"]
+    assert "micro_batches" not in free.config and free.config["recompute"] == "none"
+    half = {B: 16, S: 1024}
+    config, one = _fsdp(
+        graph,
+        mesh,
+        cluster,
+        half,
+        CostOptions(micro_batches=2),
+        None,
+        data_parallel_assignment(graph, mesh, values=half),
+    )
+    assert config["recompute"] == "none" and one.peak_memory_bytes < free.predicted.peak_memory_bytes
+    roomy = price_baselines(graph, mesh, cluster, values, CostOptions(), one.peak_memory_bytes)["fsdp"]
+    assert roomy.config["micro_batches"] == 2 and roomy.config["name"] == "fsdp4 (ZeRO-3) +2 micro-batches"
+    assert roomy.config["fits_budget"] and roomy.predicted.peak_memory_bytes == one.peak_memory_bytes
+    assert roomy.predicted.step_time_s == pytest.approx(2 * one.step_time_s, rel=1e-12)
+    assert roomy.predicted.comm_bytes == 2 * one.comm_bytes
+    # the gradients' reduce-scatter once a step, the gathers for every micro-batch: more bytes than one batch
+    assert free.predicted.comm_bytes < roomy.predicted.comm_bytes < 2 * free.predicted.comm_bytes
+    whole = price_baselines(graph, mesh, cluster, values, CostOptions(), one.peak_memory_bytes - 1)["fsdp"]
+    assert whole.config["fits_budget"] and whole.config["recompute"] != "none"
+    assert "micro_batches" not in whole.config  # two micro-batches would recompute as well: slower
+    both, two = _fsdp(
+        graph,
+        mesh,
+        cluster,
+        half,
+        CostOptions(micro_batches=2),
+        one.peak_memory_bytes - 1,
+        data_parallel_assignment(graph, mesh, values=half),
+    )
+    assert both["recompute"] != "none" and whole.predicted.step_time_s < 2 * two.step_time_s
+
+
 def test_megatron_accumulates_gradients_over_micro_batches_where_that_is_the_fastest_fit() -> None:
     """Under a budget Megatron may also run the batch as micro-batches (activations of one held, gradients
     reduced once a step). Where two micro-batches fit without recomputation they beat recomputing every layer;
