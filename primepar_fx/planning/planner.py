@@ -61,7 +61,7 @@ from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
 from primepar_fx.planning.summary import Summary, per_step, summarize  # noqa: F401  (re-exported)
 from primepar_fx.search import CutOff, InfeasibleBudget, solve
-from primepar_fx.utils.gcpause import gc_paused
+from primepar_fx.utils.gcpause import collect, gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +208,11 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
                 infeasible.append(exc)
                 got = None
             except CutOff:
-                got = None  # nothing at this count beats the plan found or probed
+                got = None  # nothing at this count beats the plan found or probed; more micro-batches still may
         if got is None:
-            if found is not None:
-                break  # nothing with more micro-batches beats the plan found (nor can a probed count: it bounded it)
             continue
         if found is not None and got.step_objective >= found.step_objective:
-            break  # more micro-batches made it slower
+            continue  # slower; more micro-batches still may not be (the step is not unimodal in the count)
         found = got
         if got.chosen.recompute is None or not got.chosen.recompute.active:
             break  # it fits without recomputation: more micro-batches would only run smaller ones
@@ -249,7 +247,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
 def micro_batch_tries(opts: PlanOptions) -> list[int]:
     """The micro-batch counts the search tries: the one asked for, or for ``"auto"`` 1 and, under a budget, the
     counts of :data:`MICRO_BATCH_TRIES` that divide the batch. :func:`plan_graph` stops at the first whose plan
-    fits without recomputation, or when one is slower than the one before."""
+    fits without recomputation (a slower count does not stop it: the step is not unimodal in the count)."""
     if opts.micro_batches != "auto":
         return [int(opts.micro_batches)]
     if opts.memory_budget is None:
@@ -324,6 +322,7 @@ def _search_at(
         return min(own, math.inf if upper is None else upper() / m)
 
     for i in tqdm(order, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
+        collect()  # the last mesh's lever search left cyclic garbage (planning runs with the collector paused)
         mesh, start = meshes[i], time.perf_counter()
         entry: dict[str, Any] = {"digits": list(mesh.digits), "objective": None}
         if bounds[i] is not None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -377,13 +377,27 @@ def choose_recompute(
 
     if layers.selective_differs:
         found.append(bounded(Recompute.uniform(stack, count, "selective"))[0])
+    tried: dict[int, tuple[Chosen | None, bool, bool]] = {}
+
+    def full_on(k: int) -> tuple[Chosen | None, bool, bool]:
+        """The plan with the first ``k`` layers recomputed in full, whether a budgeted search ran, and whether
+        nothing fits (once per ``k``)."""
+        if k not in tried:
+            before = len(needs)
+            got, searched = bounded(Recompute.uniform(stack, count, "full", k))
+            found.append(got)
+            tried[k] = (got, searched, len(needs) > before)
+        return tried[k]
+
     k = _fewest_full(layers, memory_budget)
     while k is not None:  # more layers recomputed free memory for faster partitions: k, 2k, 4k, ..., all
-        got, searched = bounded(Recompute.uniform(stack, count, "full", k))
-        found.append(got)
+        got, searched, unfit = full_on(k)
         if not searched:  # recomputing more layers only adds time to every plan: no larger k can beat this bound
             break
-        k = None if k == count else min(count, 2 * k if got is not None else k + 1)
+        if unfit:  # the fewest k that fits lies above: bisected, not stepped (a 70B stack is 80 layers)
+            k = _fewest_fitting(layers, memory_budget, k, full_on)
+            continue
+        k = None if k == count else min(count, 2 * k)
     best = min((c for c in found if c is not None), key=lambda c: c.solution.cost, default=None)
     if best is None and cutoff < math.inf:  # nothing that fits beats the caller's plan (if anything fits)
         raise CutOff(cutoff)
@@ -416,6 +430,43 @@ def _try(
             raise
         cuts.append(exc)
         return None
+
+
+def _fewest_fitting(
+    layers: LayerPricing,
+    budget: float,
+    unfit: int,
+    full_on: Callable[[int], tuple[Chosen | None, bool, bool]],
+) -> int | None:
+    """The fewest layers past ``unfit`` (with which nothing fits) recomputed in full with which a plan fits, or
+    ``None`` when not even all of them do. Above lies the fewest whose plan of least peak fits (the search falls
+    back to that plan, so it fits); between the two ``full_on(k)`` (the budgeted search, whose third item says
+    nothing fit) is bisected: recomputing more layers holds less for every plan, so what fits with ``k`` layers
+    fits with more."""
+    stack, count = layers.units.stack, len(layers.units)
+
+    def least_fits(k: int) -> bool:
+        policy = Recompute.uniform(stack, count, "full", k)
+        return _least_real(layers, policy, layers.apply(policy))[0] <= budget
+
+    lo, hi = unfit + 1, count
+    if lo > count or not least_fits(count):
+        return None if lo > count or full_on(count)[2] else count
+    while lo < hi:  # the fewest whose least plan fits
+        mid = (lo + hi) // 2
+        if least_fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    lo = unfit + 1
+    while lo < hi:  # the fewest the search finds a plan with
+        mid = (lo + hi) // 2
+        _, _, none_fit = full_on(mid)
+        if none_fit:
+            lo = mid + 1
+        else:
+            hi = mid
+    return hi
 
 
 def _fewest_full(layers: LayerPricing, budget: float) -> int | None:

@@ -253,3 +253,50 @@ def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_boun
     fastest = min(fixed, key=lambda p: p.predicted.step_time_s)
     assert auto.predicted.step_time_s == pytest.approx(fastest.predicted.step_time_s, rel=1e-12)
     assert auto.micro_batches == fastest.micro_batches and auto.predicted.peak_memory_bytes <= budget
+
+
+def test_the_fewest_layers_that_fit_are_bisected_not_stepped() -> None:
+    """After a number of layers recomputed in full with which nothing fits, the lever search finds the fewest
+    with which a plan fits by bisection (a budgeted search per probe, a few probes) instead of trying every
+    number above: the same number the searches one by one give."""
+    from primepar_fx.planning.recompute import _fewest_fitting, _least_real, _solve_policy
+
+    config = dataclasses.replace(get_config("llama-tiny"), layers=8)
+    args, kwargs = example_inputs(config, 2, 16, device="meta")
+    g = analyze(build(config, device="meta"), args, kwargs, name="llama-tiny-8")
+    spec, values = resolve_cluster("cpu-gloo"), {B: SIZES["batch"], S: SIZES["seq"]}
+    lp = layer_pricing(g, price_graph(g, spec.mesh(4), spec, values, CostOptions()), values, CostOptions())
+    stack, count = lp.units.stack, len(lp.units)
+
+    @functools.cache
+    def fits(k: int, budget: float) -> bool:
+        try:
+            _solve_policy(lp, Recompute.uniform(stack, count, "full", k), budget, 0.0, "dp")
+        except InfeasibleBudget:
+            return False
+        return True
+
+    def least(k: int) -> float:  # the real peak of the plan of least reported peak
+        policy = Recompute.uniform(stack, count, "full", k)
+        return _least_real(lp, policy, lp.apply(policy))[0]
+
+    peaks = [least(1), least(count)]
+    checked = 0
+    for share in (0.3, 0.6):
+        budget = peaks[1] + share * (peaks[0] - peaks[1])
+        one_by_one = [k for k in range(1, count + 1) if fits(k, budget)]
+        calls: list[int] = []
+
+        def full_on(k: int, budget: float = budget, calls: list[int] = calls) -> tuple[None, bool, bool]:
+            calls.append(k)
+            return None, True, not fits(k, budget)
+
+        for unfit in range(1, count):
+            if fits(unfit, budget):
+                continue
+            want = min((k for k in one_by_one if k > unfit), default=None)
+            assert _fewest_fitting(lp, budget, unfit, full_on) == want
+            assert len(set(calls)) <= 4  # log2(8) + 1, where stepping would try up to 7
+            calls.clear()
+            checked += 1
+    assert checked >= 2
