@@ -329,12 +329,14 @@ def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str
         levers.append("--recompute auto or full (recompute the layers' activations in Backward)")
     if options.zero in (0, 1):
         levers.append("--zero auto or 2 (gradients and optimizer state split over each parameter's replicas)")
+    elif options.zero == 2:
+        levers.append("--zero auto or 3 (the parameters split too, gathered only around their uses)")
     if options.micro_batches != "auto":
         levers.append("--micro-batches auto or more (a smaller micro-batch's activations)")
     searched = {"auto": "with or without recomputation", "none": "without recomputation"}.get(
         options.recompute, f"with {options.recompute} recomputation"
     )
-    searched += " and ZeRO-2" if options.zero == "auto" else f" and ZeRO stage {options.zero}"
+    searched += " and ZeRO-2 or 3" if options.zero == "auto" else f" and ZeRO stage {options.zero}"
     if options.micro_batches == "auto":
         from primepar_fx.planning.planner import micro_batch_tries
 
@@ -510,9 +512,10 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument(
         "--zero",
         default="auto",
-        choices=["auto", "0", "1", "2"],
+        choices=["auto", "0", "1", "2", "3"],
         help="ZeRO stage for the parameters a plan replicates: auto (default: 0 unless the budget needs it, then "
-        "2), 0, 1 (optimizer state split over the replicas) or 2 (gradients too)",
+        "2, then 3 where nothing fits at 2), 0, 1 (optimizer state split over the replicas), 2 (gradients too) or 3 "
+        "(the parameters too, gathered around their uses)",
     )
     pl.add_argument(
         "--micro-batches",

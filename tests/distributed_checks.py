@@ -189,6 +189,12 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
             losses.append(float(loss.detach()))
         state = sum(t.numel() for st in opt.state.values() for t in st.values() if t.dim() > 0)
         local = sum(p.numel() for p in module.parameters())
+        stored, freed = local, True  # ZeRO-3: the parameters a rank keeps between steps, and whether none is whole
+        if module.zero3 is not None:
+            units = module.zero3.units
+            in_units = sum(p.numel() for u in units for p in u.params)
+            stored = local - in_units + sum(u.local.numel() for u in units)
+            freed = all(u.storage.nbytes() == 0 for u in units)
         report[plan] = {
             "zero": module.plan.zero,
             "micro_batches": module.plan.micro_batches,
@@ -201,6 +207,8 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
             "unsharded_state_elems": _summed([2.0 * local])[0],
             "grad_elems": grads_kept,
             "param_elems": _summed([float(local)])[0],
+            "stored_param_elems": _summed([float(stored)])[0],
+            "freed_between_steps": freed,
             "sharded_buckets": len(opt.describe()) if hasattr(opt, "describe") else 0,
             "unsharded_elems": _summed([float(sum(p.numel() for p in getattr(opt, "plain", [])))])[0],
         }

@@ -146,7 +146,7 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Ca
     batch, seq = choose(((6, 12), (6, 24), (12, 24)))  # B != S: capture tells the two apart by size
     seed = choose(range(1000))
     recompute = choose(("none", "none", "full")) if config["layers"] >= 2 else "none"  # a stack needs two layers
-    zero = choose((0, 0, 1, 2)) if world > 1 else 0
+    zero = choose((0, 0, 1, 2, 3)) if world > 1 else 0
     return Case(
         config=config,
         world=world,

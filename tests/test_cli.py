@@ -158,7 +158,7 @@ def test_plan_searches_within_the_device_memory_by_default(capsys: pytest.Captur
     assert re.search(
         r"no plan fits the memory budget of 1\.8 GiB \(the default: 90% of the 2 GiB of a [^;]+; --memory-budget none "
         r"lifts it\): the smallest needs [0-9.]+ GiB per device \([0-9,]+ bytes\) with or without recomputation and "
-        r"ZeRO-2, in up to 8 micro-batches\. "
+        r"ZeRO-2 or 3, in up to 8 micro-batches\. "
         r"What would lower it: more devices",
         err,
     ), err

@@ -326,7 +326,7 @@ def save(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.
             "state": kinds,
         }
     out = Path(path)
-    with _one_process_is_meant():
+    with _one_process_is_meant(), module.whole_parameters():  # ZeRO-3: the parameters' values while they are read
         dcp.save(
             {k: e.tensor for k, e in entries.items()},
             storage_writer=dcp.FileSystemWriter(out),
@@ -521,7 +521,7 @@ def _apply(
     """Copy loaded local tensors into the parameters and the optimizer; everything is checked before it changes."""
     opt_state = _optimizer_state_dict(module, optimizer, state, groups) if optimizer is not None else None
     local = module.local_parameters()
-    with torch.no_grad():
+    with torch.no_grad(), module.whole_parameters(write=True):
         for fqn, value in params.items():
             local[fqn].copy_(value)
     for sharded in module._sharded:  # a ZeRO optimizer's master copies follow the new parameters

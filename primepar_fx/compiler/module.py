@@ -20,6 +20,7 @@ raise a ``ValueError`` together instead of computing on mismatched shards or wai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -46,11 +47,14 @@ from primepar_fx.compiler.agree import (
 from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
 from primepar_fx.compiler.microbatch import run_micro_batches, split_inputs
 from primepar_fx.cost.blocks import ZERO_STAGES
+from primepar_fx.cost.model import weights_read_in_backward
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph, graph_of
+from primepar_fx.graph.layers import layer_units, selective_nodes
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
+from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
 from primepar_fx.report.trace import trace_plan
@@ -59,6 +63,7 @@ from primepar_fx.runtime.gradsync import GradientBuckets
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
 from primepar_fx.runtime.zero import ShardedOptimizer
+from primepar_fx.runtime.zero3 import ShardedParameters, gather_around_uses
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +175,30 @@ class PrimeParModule(nn.Module):
                 for n, r in rank_graph.grad_reductions.items()
             ],
             self.comm_stats,
+            apart=_read_in_backward(graph, plan.recompute) if plan.zero == 3 else None,
         )
         self.grad_buckets.take_deferred(rank_graph.gm)
+        #: ZeRO-3's parameter chunks (:mod:`primepar_fx.runtime.zero3`; ``None`` below stage 3)
+        self.zero3: ShardedParameters | None = None
+        if plan.zero == 3:
+            self.zero3 = ShardedParameters(self.grad_buckets, rank, self.comm_stats)
+            self._gather_in(rank_graph.gm)
+
+    def _gather_in(self, gm: Any) -> None:
+        """ZeRO-3: gather each unit of parameters in ``gm`` (a rank graph) around its uses."""
+        assert self.zero3 is not None
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        units = {}
+        for node, (kind, key) in zip(placeholders, self._inputs, strict=True):
+            unit = self.zero3.unit_of_param(self.shards[key]) if kind == "param" else None  # type: ignore[index]
+            if unit is not None:
+                units[node.name] = unit.index
+        gather_around_uses(gm, units, self.zero3)
+
+    def whole_parameters(self, write: bool = False) -> Any:
+        """A context in which every parameter holds its values (ZeRO-3 gathers them; collective: every rank enters
+        it); with ``write``, what was written into them is kept. Other stages: nothing to do."""
+        return contextlib.nullcontext() if self.zero3 is None else self.zero3.whole(write)
 
     # ------------------------------------------------------------------------------------------------ running
     def _as_captured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -213,7 +240,13 @@ class PrimeParModule(nn.Module):
             warnings.warn(
                 f"the plan shards optimizer state (ZeRO-{self.plan.zero}), but no module.optimizer(...) was made: "
                 "gradients are summed whole and an optimizer of module.parameters() keeps all of its state, "
-                "more memory than the plan predicts",
+                "more memory than the plan predicts"
+                + (
+                    "; at stage 3 the parameters hold no values outside a step, so only module.optimizer(...) can "
+                    "step them"
+                    if self.plan.zero == 3
+                    else ""
+                ),
                 stacklevel=2,
             )
         m = self.plan.micro_batches
@@ -241,14 +274,17 @@ class PrimeParModule(nn.Module):
                 call.append(getattr(self, key))  # type: ignore[arg-type]
             else:
                 call.append(next(users))
-        return list(self._peer_call(rank_graph.gm, *call))
+        if self.zero3 is None:
+            return list(self._peer_call(rank_graph.gm, *call))
+        with self.zero3.running():
+            return list(self._peer_call(rank_graph.gm, *call))
 
     def optimizer(
         self, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, /, **defaults: Any
     ) -> Any:
         """The optimizer the plan prices: ``optimizer_class(self.parameters(), **defaults)``, or, for a plan with
-        ZeRO (``plan.zero`` 1 or 2), a :class:`~primepar_fx.runtime.zero.ShardedOptimizer` that keeps this rank's
-        share of the state (an element-wise optimizer such as AdamW, Adam or SGD; make one per module)."""
+        ZeRO (``plan.zero`` 1, 2 or 3), a :class:`~primepar_fx.runtime.zero.ShardedOptimizer` that keeps this
+        rank's share of the state (an element-wise optimizer such as AdamW, Adam or SGD; make one per module)."""
         if not self.plan.zero:
             return optimizer_class(self.parameters(), **defaults)
         if self._sharded:
@@ -260,6 +296,7 @@ class PrimeParModule(nn.Module):
             self.plan.zero,
             optimizer_class,
             self.comm_stats,
+            parameters=self.zero3,
             **defaults,
         )
         self._sharded.append(opt)
@@ -297,6 +334,8 @@ class PrimeParModule(nn.Module):
             for f in dataclasses.fields(CommStats):  # one counter for every size: share its dicts
                 setattr(built.stats, f.name, getattr(self.comm_stats, f.name))
             self.grad_buckets.take_deferred(built.gm)
+            if self.zero3 is not None:
+                self._gather_in(built.gm)
             self._rank_graphs[sizes] = built
         built = self._rank_graphs[sizes]
         if built.gm is not self.graph_module:
@@ -342,7 +381,8 @@ class PrimeParModule(nn.Module):
         return {fqn: self.shards[key] for fqn, key in self._key_of.items()}  # type: ignore[index]
 
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._with_aliases(self.gather_tensors(self.local_parameters()))
+        with self.whole_parameters():
+            return self._with_aliases(self.gather_tensors(self.local_parameters()))
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         return self._with_aliases(self.gather_tensors({fqn: p.grad for fqn, p in self.local_parameters().items()}))
@@ -364,12 +404,30 @@ class PrimeParModule(nn.Module):
                     f"parameter {fqn!r} has shape {tuple(state[key].shape)} in the state dict, "  # type: ignore[index]
                     f"{self.full_shape(fqn)} in the model"
                 )
-        with torch.no_grad():
+        with torch.no_grad(), self.whole_parameters(write=True):
             for fqn, key in found.items():
                 p = self.shards[self._key_of[fqn]]
                 p.copy_(self.shard_tensor(fqn, state[key].detach().to(p.dtype)))  # type: ignore[index]
         for opt in self._sharded:  # its master copies follow the new parameters
             opt.reload()
+
+
+def _read_in_backward(graph: OpGraph, recompute: Recompute | None) -> dict[str, bool]:
+    """Per parameter: whether Backward reads its values, so that ZeRO-3 gathers it again: a node reading it keeps
+    it (:func:`~primepar_fx.cost.model.weights_read_in_backward`) or runs again (a recomputed layer gathers every
+    parameter it reads), as the cost model prices the gathers."""
+    again: set[str] = set()
+    units = layer_units(graph) if recompute is not None and recompute.active else None
+    if units is not None and units.stack == recompute.stack and len(units) == len(recompute.layers):  # type: ignore[union-attr]
+        for mode, unit in zip(recompute.layers, units.units):  # type: ignore[union-attr]
+            if mode != "none":
+                again.update(unit if mode == "full" else selective_nodes(graph, unit))
+    read: dict[str, bool] = {}
+    for name, node in graph.nodes.items():
+        needed = weights_read_in_backward(node.dims, node.target)
+        for k, fqn in zip(sorted(node.dims.weights), node.params):
+            read[fqn] = read.get(fqn, False) or k in needed or name in again
+    return read
 
 
 def _check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:

@@ -17,9 +17,9 @@ from primepar_fx.partition.enumerate import ValuesKey
 from primepar_fx.partition.layouts import concrete_sizes
 from primepar_fx.rules.spec import OpDims, TensorMap
 
-#: The ZeRO stages the runtime runs for our plans (0: none); the cost model also prices 3 (the FSDP baseline)
-ZERO_STAGES = (0, 1, 2)
-PRICED_ZERO_STAGES = (*ZERO_STAGES, 3)
+#: The ZeRO stages the cost model prices and the runtime runs (0: none; 3 is also the FSDP baseline's)
+ZERO_STAGES = (0, 1, 2, 3)
+PRICED_ZERO_STAGES = ZERO_STAGES
 
 #: Bytes per element of each training dtype.
 ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -43,9 +43,9 @@ class CostOptions:
     master copy and the moments (the gradient is all-reduced whole, and the updated parameter all-gathered after
     the step: the all-gather's bytes on top), 2 also the gradient (reduce-scattered instead: the bytes of the
     all-reduce it replaces). The shard is stepped as an fp32 copy (the master copy; without master weights, one
-    more). Stage 3 also splits the parameter (FSDP): it is all-gathered before Forward and again before Backward
-    and its gradient reduce-scattered, an all-gather's bytes more than the all-reduce; the cost model prices it
-    for the FSDP baseline, and plans do not use it yet (no runtime for it).
+    more). Stage 3 also splits the parameter (FSDP; :mod:`primepar_fx.runtime.zero3`): it is all-gathered before
+    Forward and again before Backward of every micro-batch and its gradient reduce-scattered once a step, with
+    no all-gather after the step: one all-gather's bytes more than the all-reduce with one micro-batch.
 
     ``micro_batches`` ``m``: the graph is priced at the micro-batch (``B / m``) and a step runs it ``m`` times,
     summing parameter gradients locally and over their replicas once, at the last (gradient accumulation). What
@@ -63,6 +63,9 @@ class CostOptions:
     optimizer_shards: int = 1
     zero: int = 0
     micro_batches: int = 1
+    #: ZeRO-3 as FSDP runs it: every parameter gathered again before Backward (FSDP unshards a whole module before
+    #: its Backward); ``False``, ours: only those Backward reads (:func:`~primepar_fx.cost.model.zero_gather_share`)
+    regather_all: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dtype", "grad_dtype", "state_dtype"):

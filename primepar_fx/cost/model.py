@@ -110,6 +110,10 @@ class NodeCost:
     #: this device's share of ``param_bytes`` when each parameter block is split over the devices that hold it
     #: (ZeRO, :attr:`~primepar_fx.cost.blocks.CostOptions.zero`); ``None``: no block is replicated
     shard_bytes: int | None = None
+    #: ZeRO-3: the seconds and bytes of gathering the weights its Backward does not read once more before Backward,
+    #: which it needs where its Forward runs again (activation recomputation)
+    recompute_gather_s: float = 0.0
+    recompute_gather_bytes: int = 0
 
     @property
     def forward_s(self) -> float:
@@ -162,6 +166,18 @@ def stashed_inputs(op: OpDims, target: object) -> list[int]:
     if op.kind in ("norm", "loss"):
         return live[:1]
     return live
+
+
+def weights_read_in_backward(op: OpDims, target: object) -> list[int]:
+    """Weight inputs that autograd keeps for the node's Backward (ZeRO-3 gathers them again for it): a matmul's
+    matrix (not its bias), every weight of another op that keeps its inputs (a product; a layer norm keeps its
+    shift as well as its scale); none of an embedding, a view or a sum."""
+    if op.kind in ("view", "factory", "meta", "reduce", "embedding") or target in _LINEAR_POINTWISE:
+        return []
+    weights = [k for k in sorted(op.weights) if op.inputs[k] is not None]
+    if op.kind == "matmul":
+        return [k for k in weights if len(op.inputs[k]) >= 2]  # type: ignore[arg-type]
+    return weights
 
 
 @lru_cache(maxsize=65536)
@@ -221,15 +237,22 @@ def node_cost(
     weights = {k: block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None}
     params = sum(weights.values())
     shard = None
+    again_s, again_bytes = 0.0, 0
     if replicas:
         shard = sum(-(-b // replicas[k][0]) if k in replicas else b for k, b in weights.items())
         # stage 1 all-gathers the updated shards after the step (stage 2 swaps the all-reduce for a reduce-scatter
-        # and this all-gather: the same bytes); stage 3 gathers before Forward and before Backward: one more
+        # and this all-gather: the same bytes); stage 3 gathers before Forward and before Backward of every
+        # micro-batch, and reduce-scatters once a step: per micro-batch the all-reduce's 1/m above and (2 - 1/m)
+        # all-gathers here (with one micro-batch: one more all-gather than stage 2)
         if opts.zero in (1, 3):
+            read = list(replicas) if opts.regather_all else weights_read_in_backward(op, target)
             for k in replicas:
                 seconds, gathered = zero_gather_price(part, k, cluster, vkey, item)
-                if opts.micro_batches > 1 and opts.zero == 1:  # (stage 3 gathers before every micro-batch)
-                    seconds, gathered = seconds / opts.micro_batches, int(round(gathered / opts.micro_batches))
+                if opts.zero == 3 and k not in read:
+                    again_s, again_bytes = again_s + seconds, again_bytes + gathered
+                share = zero_gather_share(opts, k in read)
+                if share != 1:
+                    seconds, gathered = seconds * share, int(round(gathered * share))
                 coll_s += seconds
                 comm["all-gather"] = comm.get("all-gather", 0) + gathered
     stash = sum(block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
@@ -240,6 +263,8 @@ def node_cost(
         ),
         default=0,
     )
+    if opts.zero == 3 and shard is not None:  # its replicated blocks gathered whole while it runs (this rank's
+        buffers += params - shard  # chunk of them is in the state already)
     return NodeCost(
         tuple(phase_s),  # type: ignore[arg-type]
         compute_total,
@@ -255,7 +280,19 @@ def node_cost(
         forward_ring_bytes=fwd_ring_bytes,
         forward_collective_bytes=fwd_coll_bytes,
         shard_bytes=shard,
+        recompute_gather_s=again_s,
+        recompute_gather_bytes=again_bytes,
     )
+
+
+def zero_gather_share(opts: CostOptions, read: bool = True) -> float:
+    """How many of :func:`zero_gather_price`'s all-gathers ZeRO prices per micro-batch: stage 1 one a step (``1/m``
+    of one); stage 3 one before Forward of every micro-batch and, for a weight that Backward reads (``read``,
+    :func:`weights_read_in_backward`), one before Backward, less the reduce-scatter's share of the all-reduce
+    priced with the gradient (``2 - 1/m`` or ``1 - 1/m``: with one micro-batch one more than stage 2, or none);
+    others none."""
+    m = opts.micro_batches
+    return 1 / m if opts.zero == 1 else 1 + read - 1 / m if opts.zero == 3 else 0.0
 
 
 def zero_gather_price(

@@ -15,6 +15,7 @@ planned node each one computes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,11 +33,19 @@ class Checkpointed(nn.Module):
         super().__init__()
         self.body = body
         self.layer, self.mode = layer, mode
+        #: called with the inputs before the body runs, in Forward and again when Backward recomputes it (ZeRO-3
+        #: gathers the parameters it reads: :mod:`primepar_fx.runtime.zero3`)
+        self.before_run: Callable[[tuple[Any, ...]], None] | None = None
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
-            return self.body(*args)
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+            return self._body(*args)
+        return checkpoint(self._body, *args, use_reentrant=False, preserve_rng_state=True)
+
+    def _body(self, *args: Any) -> Any:
+        if self.before_run is not None:
+            self.before_run(args)
+        return self.body(*args)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, mode={self.mode!r}"

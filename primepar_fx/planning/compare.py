@@ -198,7 +198,7 @@ def _fsdp(
     dp: Mapping[str, PartitionSeq],
 ) -> tuple[dict[str, Any], Predicted]:
     """FSDP at ``values``' batch in one micro-batch of ``opts``' (:func:`best_fsdp`): its config and prediction."""
-    costs = dataclasses.replace(opts, zero=3, optimizer_shards=1)
+    costs = dataclasses.replace(opts, zero=3, optimizer_shards=1, regather_all=True)
     priced, (choice,) = price_assignments(graph, [dp], mesh, cluster, values, costs)
     units = layer_units(graph)
     if units is None:  # no layer stack: each node its own unit
@@ -207,6 +207,8 @@ def _fsdp(
         groups = [list(u) for u in units.units] + [[n for n in graph.nodes if n not in units.layer_of]]
     layer_bytes = [sum(priced.node_costs[n][choice[n]].param_bytes for n in g) for g in groups]
     gathered = sum(sorted(layer_bytes, reverse=True)[:FSDP_GATHERED_LAYERS])
+    # (a node's own gathered blocks are in its buffer already: ZeRO-3's cost model, one node at a time)
+    gathered = max(0, gathered - max(priced.node_costs[n][choice[n]].buffer_bytes for n in graph.nodes))
     variants: list[tuple[str, Any]] = [("none", None)]
     layers = layer_pricing(graph, priced, values, costs)
     if layers is not None:

@@ -21,8 +21,8 @@ RECOMPUTE_KIND = "recomputation"
 #: Megatron-LM's gradient accumulation alike)
 MICRO_BATCH_TRIES = (1, 2, 4, 8)
 
-#: what a plan's options may ask of ZeRO: a stage, or ``"auto"`` (0 when the plan fits without, else 2)
-ZERO_CHOICES = ("auto", 0, 1, 2)
+#: what a plan's options may ask of ZeRO: a stage, or ``"auto"`` (0 when the plan fits without, else 2, else 3)
+ZERO_CHOICES = ("auto", 0, 1, 2, 3)
 
 
 def check_zero(value: object) -> str | int:

@@ -24,6 +24,7 @@ device sends per step (collectives and ring shifts, plus the mean per-device red
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -214,8 +215,8 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
         if found is not None and got.step_objective >= found.step_objective:
             continue  # slower; more micro-batches still may not be (the step is not unimodal in the count)
         found = got
-        if got.chosen.recompute is None or not got.chosen.recompute.active:
-            break  # it fits without recomputation: more micro-batches would only run smaller ones
+        if (got.chosen.recompute is None or not got.chosen.recompute.active) and got.costs.zero != 3:
+            break  # it fits without recomputation or ZeRO-3: more micro-batches would only run smaller ones
     if found is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     mesh, priced, chosen, m = found.mesh, found.priced, found.chosen, found.micro_batches
@@ -294,14 +295,14 @@ def _search_at(
     values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
     costs = dataclasses.replace(opts.cost_options(), micro_batches=m)
 
-    def price(mesh: DeviceMesh) -> PricedGraph:
+    def price(mesh: DeviceMesh, at: CostOptions = costs) -> PricedGraph:
         clear_caches()  # each mesh numbers its own index sets, so the table of their overlaps holds this one's
         return price_graph(
             graph,
             mesh,
             opts.cluster,
             values,
-            costs,
+            at,
             allow_prime=opts.allow_prime,
             canonical=opts.canonical,
             progress=opts.progress,
@@ -334,7 +335,9 @@ def _search_at(
         priced = price(mesh)
         priced_s = time.perf_counter() - start
         try:
-            chosen, stage = _choose_levers(graph, priced, values, costs, opts, limit, free_only=free_only)
+            chosen, stage = _choose_levers(
+                graph, priced, values, costs, opts, limit, free_only=free_only, reprice=functools.partial(price, mesh)
+            )
         except InfeasibleBudget as exc:
             if len(meshes) == 1:
                 raise
@@ -372,12 +375,15 @@ def _choose_levers(
     cutoff: Callable[[], float] | None = None,
     *,
     free_only: bool = False,
+    reprice: Callable[[CostOptions], PricedGraph] | None = None,
 ) -> tuple[Chosen, int]:
     """The plan's recomputation and solution on one mesh, and its ZeRO stage.
 
     A stage asked for is priced as it is. ``"auto"``: stage 0 when the fastest plan fits the budget without it;
     else stage 2, which moves the bytes of stage 0 in the same time and holds less, so every plan that fits at
-    stage 0 fits at stage 2 as fast (it is the stage to weigh against recomputation and slower partitions).
+    stage 0 fits at stage 2 as fast (it is the stage to weigh against recomputation and slower partitions); and
+    where nothing fits at stage 2, stage 3 (the parameters split too, gathered around their uses: more bytes
+    sent, so it is the last resort), priced again by ``reprice(costs)``.
     ``priced`` is priced at ``costs``' stage. ``cutoff()``: the objective of a plan the caller has (asked only
     when the levers are searched; :class:`~primepar_fx.search.CutOff` when nothing that fits beats it).
     ``free_only``: :class:`~primepar_fx.search.CutOff` where the fastest plan does not fit as it is.
@@ -410,7 +416,16 @@ def _choose_levers(
             return Chosen(free, priced, None), costs.zero
     if free_only:
         raise CutOff(math.inf)
-    return choose(priced, costs), costs.zero
+    try:
+        return choose(priced, costs), costs.zero
+    except InfeasibleBudget as exc:
+        if reprice is None:
+            raise
+        third = dataclasses.replace(costs, zero=3)
+        try:
+            return choose(reprice(third), third), 3
+        except InfeasibleBudget as at_three:  # the least either needs
+            raise InfeasibleBudget(opts.memory_budget, min(exc.min_memory, at_three.min_memory)) from None  # type: ignore[arg-type]
 
 
 def _options(graph: OpGraph, options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptions:

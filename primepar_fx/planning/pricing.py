@@ -30,7 +30,9 @@ from primepar_fx.cost.model import (
     edge_cost_matrix,
     node_cost,
     price_directions,
+    weights_read_in_backward,
     zero_gather_price,
+    zero_gather_share,
 )
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
@@ -452,10 +454,14 @@ class _Pricing:
         if not shared.any():
             return None
         shared.flags.writeable = False
-        if self.opts.zero in (1, 3):  # nor its extra all-gather (ZeRO stage 1: after the step; 3: before Backward)
-            m = self.opts.micro_batches
+        if self.opts.zero in (1, 3):  # nor its extra all-gathers (ZeRO stage 1: after the step; 3: before use)
+            # (stage 3 gathers the one parameter before Backward if either reads it: v keeps that one if u does not)
+            nu, nv = self.graph.nodes[u], self.graph.nodes[v]
+            read_u = k_u in weights_read_in_backward(nu.dims, nu.target)
+            read_v = k_v in weights_read_in_backward(nv.dims, nv.target)
+            share = zero_gather_share(self.opts, read_u and read_v)
             gathers = [zero_gather_price(part, k_v, self.cluster, self.vkey, item) for part in self.partitions[v]]
-            gathers = [(s / m, int(round(b / m))) for s, b in gathers]
+            gathers = [(s * share, int(round(b * share))) for s, b in gathers]
             reduce_s = frozen(reduce_s + np.array([g[0] for g in gathers]))
             reduce_bytes = frozen(reduce_bytes + np.array([g[1] for g in gathers], np.int64), np.int64)
         return TiedSaving(shared, reduce_s, reduce_bytes)

@@ -148,6 +148,9 @@ class LayerPricing:
                         ring_s=c.ring_s + c.forward_ring_s,
                         collective_s=c.collective_s + coll_s,
                     )
+                if c.recompute_gather_bytes:  # ZeRO-3: the layer gathers every weight it reads before it runs again
+                    comm["all-gather"] = comm.get("all-gather", 0) + c.recompute_gather_bytes
+                    c = dataclasses.replace(c, collective_s=c.collective_s + c.recompute_gather_s)
                 out.append(dataclasses.replace(c, stash_bytes=kb, comm_bytes=comm))
             self._memo[key] = out
         return self._memo[key]
@@ -243,12 +246,17 @@ class LayerPricing:
         def kept(n: str) -> int:
             return applied.node_costs[n][choice[n]].stash_bytes
 
+        def gathered(n: str) -> int:
+            c = base[n][choice[n]]
+            return 0 if self.opts.zero != 3 or c.shard_bytes is None else c.param_bytes - c.shard_bytes
+
         freed = sum(kept(n) for n in self.post)
         worst = 0
         for i in reversed(range(len(policy.layers))):
             mode = policy.layers[i]
-            if mode != "none":  # the run's whole stash is back (its kept inputs among it: an upper bound)
-                back = sum(base[n][choice[n]].stash_bytes for n in self.runs[mode][i])
+            if mode != "none":  # the run's whole stash is back (its kept inputs among it: an upper bound), and
+                back = sum(base[n][choice[n]].stash_bytes for n in self.runs[mode][i])  # ZeRO-3 gathers all
+                back += sum(gathered(n) for n in self.runs[mode][i])  # of its parameters before it runs again
                 worst = max(worst, back - freed)
             freed += sum(kept(n) for n in self.units.units[i])
         return max(0, worst)

@@ -35,7 +35,7 @@ ring volume as the graph's all-reduces, and one message per bucket.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +85,31 @@ class _Bucket:
         self.offsets: dict[int, int] = {}  # member -> its first element in ``buffer``
 
 
+class BucketChunk:
+    """Bucket ``index`` of ``buckets`` as ZeRO cuts it (:mod:`primepar_fx.runtime.zero`): its parameters flattened in
+    bucket order and padded to a multiple of the group size, ``chunk`` elements per rank of the group; this rank's
+    chunk starts at ``start``."""
+
+    def __init__(self, buckets: GradientBuckets, index: int, rank: int) -> None:
+        bucket = buckets.buckets[index]
+        self.index, self.bucket, self.members = index, bucket, list(bucket.members)
+        self.params = [buckets.params[i] for i in self.members]
+        self.reductions = [buckets.reductions[i] for i in self.members]
+        self.handle, self.ranks = bucket.group
+        self.size = len(self.ranks)
+        self.numel = sum(p.numel() for p in self.params)
+        self.chunk = -(-self.numel // self.size)
+        self.start = self.ranks.index(rank) * self.chunk
+
+
 class GradientBuckets:
     """Bucketed asynchronous gradient sums of ``params`` (module docstring).
 
     ``params``: ``(name, parameter, reduction)`` for every parameter whose gradient the plan sums over a group;
     parameters that do not require a gradient are left out. ``bucket_cap_mb`` bounds a bucket's bytes (the first
     bucket launched: ``first_bucket_cap_mb``); a parameter larger than the bound gets a bucket of its own.
+    ``apart``: a key per parameter name; parameters of different keys never share a bucket (ZeRO-3 keeps apart the
+    parameters that Backward reads, which it gathers again, from those it does not).
     """
 
     def __init__(
@@ -100,6 +119,7 @@ class GradientBuckets:
         *,
         bucket_cap_mb: float = BUCKET_CAP_MB,
         first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB,
+        apart: Mapping[str, Hashable] | None = None,
     ) -> None:
         if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
             raise ValueError(f"bucket sizes must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
@@ -112,7 +132,7 @@ class GradientBuckets:
         self.bucket_of: list[int] = []
         open_: dict[tuple, _Bucket] = {}
         for i, (p, r) in enumerate(zip(self.params, self.reductions)):
-            key = (r.ranks, r.digits, p.dtype)
+            key = (r.ranks, r.digits, p.dtype, None if apart is None else apart.get(self.names[i]))
             bucket = open_.get(key)
             cap = (first_bucket_cap_mb if not self.buckets or bucket is self.buckets[0] else bucket_cap_mb) * 2**20
             if bucket is not None and bucket.members and (bucket.numel + p.numel()) * p.element_size() > cap:

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 for a compiled module: the optimizer's state split over each parameter's replicas.
+"""ZeRO stages 1, 2 and 3 for a compiled module: the optimizer's state split over each parameter's replicas.
 
 A plan replicates a parameter block on the devices that differ only in the digits its gradient is summed over
 (:class:`~primepar_fx.runtime.gradsync.GradReduction`); with ``plan.zero`` >= 1 each of those devices keeps and
@@ -15,7 +15,7 @@ mixed-precision training) and the inner optimizer's state of it (AdamW: two mome
   all-gather below); gradients of several backwards accumulate in the chunk until :meth:`zero_grad`.
 
 :meth:`ShardedOptimizer.step` runs the inner optimizer on the chunks, then all-gathers every bucket's updated
-chunks (cast to the parameters' dtype) and writes them into the parameters. Both stages give the numbers of the
+chunks (cast to the parameters' dtype) and writes them into the parameters. Every stage gives the numbers of the
 inner optimizer on whole parameters, for an optimizer that updates each element from that element alone (SGD,
 Adam, AdamW and the like; not LAMB or Adafactor, whose updates read a whole tensor's norm). Parameters no bucket
 shards (held by one rank, or summed over no group) are stepped as they are. Bytes sent are counted in
@@ -24,7 +24,6 @@ shards (held by one rank, or summed over no group) are stepped as they are. Byte
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,23 +32,19 @@ import torch.distributed as dist
 from torch import nn
 
 from primepar_fx.cost.cluster import ring_factors
-from primepar_fx.runtime.gradsync import GradientBuckets
+from primepar_fx.runtime.gradsync import BucketChunk, GradientBuckets
 from primepar_fx.runtime.stats import CommStats
+from primepar_fx.runtime.zero3 import ShardedParameters, Unit
 
 
-class _Shard:
-    """One bucket's chunk on this rank: where its parameters lie in the flat bucket, and the fp32 master chunk."""
+class _Shard(BucketChunk):
+    """One bucket's chunk on this rank: where its parameters lie in the flat bucket, and the fp32 master chunk;
+    ``unit``: the bucket's ZeRO-3 unit, which stores the parameters' chunk (the master is read from and written to
+    it, with no all-gather)."""
 
-    def __init__(self, buckets: GradientBuckets, index: int, rank: int) -> None:
-        bucket = buckets.buckets[index]
-        self.bucket, self.members = bucket, list(bucket.members)
-        self.params = [buckets.params[i] for i in self.members]
-        self.reductions = [buckets.reductions[i] for i in self.members]
-        self.handle, self.ranks = bucket.group
-        self.size = len(self.ranks)
-        self.numel = sum(p.numel() for p in self.params)
-        self.chunk = math.ceil(self.numel / self.size)
-        self.start = self.ranks.index(rank) * self.chunk
+    def __init__(self, buckets: GradientBuckets, index: int, rank: int, unit: Unit | None = None) -> None:
+        super().__init__(buckets, index, rank)
+        self.unit = unit
         self.device = self.params[0].device  # the parameters' device (a GPU under NCCL): every buffer here lives there
         self.master = nn.Parameter(torch.zeros(self.chunk, dtype=torch.float32, device=self.device))
         self.reload()
@@ -68,11 +63,18 @@ class _Shard:
     def reload(self) -> None:
         """Read this rank's chunk of the parameters into the master copy (after they changed from outside)."""
         with torch.no_grad():
-            self.master.copy_(self.flat(self.params)[self.start : self.start + self.chunk])
+            if self.unit is not None:
+                self.master.copy_(self.unit.local)
+            else:
+                self.master.copy_(self.flat(self.params)[self.start : self.start + self.chunk])
 
     def scatter(self) -> None:
-        """Write the all-gathered master chunks back into the parameters."""
+        """Write the all-gathered master chunks back into the parameters (ZeRO-3: the master into the chunk)."""
         dtype = self.params[0].dtype
+        if self.unit is not None:
+            with torch.no_grad():
+                self.unit.local.copy_(self.master.detach())
+            return
         out = torch.empty(self.chunk * self.size, dtype=dtype, device=self.device)
         dist.all_gather_single(out, self.master.detach().to(dtype), group=self.handle)
         offset = 0
@@ -83,7 +85,7 @@ class _Shard:
 
     def count(self, stats: CommStats | None) -> None:
         """The all-gather's bytes, per parameter under its node (one message per bucket)."""
-        if stats is None:
+        if stats is None or self.unit is not None:
             return
         bus = ring_factors("all-gather", self.size)[0]
         for k, (p, r) in enumerate(zip(self.params, self.reductions)):
@@ -106,15 +108,23 @@ class ShardedOptimizer:
         stage: int,
         optimizer_class: Callable[..., torch.optim.Optimizer],
         stats: CommStats | None = None,
+        parameters: ShardedParameters | None = None,
         **defaults: Any,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"ShardedOptimizer runs ZeRO stage 1 or 2, got {stage!r}")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ShardedOptimizer runs ZeRO stage 1, 2 or 3, got {stage!r}")
+        if (stage == 3) != (parameters is not None):
+            raise ValueError("ZeRO stage 3, and only it, steps the chunks of ShardedParameters (pass parameters=)")
         self.stage, self.buckets, self.stats = stage, buckets, stats
-        self.shards = [_Shard(buckets, b.index, rank) for b in buckets.buckets if len(b.group[1]) > 1 and b.members]
+        units = {u.index: u for u in parameters.units} if parameters is not None else {}
+        self.shards = [
+            _Shard(buckets, b.index, rank, units.get(b.index))
+            for b in buckets.buckets
+            if len(b.group[1]) > 1 and b.members
+        ]
         sharded = {id(p) for s in self.shards for p in s.params}
         self.plain = [p for p in params if p.requires_grad and id(p) not in sharded]
-        if stage == 2:
+        if stage >= 2:
             buckets.scatter_into({s.bucket.index for s in self.shards})
         self.inner = optimizer_class([*(s.master for s in self.shards), *self.plain], **defaults)
 
@@ -136,7 +146,7 @@ class ShardedOptimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        if self.stage == 2:
+        if self.stage >= 2:
             self.buckets.clear_scattered()
 
     @torch.no_grad()
@@ -144,7 +154,7 @@ class ShardedOptimizer:
         if closure is not None:
             raise ValueError("ShardedOptimizer.step takes no closure: run forward and backward before it")
         for s in self.shards:
-            if self.stage == 2:
+            if self.stage >= 2:
                 grad = self.buckets.scattered(s.bucket.index)
             elif any(p.grad is not None for p in s.params):
                 grad = s.flat([p.grad for p in s.params])[s.start : s.start + s.chunk]

@@ -146,14 +146,15 @@ def test_saved_under_prime_on_4_ranks_loads_under_megatron_on_2_and_in_one_proce
 
 
 def test_a_zero_optimizer_round_trips_and_moves_to_another_plan(tmp_path):
-    """ZeRO-2's chunked optimizer state (data parallelism on 4 ranks) is checkpointed per parameter: the file has
-    every parameter's whole moments, resuming is bit-exact, and ZeRO-1 under Megatron on 2 ranks loads it."""
-    saved = spawn(checkpoint_save, 4, MODEL, "data_parallel+zero=2", str(tmp_path), BEFORE, AFTER, timeout=600)
+    """ZeRO-3's chunked parameters and optimizer state (data parallelism on 4 ranks) are checkpointed per
+    parameter: the file has every parameter and its whole moments, resuming (into ZeRO-3 again) is bit-exact, and
+    ZeRO-2 under Megatron on 2 ranks loads it."""
+    saved = spawn(checkpoint_save, 4, MODEL, "data_parallel+zero=3", str(tmp_path), BEFORE, AFTER, timeout=600)
     assert saved["file_differs"] == []
     for how in ("dcp", "consolidated"):
         assert saved[f"{how} resumed"] == saved["uninterrupted"], how
         assert saved[f"{how} lr"] == 1e-2
-    loaded = spawn(checkpoint_load, 2, MODEL, "megatron+zero=1", str(tmp_path), AFTER, timeout=600)
+    loaded = spawn(checkpoint_load, 2, MODEL, "megatron+zero=2", str(tmp_path), AFTER, timeout=600)
     for how in ("dcp", "consolidated"):
         assert loaded[f"{how} differs"] == [], how
         assert loaded[f"{how} resumed"] == pytest.approx(saved["uninterrupted"], rel=RTOL, abs=ATOL), how

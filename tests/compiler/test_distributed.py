@@ -85,6 +85,35 @@ def test_zero_trains_like_one_device():
     assert dp1["sent_planned_total"] == pytest.approx(1.5 * dp2["sent_planned_total"], rel=0.01)
 
 
+def test_zero3_trains_like_one_device():
+    """ZeRO stage 3 (issue 18): each replicated parameter block kept as chunks and gathered only around its uses,
+    with data parallelism, Megatron's split with recomputation, a random plan and a P(S x S) plan with
+    recomputation and micro-batches: one device's losses and parameters after three AdamW steps, the bytes the plan
+    predicts (a gather before Forward, one before Backward where Backward reads the parameter or recomputes its
+    layer, a reduce-scatter), and each rank stores a quarter of what it stored before, none of it whole between
+    steps."""
+    from distributed_checks import check_levers
+
+    plans = [
+        "data_parallel+zero=3",
+        "megatron-sp+recompute=full+zero=3",
+        "random:5+zero=3",
+        "prime+recompute=full+zero=3+micro_batches=2",
+    ]
+    report = spawn(check_levers, 4, "gpt2-tiny", plans, timeout=TIMEOUT)
+    for plan in plans:
+        r = report[plan]
+        assert r["zero"] == 3, plan
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=RTOL, abs=ATOL), plan
+        assert r["bad_params"] == [], (plan, r["bad_params"][:3])
+        assert r["sent_planned_total"] == pytest.approx(r["predicted_total"], rel=1e-6), plan
+        assert r["sharded_buckets"] > 0 and r["freed_between_steps"], plan
+        assert r["stored_param_elems"] < r["param_elems"], plan
+    dp = report["data_parallel+zero=3"]  # every parameter replicated on 4 ranks: a quarter of each (padding aside)
+    sharded = dp["param_elems"] - dp["unsharded_elems"]  # (but the one summed in the graph, kept whole)
+    assert dp["stored_param_elems"] == pytest.approx(sharded / 4 + dp["unsharded_elems"], rel=0.001)
+
+
 def test_micro_batches_train_like_one_device():
     """Micro-batches (issue 18): the compiled module cuts the batch of 4 into 2 and accumulates the gradients,
     summing them over replicas once, with data parallelism, Megatron's split with ZeRO-2, a P(S x S) plan with

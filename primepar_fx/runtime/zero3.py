@@ -1,0 +1,296 @@
+"""ZeRO stage 3 for a compiled module: each replicated parameter block held in chunks, gathered only while in use.
+
+Stages 1 and 2 (:mod:`primepar_fx.runtime.zero`) split the optimizer state and the gradient of a parameter over
+the ranks that hold the same block of it; stage 3 splits the block itself, as FSDP does. The unit is a gradient
+bucket of :class:`~primepar_fx.runtime.gradsync.GradientBuckets` (one process group and dtype, at most 25 MiB):
+
+* at compile time the bucket's parameters are laid out in one flat tensor, padded to a multiple of the group size
+  ``r``; the rank at position ``i`` of the group keeps chunk ``i`` of it (:attr:`Unit.local`, the parameters'
+  dtype: the stored parameter), and the flat tensor's storage is freed. Each parameter stays an ``nn.Parameter``
+  of its block's shape, a view of that storage, so the graph, the gradient hooks and the optimizer see the same
+  tensors as without ZeRO;
+* Forward: a node before the unit's first use in the rank graph all-gathers the chunks into the storage; a node
+  after its last use (its views' uses included) frees it again (:func:`gather_around_uses`). Whatever is left is
+  freed when Forward returns;
+* Backward: a tensor that autograd saves from a unit (the weight a matmul keeps for its input gradient) is kept as
+  a reference (:meth:`ShardedParameters.pack`), and the unit is gathered again when Backward unpacks it; a
+  recomputed layer (:class:`~primepar_fx.passes.recompute.Checkpointed`) gathers what it reads before it runs
+  again. The unit is freed when the gradient of each of its parameters has arrived (nothing in Backward reads it
+  after that), and at the end of Backward in any case;
+* the gradients are reduce-scattered into chunks as at stage 2, and
+  :class:`~primepar_fx.runtime.zero.ShardedOptimizer` steps the chunks and writes them into :attr:`Unit.local`:
+  no all-gather after the step.
+
+So a rank sends, per parameter block of ``b`` bytes over ``r`` ranks, two all-gathers a micro-batch (Forward and
+Backward, ``(r-1)/r b`` each) and one reduce-scatter a step, as the cost model prices stage 3; every gather is
+counted in ``comm_stats`` under the node its parameter's gradient is priced on. Every rank of a group gathers its
+units in the same order: the rank graphs run the same nodes, and Backward unpacks in the same order everywhere.
+
+Outside a step the parameters hold no values: read or write them inside :meth:`ShardedParameters.whole` (what
+``gather_state_dict``, ``load_state_dict`` and the checkpoints do), never through ``module.parameters()`` directly
+(a freed storage read is undefined: FSDP's parameters are the same outside their ``summon_full_params``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.runtime.gradsync import BucketChunk, GradientBuckets
+from primepar_fx.runtime.stats import CommStats
+
+
+class Unit(BucketChunk):
+    """One bucket's parameters on this rank: their flat storage (whole only while gathered) and this rank's chunk."""
+
+    def __init__(self, buckets: GradientBuckets, index: int, rank: int) -> None:
+        super().__init__(buckets, index, rank)
+        first = self.params[0]
+        self.flat = torch.zeros(self.chunk * self.size, dtype=first.dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat[offset : offset + n].view(p.shape)
+                offset += n
+        #: this rank's chunk of the flat parameters: what the rank stores between uses
+        self.local = self.flat[self.start : self.start + self.chunk].clone()
+        self.storage = self.flat.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.whole = True
+
+    @property
+    def key(self) -> int:
+        return self.storage._cdata
+
+    def write_back(self) -> None:
+        """Take this rank's chunk from the whole flat tensor (after the parameters were written)."""
+        with torch.no_grad():
+            self.local.copy_(self.flat[self.start : self.start + self.chunk])
+
+
+class ShardedParameters:
+    """The stage-3 units of ``buckets`` (each bucket over more than one rank; module docstring)."""
+
+    def __init__(self, buckets: GradientBuckets, rank: int, stats: CommStats | None = None) -> None:
+        self.stats = stats
+        self.units = [Unit(buckets, b.index, rank) for b in buckets.buckets if len(b.group[1]) > 1 and b.members]
+        self._by_storage = {u.key: u for u in self.units}
+        self._by_param = {id(p): u for u in self.units for p in u.params}
+        self._left: dict[int, int] = {}  # unit index -> gradients still to come in this backward
+        self._queued = False
+        self.gathers = 0  # all-gathers run so far (tests and benchmarks)
+        self._handles = [p.register_hook(self._arrived(u)) for u in self.units for p in u.params]
+        for u in self.units:
+            self.release(u)
+
+    # ------------------------------------------------------------------------------------------------ gather / free
+    def unit_of(self, value: object) -> Unit | None:
+        """The unit whose storage ``value`` (a parameter or a view of one) lives in, else ``None``."""
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+            return None
+        try:
+            return self._by_storage.get(value.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # a tensor without a storage (a subclass)
+            return None
+
+    def unit_of_param(self, p: nn.Parameter) -> Unit | None:
+        return self._by_param.get(id(p))
+
+    def gather(self, unit: Unit) -> None:
+        """Make ``unit`` whole: all-gather the chunks of its group into its storage (a no-op when it is whole)."""
+        if unit.whole:
+            return
+        unit.storage.resize_(unit.nbytes)
+        with torch.no_grad():
+            dist.all_gather_single(unit.flat, unit.local, group=unit.handle)
+        unit.whole = True
+        self.gathers += 1
+        if self.stats is not None:
+            bus = ring_factors("all-gather", unit.size)[0]
+            for k, (p, r) in enumerate(zip(unit.params, unit.reductions)):
+                self.stats.add("collective", bus * p.numel() * p.element_size(), r.node, calls=1 if k == 0 else 0)
+        if torch._C._current_graph_task_id() != -1:  # gathered again in Backward: freed at its end at the latest
+            self._queue_end()
+
+    def release(self, unit: Unit) -> None:
+        if unit.whole:
+            unit.storage.resize_(0)
+            unit.whole = False
+
+    def release_all(self) -> None:
+        for u in self.units:
+            self.release(u)
+
+    def ensure(self, values: Iterable[object]) -> None:
+        """Gather every unit that a tensor of ``values`` lives in (a recomputed layer's inputs)."""
+        for v in values:
+            unit = self.unit_of(v)
+            if unit is not None:
+                self.gather(unit)
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def pack(self, t: torch.Tensor) -> object:
+        unit = self.unit_of(t)
+        return t if unit is None else _Saved(unit, t)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, _Saved):
+            self.gather(packed.unit)
+            return packed.tensor
+        return packed  # type: ignore[return-value]
+
+    def _arrived(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            self._queue_end()
+            left = self._left.get(unit.index, len(unit.params)) - 1
+            self._left[unit.index] = left
+            if left == 0:  # every parameter's gradient is in: nothing in this backward reads the unit again
+                self.release(unit)
+
+        return hook
+
+    def _queue_end(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        self._left = {}
+        self.release_all()
+
+    # ------------------------------------------------------------------------------------------------ contexts
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """One run of the rank graph: saved tensors of units kept as references; every unit freed after it."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self.release_all()
+
+    @contextlib.contextmanager
+    def whole(self, write: bool = False) -> Iterator[None]:
+        """Every parameter whole inside (collective: every rank enters it); with ``write``, what was written into
+        them becomes each rank's chunk on the way out."""
+        for u in self.units:
+            self.gather(u)
+        try:
+            yield
+            if write:
+                for u in self.units:
+                    u.write_back()
+        finally:
+            self.release_all()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class _Saved:
+    """A tensor saved for Backward that lives in a unit's storage: gathered again when Backward unpacks it."""
+
+    __slots__ = ("tensor", "unit")
+
+    def __init__(self, unit: Unit, tensor: torch.Tensor) -> None:
+        self.unit, self.tensor = unit, tensor
+
+
+# ---------------------------------------------------------------------------------------------------- graph pass
+class GatherUnit(nn.Module):
+    """A rank-graph node: gather unit ``index`` before its first use."""
+
+    def __init__(self, store: ShardedParameters) -> None:
+        super().__init__()
+        self._store = [store]  # a list: not a submodule, its tensors not the graph module's
+
+    def forward(self, index: int) -> None:
+        store = self._store[0]
+        store.gather(store.units[index])
+
+
+class ReleaseUnit(nn.Module):
+    """A rank-graph node after the last use of unit ``index`` in Forward: free it, unless an output of a node the
+    pass cannot see into (``outputs``) lives in it still (then it is freed when Forward returns)."""
+
+    def __init__(self, store: ShardedParameters) -> None:
+        super().__init__()
+        self._store = [store]
+
+    def forward(self, index: int, *outputs: Any) -> None:
+        store = self._store[0]
+        unit = store.units[index]
+        if any(store.unit_of(t) is unit for t in pytree.tree_leaves(outputs)):
+            return
+        store.release(unit)
+
+
+def _aliases_input(node: fx.Node) -> bool | None:
+    """Whether ``node``'s output may be a view of its inputs: ``True``/``False`` for an ATen op (its schema says)
+    and ``getitem``; ``None`` where it cannot be told from the graph (a submodule or another function)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in node.target._schema.returns)
+    return None
+
+
+def gather_around_uses(gm: fx.GraphModule, units_of: dict[str, int], store: ShardedParameters) -> int:
+    """Put a :class:`GatherUnit` node before the first use of each unit's parameters (the placeholders named in
+    ``units_of``, placeholder name -> unit index) and a :class:`ReleaseUnit` node after the last use of them or of
+    any view of them; returns how many units got nodes. Recomputed layers gather what they read again
+    (``before_run``)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders: dict[int, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.name in units_of and n.users:
+            placeholders.setdefault(units_of[n.name], []).append(n)
+    gather = _add(gm, "zero3_gather", GatherUnit(store))
+    release = _add(gm, "zero3_release", ReleaseUnit(store))
+    done = 0
+    for index, starts in sorted(placeholders.items()):
+        views, users, opaque = set(starts), set(), []
+        stack = list(starts)
+        while stack:
+            for u in stack.pop().users:
+                users.add(u)
+                aliasing = _aliases_input(u)
+                if aliasing and u not in views:
+                    views.add(u)
+                    stack.append(u)
+                elif aliasing is None and u.op != "output" and u not in opaque:
+                    opaque.append(u)
+        if any(u.op == "output" for u in users):
+            continue  # returned as an output: freed only when Forward returns
+        first = min(users, key=order.__getitem__)
+        last = max(users, key=order.__getitem__)
+        with graph.inserting_before(first):
+            graph.call_module(gather, (index,))
+        with graph.inserting_after(last):
+            graph.call_module(release, (index, *sorted(opaque, key=order.__getitem__)))
+        done += 1
+    for mod in gm.modules():  # recomputed layers (:class:`~primepar_fx.passes.recompute.Checkpointed`)
+        if hasattr(mod, "before_run"):
+            mod.before_run = store.ensure
+    graph.lint()
+    gm.recompile()
+    return done
+
+
+def _add(gm: fx.GraphModule, name: str, mod: nn.Module) -> str:
+    if not hasattr(gm, name):
+        gm.add_submodule(name, mod)
+    return name
