@@ -56,6 +56,9 @@ CASES = [
     ("llama-4", "megatron", "zero=2"),
     ("llama-4", "prime", "micro_batches=2"),
     ("llama-4", "random:7", "zero=2+micro_batches=2"),
+    *[("llama-4", plan, "zero=3") for plan in ("data_parallel", "megatron", "prime")],
+    ("llama-4", "data_parallel", "zero=3+recompute=full"),
+    ("hf:bloom", "data_parallel", "zero=3+recompute=selective"),
 ]
 
 
@@ -107,7 +110,8 @@ def _peak(step, module, opt) -> int:
 
     state = [t for s in opt.state.values() for t in s.values()]
     masters = [s.master for s in getattr(opt, "shards", ())]  # a ZeRO optimizer's fp32 chunks
-    before = _live_bytes([*module.parameters(), *module.buffers(), *state, *masters])
+    chunks = [u.local for u in module.zero3.units] if module.zero3 is not None else []  # ZeRO-3's parameter chunks
+    before = _live_bytes([*module.parameters(), *module.buffers(), *state, *masters, *chunks])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())

@@ -173,6 +173,34 @@ def test_zero_auto_is_stage_2_only_where_the_plan_needs_it() -> None:
     assert Plan.from_json(auto.to_json()).zero == 2
 
 
+def test_zero_auto_is_stage_3_only_where_nothing_fits_at_stage_2() -> None:
+    """Stage 3 sends more, so auto takes it only as the last resort: under a budget no stage-2 plan meets (with
+    any recomputation), it searches stage 3 and fits; where stage 2 fits, it stays there. (A Llama whose sizes
+    split only in halves, so that its least plans still replicate the parameters.)"""
+    config = dataclasses.replace(
+        get_config("llama-tiny"), hidden=54, heads=3, kv_heads=3, ffn_hidden=135, vocab_size=251
+    )
+    args, kwargs = example_inputs(config, 2, 16, device="meta")
+    odd = analyze(build(config, device="meta"), args, kwargs, name="llama-odd")
+
+    def search(**kw) -> Plan:
+        return plan_graph(odd, **{**SIZES, "micro_batches": 1, **kw})
+
+    least = {}
+    for stage in (2, 3):
+        with pytest.raises(InfeasibleBudget) as info:
+            search(zero=stage, memory_budget=1)
+        least[stage] = info.value.min_memory
+    assert least[3] < least[2]
+    budget = (least[2] + least[3]) // 2
+    auto = search(zero="auto", memory_budget=budget)
+    assert auto.zero == 3 and auto.predicted.peak_memory_bytes <= budget
+    assert search(zero="auto", memory_budget=least[2]).zero == 2
+    with pytest.raises(InfeasibleBudget) as info:  # below both: the least either needs
+        search(zero="auto", memory_budget=1)
+    assert info.value.min_memory == least[3]
+
+
 def test_no_plan_fits_even_recomputing_every_layer() -> None:
     full = plan(recompute="full")
     with pytest.raises(InfeasibleBudget) as info:
