@@ -63,20 +63,23 @@ CASES = [
 
 
 #: what the last run showed (written under its table; rewrite when the numbers move)
-READING = """Reading (the run above). 9 of the 15 plans with levers measure within 15% of their prediction, and
+READING = """Reading (the run above). 10 of the 20 plans with levers measure within 15% of their prediction, and
 every one measures less than the same plan without levers. Recomputation: llama-4 full recomputation measures
-0.90-1.14 of the prediction (5.61 -> 4.98 MiB under data parallelism, 5.59 -> 2.38 MiB with P(S x S)); BLOOM's
+0.90-1.01 of the prediction (5.61 -> 4.00 MiB under data parallelism, 5.59 -> 2.38 MiB with P(S x S)); BLOOM's
 selective recomputation under data parallelism and Megatron measures 0.80, predicted too high as the same plans
-without it are. Micro-batches: 0.92-0.95 alone, 1.02 with ZeRO-2 under a random plan. ZeRO: the runtime frees
-each bucket's local gradients once it has flattened them, so ZeRO-2 measures 4.57 MiB where the model predicts
-5.54 (0.82, below the band: the model also counts the kept activations of every consumer); ZeRO-1 measures 0.77
-for the same reason. Data parallelism with full recomputation, ZeRO-2 and 2 micro-batches measures 1.39 (2.83 MiB
-predicted, 3.94 measured): with so few activations kept, the peak is set by what the model leaves out,
-Backward's and the optimizer step's temporaries (gradients of activations, the flattened bucket, AdamW's
-intermediate tensors) on top of the whole parameters. Why else the model is off: it counts a tensor that several
-consumers keep once per consumer (the normed input of the Q, K and V projections, the input of the gate and up
-projections), so plans that keep every activation are predicted 12-22% too high. Not measured: bf16, GPUs (the
-allocator's caching and fragmentation are outside this count; DEVICE_MEMORY_RESERVE is there for them)."""
+without it are. Micro-batches: 0.92-0.93 alone, 1.03 with ZeRO-2 under a random plan. ZeRO: a reduce-scattered
+bucket drops each local gradient once it is flattened (ZeRO-2 and 3 keep no whole gradient), so ZeRO-2 measures
+4.57 MiB where the model predicts 5.54 (0.82, below the band: the model also counts the kept activations of every
+consumer); ZeRO-1 measures 0.74 for the same reason. ZeRO-3 keeps a quarter of each replicated parameter between
+uses and gathers one node's at a time: 3.95 MiB under data parallelism (0.79, the same bias as ZeRO-2's 0.82;
+P(S x S) replicates no parameter, so ZeRO-3 changes nothing there), 2.63 with full recomputation (1.15) and 6.70 for
+BLOOM with selective recomputation (0.83). Where few activations are kept (full recomputation with ZeRO-2 and 2
+micro-batches: 1.22), the peak is set by what the model leaves out, Backward's and the optimizer step's
+temporaries (gradients of activations, the flattened bucket, AdamW's intermediate tensors). Why else the model is
+off: it counts a tensor that several consumers keep once per consumer (the normed input of the Q, K and V
+projections, the input of the gate and up projections), so plans that keep every activation are predicted 12-22%
+too high. Not measured: bf16, GPUs (the allocator's caching and fragmentation are outside this count;
+DEVICE_MEMORY_RESERVE is there for them)."""
 
 
 def _model(name: str):

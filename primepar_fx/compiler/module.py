@@ -175,7 +175,7 @@ class PrimeParModule(nn.Module):
                 for n, r in rank_graph.grad_reductions.items()
             ],
             self.comm_stats,
-            apart=_read_in_backward(graph, plan.recompute) if plan.zero == 3 else None,
+            apart=_zero3_units(graph, plan.recompute) if plan.zero == 3 else None,
         )
         self.grad_buckets.take_deferred(rank_graph.gm)
         #: ZeRO-3's parameter chunks (:mod:`primepar_fx.runtime.zero3`; ``None`` below stage 3)
@@ -412,10 +412,11 @@ class PrimeParModule(nn.Module):
             opt.reload()
 
 
-def _read_in_backward(graph: OpGraph, recompute: Recompute | None) -> dict[str, bool]:
-    """Per parameter: whether Backward reads its values, so that ZeRO-3 gathers it again: a node reading it keeps
-    it (:func:`~primepar_fx.cost.model.weights_read_in_backward`) or runs again (a recomputed layer gathers every
-    parameter it reads), as the cost model prices the gathers."""
+def _zero3_units(graph: OpGraph, recompute: Recompute | None) -> dict[str, tuple[str, bool]]:
+    """ZeRO-3's units, as the cost model prices them: per parameter, the node that reads it first (a unit holds one
+    node's parameters: gathered while that node runs) and whether Backward reads its values, so that it is gathered
+    again (a node reading it keeps it, :func:`~primepar_fx.cost.model.weights_read_in_backward`, or runs again: a
+    recomputed layer gathers every parameter it reads)."""
     again: set[str] = set()
     units = layer_units(graph) if recompute is not None and recompute.active else None
     if units is not None and units.stack == recompute.stack and len(units) == len(recompute.layers):  # type: ignore[union-attr]
@@ -423,11 +424,13 @@ def _read_in_backward(graph: OpGraph, recompute: Recompute | None) -> dict[str, 
             if mode != "none":
                 again.update(unit if mode == "full" else selective_nodes(graph, unit))
     read: dict[str, bool] = {}
+    first: dict[str, str] = {}
     for name, node in graph.nodes.items():
         needed = weights_read_in_backward(node.dims, node.target)
         for k, fqn in zip(sorted(node.dims.weights), node.params):
             read[fqn] = read.get(fqn, False) or k in needed or name in again
-    return read
+            first.setdefault(fqn, name)
+    return {fqn: (first[fqn], read[fqn]) for fqn in read}
 
 
 def _check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:

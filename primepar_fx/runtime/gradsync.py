@@ -108,8 +108,8 @@ class GradientBuckets:
     ``params``: ``(name, parameter, reduction)`` for every parameter whose gradient the plan sums over a group;
     parameters that do not require a gradient are left out. ``bucket_cap_mb`` bounds a bucket's bytes (the first
     bucket launched: ``first_bucket_cap_mb``); a parameter larger than the bound gets a bucket of its own.
-    ``apart``: a key per parameter name; parameters of different keys never share a bucket (ZeRO-3 keeps apart the
-    parameters that Backward reads, which it gathers again, from those it does not).
+    ``apart``: a key per parameter name; parameters of different keys never share a bucket (ZeRO-3's units: one
+    node's parameters, those Backward reads apart from those it does not).
     """
 
     def __init__(
@@ -152,6 +152,7 @@ class GradientBuckets:
         self._late: set[int] = set()  # buckets launched at the end of backward, with the sums that join them
         self._nodes = [get_gradient_edge(p).node for p in self.params]
         self._handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        self._handles += [p.register_post_accumulate_grad_hook(self._drop(i)) for i, p in enumerate(self.params)]
         self._reset()
 
     # ------------------------------------------------------------------------------------------------ micro-batches
@@ -186,6 +187,16 @@ class GradientBuckets:
     def _hook(self, i: int):
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             return self._ready(i, grad)
+
+        return hook
+
+    def _drop(self, i: int):
+        """After autograd wrote parameter ``i``'s ``.grad``: a reduce-scattered bucket keeps its own reference until
+        it is sent, so the local gradient goes as soon as it is in the flat copy (ZeRO-2 keeps no whole gradient)."""
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._local and self.bucket_of[i] in self._scatter:
+                p.grad = None
 
         return hook
 
