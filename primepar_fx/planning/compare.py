@@ -300,8 +300,8 @@ def best_micro_batches(
     """A baseline's gradient accumulation: ``whole`` (``(config, ...)`` at one micro-batch) or ``find(m)`` at ``m``
     micro-batches, priced per step, for the counts of :data:`~primepar_fx.planning.levers.MICRO_BATCH_TRIES` that
     divide ``batch`` (``find`` returns ``None`` for a count the baseline cannot run). More micro-batches are tried
-    only while the best so far recomputes or does not fit, and not after one that is slower; the fastest that fits
-    wins."""
+    while the best so far recomputes or does not fit, past a count that is slower too (the step is not unimodal in
+    the count, as for our plans: :func:`~primepar_fx.planning.planner.plan_graph`); the fastest that fits wins."""
     best = whole
 
     def rank(found: Found) -> tuple[bool, float]:
@@ -316,7 +316,6 @@ def best_micro_batches(
         found = find(m)
         if found is None:
             continue
-        if rank(found) >= rank(best):
-            break  # slower than the fewer micro-batches
-        best = found
+        if rank(found) < rank(best):
+            best = found
     return best
