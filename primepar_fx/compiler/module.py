@@ -274,7 +274,7 @@ class PrimeParModule(nn.Module):
                 call.append(getattr(self, key))  # type: ignore[arg-type]
             else:
                 call.append(next(users))
-        if self.zero3 is None:
+        if self.zero3 is None or not self.zero3.units:
             return list(self._peer_call(rank_graph.gm, *call))
         with self.zero3.running():
             return list(self._peer_call(rank_graph.gm, *call))
