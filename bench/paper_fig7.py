@@ -376,17 +376,23 @@ def write_fit(rows: list[dict], out: str, batch: int, seq: int, cluster: str) ->
 
 FIT_READING = """## Reading the results (the run above)
 
-* **Where the budget binds Megatron, we gain most.** At 8 GPUs every full 7B model and llama2-70b's 8-layer cut
-  need Megatron to recompute every layer (`+full recompute`); our plans fit without recomputing anything, with
-  ZeRO-2 over the replicas and 2-4 micro-batches, for 1.26-1.31x. At 32 GPUs the layer-cut 70B/175B models are
-  1.45-1.62x: the best feasible Megatron recomputes every layer or runs micro-batches, ours splits its weights
-  over more devices (no replicas to keep) and fits with ZeRO-2 alone (llama2-70b with 4 micro-batches).
-* **Where both fit as they are, we tie.** The 7B models at 32 GPUs fit without recomputation on both sides; ours
-  is 1.00-1.03x, as in the unbudgeted table.
-* **FSDP** fits seven of the twelve rows and is 1.65-3.3x slower than ours where it does: at 32 GPUs B = 16 leaves
-  each rank half a sample, so its batch split falls back (replicated compute), and its gathers are not overlapped
-  in this model. It does not fit the layer-cut 70B/175B models at 32 GPUs nor the BLOOM rows at 8 (35-66 GiB at
-  its fastest configuration); this run does not break down why (reported as not fitting, not compared).
+* **Where the budget makes Megatron recompute, we gain most.** llama2-70b's layer cuts at 16 and 32 GPUs need
+  Megatron to recompute every layer (`+full recompute`); ours fits with ZeRO-2 and 2-4 micro-batches and no
+  recomputation, for 1.30x and 1.62x. The layer-cut 175B models at 16 and 32 GPUs are 1.19-1.56x: Megatron needs
+  mp8-mp16 with micro-batches, ours splits the weights over more devices (P(S x S), no replicas to keep). At 4 GPUs
+  the full 7B models make both sides recompute: Megatron every layer with 2 micro-batches, ours 11-18 of 32 layers
+  with 8 micro-batches and ZeRO-2, for 1.06-1.08x.
+* **Where Megatron fits with micro-batches or as it is, we tie.** Most full 7B rows at 8-32 GPUs: Megatron fits
+  with the distributed optimizer and up to 4 micro-batches and no recomputation, and ours is 1.00-1.03x, as in the
+  unbudgeted table. (Megatron's micro-batch loop goes on past a slower count since this run; it found these
+  4-micro-batch configurations at 8 GPUs, where the previous run stopped at 2 and recomputed every layer, and our
+  lead there fell from 1.26-1.31x to 1.01-1.03x.)
+* **Fits nowhere:** bloom-7b1, and bloom-176b cut to one layer, at 4 GPUs need 33.6 and 37.9 GiB at the least on
+  our side (ZeRO-3 and full recomputation included: BLOOM's 250k-token embedding), and no Megatron fits either.
+* **FSDP** fits 14 of the 22 planned rows and is 1.04-3.39x slower than ours where it does: at 32 GPUs B = 16
+  leaves each rank half a sample, so its batch split falls back (replicated compute), and it gathers every layer
+  twice a micro-batch. Where it does not fit it is reported as not fitting, with what its fastest configuration
+  needs, and not compared.
 * **Not priced:** Megatron's pipeline parallelism, which a real job of the 70B/175B size would add; the overlap
   of FSDP's gathers with compute; allocator slack.
 """
