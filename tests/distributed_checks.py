@@ -195,6 +195,12 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
             in_units = sum(p.numel() for u in units for p in u.params)
             stored = local - in_units + sum(u.local.numel() for u in units)
             freed = all(u.storage.nbytes() == 0 for u in units)
+            try:  # its values are not there between steps: state_dict refuses, and works inside whole_parameters
+                module.state_dict()
+                freed = False
+            except RuntimeError:
+                with module.whole_parameters():
+                    freed = freed and all(bool(torch.isfinite(t).all()) for t in module.state_dict().values())
         report[plan] = {
             "zero": module.plan.zero,
             "micro_batches": module.plan.micro_batches,

@@ -195,6 +195,17 @@ class PrimeParModule(nn.Module):
                 units[node.name] = unit.index
         gather_around_uses(gm, units, self.zero3)
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.state_dict``: this rank's parameter blocks (use :meth:`gather_state_dict` for whole tensors).
+        Under ZeRO-3 only inside :meth:`whole_parameters` (between uses the blocks hold no values)."""
+        if self.zero3 is not None and not all(u.whole for u in self.zero3.units):
+            raise RuntimeError(
+                "the plan keeps its parameters as ZeRO-3 chunks, which hold no whole values outside a step: call "
+                "state_dict() inside `with module.whole_parameters():`, or use primepar_fx.gather_state_dict(module) "
+                "or primepar_fx.checkpoint.save"
+            )
+        return super().state_dict(*args, **kwargs)
+
     def whole_parameters(self, write: bool = False) -> Any:
         """A context in which every parameter holds its values (ZeRO-3 gathers them; collective: every rank enters
         it); with ``write``, what was written into them is kept. Other stages: nothing to do."""
@@ -377,7 +388,8 @@ class PrimeParModule(nn.Module):
         return out
 
     def local_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of every parameter, by original name."""
+        """This rank's shard of every parameter, by original name (under ZeRO-3 their values only inside
+        :meth:`whole_parameters`)."""
         return {fqn: self.shards[key] for fqn, key in self._key_of.items()}  # type: ignore[index]
 
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
