@@ -10,8 +10,10 @@ rank raises with rank 0's message.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import sympy
@@ -25,6 +27,9 @@ from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.runtime.groups import ProcessGroups
+
+log = logging.getLogger(__name__)
 
 
 def world_rank() -> tuple[int, int]:
@@ -169,3 +174,58 @@ def comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:
+    """Every rank must run the same sizes (it must see the same inputs); raise on every rank if they differ. One
+    all-reduce (MAX) of ``(B, S, -B, -S)``: the largest and the smallest of each at once."""
+    if world == 1:
+        return
+    b, s = sizes
+    seen = torch.tensor([b, s, -b, -s], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    (high_b, high_s), (low_b, low_s) = seen[:2].tolist(), (-seen[2:]).tolist()
+    if (low_b, low_s) != (high_b, high_s):
+        raise ValueError(
+            f"the ranks got inputs of different sizes (B in [{low_b}, {high_b}], S in [{low_s}, {high_s}]; this "
+            f"rank: B={b}, S={s}); every rank must get the same global inputs"
+        )
+
+
+def timeout_text(timeout: timedelta | None) -> str:
+    if timeout is None:
+        return "timeout of the process group"
+    return f"timeout {timeout.total_seconds():g} s"
+
+
+#: ``(digits, rank, id(world), timeout)`` -> (the world group, held so that its id is not reused, its groups)
+_GROUPS: dict[tuple, tuple[object, ProcessGroups]] = {}
+
+
+def groups_for(mesh: DeviceMesh, rank: int, timeout: timedelta | None = None) -> ProcessGroups:
+    """One :class:`ProcessGroups` per mesh, default process group and timeout: recompiling creates no new groups."""
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    key = (mesh.digits, rank, id(world), timeout)
+    if key not in _GROUPS:
+        _GROUPS[key] = (world, ProcessGroups(mesh, rank, timeout=timeout or default_timeout()))
+    return _GROUPS[key][1]
+
+
+def default_timeout() -> timedelta | None:
+    """The default process group's timeout (what ``init_process_group(timeout=...)`` set), if it can be read."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(comm_device()).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def set_default_timeout(timeout: timedelta) -> None:
+    """Set the default process group's timeout (its point-to-point transfers carry the compiled module's data)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        log.warning("this torch cannot change the default process group's timeout; set it in init_process_group")
+        return
+    setter(timeout)

@@ -31,7 +31,6 @@ from typing import Any
 
 import sympy
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
@@ -39,28 +38,28 @@ from torch.utils import _pytree as pytree
 from primepar_fx.compiler.agree import (
     agree_plan,
     check_plan_fits,
+    check_same_sizes_everywhere,
     checked_world,
-    comm_device,
     compile_options,
+    groups_for,
+    set_default_timeout,
+    timeout_text,
     with_machine_cluster,
 )
 from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
 from primepar_fx.compiler.microbatch import run_micro_batches, split_inputs
 from primepar_fx.cost.blocks import ZERO_STAGES
-from primepar_fx.cost.model import weights_read_in_backward
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph, graph_of
-from primepar_fx.graph.layers import layer_units, selective_nodes
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
-from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.recompute import zero3_units
 from primepar_fx.report.trace import trace_plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.gradsync import GradientBuckets
-from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.stats import CommStats
 from primepar_fx.runtime.zero import ShardedOptimizer
 from primepar_fx.runtime.zero3 import ShardedParameters, gather_around_uses
@@ -175,7 +174,7 @@ class PrimeParModule(nn.Module):
                 for n, r in rank_graph.grad_reductions.items()
             ],
             self.comm_stats,
-            apart=_zero3_units(graph, plan.recompute) if plan.zero == 3 else None,
+            apart=zero3_units(graph, plan.recompute) if plan.zero == 3 else None,
         )
         self.grad_buckets.take_deferred(rank_graph.gm)
         #: ZeRO-3's parameter chunks (:mod:`primepar_fx.runtime.zero3`; ``None`` below stage 3)
@@ -272,7 +271,7 @@ class PrimeParModule(nn.Module):
         """One run of the rank graph on the flat user inputs ``flat``; its flat outputs."""
         sizes = sizes_of(self._user_specs, flat, self._ranges, self._sizes)
         if self.check_sizes and self.mesh.size > 1:
-            self._peer_call(_check_same_sizes_everywhere, sizes, self.mesh.size)
+            self._peer_call(check_same_sizes_everywhere, sizes, self.mesh.size)
         rank_graph = self._rank_graph_for_sizes(sizes)
         users = iter(flat)
         call: list[Any] = []
@@ -322,7 +321,7 @@ class PrimeParModule(nn.Module):
             if self.mesh.size > 1 and any(k in str(e).lower() for k in _PEER_FAILURE):
                 raise RankFailureError(
                     f"rank {self.rank}: a collective or transfer of the compiled step failed; another rank has "
-                    f"probably died, raised or stopped answering ({_timeout_text(self._timeout)}): {e}"
+                    f"probably died, raised or stopped answering ({timeout_text(self._timeout)}): {e}"
                 ) from e
             raise
 
@@ -332,7 +331,7 @@ class PrimeParModule(nn.Module):
             values = {B: sizes[0], S: sizes[1]}
             check_plan_fits(self._graph, self.plan, values)
             if not self.check_sizes:  # else every call has checked them already
-                self._peer_call(_check_same_sizes_everywhere, sizes, self.mesh.size)
+                self._peer_call(check_same_sizes_everywhere, sizes, self.mesh.size)
             log.info("rank %d: rebuilding the graph for B=%d, S=%d (the plan is reused)", self.rank, *sizes)
             at = at_sizes(self._graph, values)
             built = rank_graph_for(at, self.plan, self.rank, values=values, timeout=self._timeout)
@@ -422,49 +421,6 @@ class PrimeParModule(nn.Module):
                 p.copy_(self.shard_tensor(fqn, state[key].detach().to(p.dtype)))  # type: ignore[index]
         for opt in self._sharded:  # its master copies follow the new parameters
             opt.reload()
-
-
-def _zero3_units(graph: OpGraph, recompute: Recompute | None) -> dict[str, tuple[str, bool]]:
-    """ZeRO-3's units, as the cost model prices them: per parameter, the node that reads it first (a unit holds one
-    node's parameters: gathered while that node runs) and whether Backward reads its values, so that it is gathered
-    again (a node reading it keeps it, :func:`~primepar_fx.cost.model.weights_read_in_backward`, or runs again: a
-    recomputed layer gathers every parameter it reads)."""
-    again: set[str] = set()
-    units = layer_units(graph) if recompute is not None and recompute.active else None
-    if units is not None and units.stack == recompute.stack and len(units) == len(recompute.layers):  # type: ignore[union-attr]
-        for mode, unit in zip(recompute.layers, units.units):  # type: ignore[union-attr]
-            if mode != "none":
-                again.update(unit if mode == "full" else selective_nodes(graph, unit))
-    read: dict[str, bool] = {}
-    first: dict[str, str] = {}
-    for name, node in graph.nodes.items():
-        needed = weights_read_in_backward(node.dims, node.target)
-        for k, fqn in zip(sorted(node.dims.weights), node.params):
-            read[fqn] = read.get(fqn, False) or k in needed or name in again
-            first.setdefault(fqn, name)
-    return {fqn: (first[fqn], read[fqn]) for fqn in read}
-
-
-def _check_same_sizes_everywhere(sizes: tuple[int, int], world: int) -> None:
-    """Every rank must run the same sizes (it must see the same inputs); raise on every rank if they differ. One
-    all-reduce (MAX) of ``(B, S, -B, -S)``: the largest and the smallest of each at once."""
-    if world == 1:
-        return
-    b, s = sizes
-    seen = torch.tensor([b, s, -b, -s], dtype=torch.int64, device=comm_device())
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-    (high_b, high_s), (low_b, low_s) = seen[:2].tolist(), (-seen[2:]).tolist()
-    if (low_b, low_s) != (high_b, high_s):
-        raise ValueError(
-            f"the ranks got inputs of different sizes (B in [{low_b}, {high_b}], S in [{low_s}, {high_s}]; this "
-            f"rank: B={b}, S={s}); every rank must get the same global inputs"
-        )
-
-
-def _timeout_text(timeout: timedelta | None) -> str:
-    if timeout is None:
-        return "timeout of the process group"
-    return f"timeout {timeout.total_seconds():g} s"
 
 
 def full_layout_dims(layout) -> tuple:
@@ -570,7 +526,7 @@ def compile_graph(
     trace_plan(graph, chosen, rank, rank_graph)
     module = PrimeParModule(graph, chosen, rank_graph, mesh, rank, timeout=wait)
     if wait is not None and world > 1:  # once the module is built: a compile that fails changes nothing
-        _set_default_timeout(wait)
+        set_default_timeout(wait)
     if os.environ.get("PRIMEPAR_DUMP_DIR"):  # the graph dump: rank 0 writes all of it, every other rank its code
         from primepar_fx.report.dump import dump_module
 
@@ -598,7 +554,7 @@ def rank_graph_for(
             mesh,
             rank,
             sizes,
-            _groups(mesh, rank, timeout),
+            groups_for(mesh, rank, timeout),
             whole_params=whole_params,
             recompute=chosen.recompute,
         )
@@ -609,39 +565,6 @@ def rank_graph_for(
             ", ".join(rank_graph.fallbacks[:8]),
         )
     return rank_graph
-
-
-#: ``(digits, rank, id(world), timeout)`` -> (the world group, held so that its id is not reused, its groups)
-_GROUPS: dict[tuple, tuple[object, ProcessGroups]] = {}
-
-
-def _groups(mesh: DeviceMesh, rank: int, timeout: timedelta | None = None) -> ProcessGroups:
-    """One :class:`ProcessGroups` per mesh, default process group and timeout: recompiling creates no new groups."""
-    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    key = (mesh.digits, rank, id(world), timeout)
-    if key not in _GROUPS:
-        _GROUPS[key] = (world, ProcessGroups(mesh, rank, timeout=timeout or _default_timeout()))
-    return _GROUPS[key][1]
-
-
-def _default_timeout() -> timedelta | None:
-    """The default process group's timeout (what ``init_process_group(timeout=...)`` set), if it can be read."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        pg = dist.distributed_c10d._get_default_group()
-        return pg._get_backend(comm_device()).options._timeout
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-
-
-def _set_default_timeout(timeout: timedelta) -> None:
-    """Set the default process group's timeout (its point-to-point transfers carry the compiled module's data)."""
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is None:
-        log.warning("this torch cannot change the default process group's timeout; set it in init_process_group")
-        return
-    setter(timeout)
 
 
 def require_compiled(module: object, what: str) -> PrimeParModule:
