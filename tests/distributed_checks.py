@@ -60,8 +60,10 @@ def _steps(model, params, args, kwargs, steps: int) -> list[float]:
     return losses
 
 
-def _mismatch(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:
-    out = []
+def _mismatch(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], whole: bool = False) -> list[str]:
+    """What of ``full`` differs from ``ref``; ``whole``: ``ref`` names every tensor that may be non-zero (the
+    gradients of one device, where a parameter the loss does not reach gets none)."""
+    out = [f"{n}: a gradient where one device has none" for n, t in full.items() if whole and n not in ref and t.any()]
     for n, t in ref.items():
         if n not in full:
             out.append(f"{n}: missing")
@@ -96,7 +98,7 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
     ref, args, kwargs = make(model_name)
     ref_loss = loss_of(ref(*args, **kwargs))
     ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}  # (unused: no grad)
     ref_losses = _steps(ref, list(ref.parameters()), args, kwargs, steps)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
 
@@ -137,7 +139,7 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
             reloaded = float(loss_of(module(*args, **kwargs)))
         report[plan] = {
             "loss": float(loss.detach()),
-            "bad_grads": _mismatch(grads, ref_grads),
+            "bad_grads": _mismatch(grads, ref_grads, whole=True),
             "losses": losses,
             "ref_losses": ref_losses,
             "bad_params": _mismatch(params, ref_params),
@@ -231,7 +233,7 @@ def check_backend(rank: int, world: int, model_name: str, plans: list[str]) -> d
     ref, args, kwargs = make(model_name)
     ref_loss = loss_of(ref(*args, **kwargs))
     ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}  # (unused: no grad)
     other = dict(kwargs)
     for key in ("input_ids", "labels"):
         if key in other:
@@ -249,5 +251,6 @@ def check_backend(rank: int, world: int, model_name: str, plans: list[str]) -> d
         grads = {n: p.grad for n, p in model.named_parameters()}
         with torch.no_grad():
             again = float(loss_of(compiled(*other_args, **other)))
-        report[plan] = {"loss": float(loss.detach()), "bad_grads": _mismatch(grads, ref_grads), "other": again}
+        bad = _mismatch(grads, ref_grads, whole=True)
+        report[plan] = {"loss": float(loss.detach()), "bad_grads": bad, "other": again}
     return report

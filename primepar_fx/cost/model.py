@@ -154,7 +154,8 @@ def phase_flops(op: OpDims, target: object) -> tuple[sympy.Expr, sympy.Expr, sym
     if op.kind == "attention":
         return fwd, 2 * fwd if has_b else sympy.Integer(0), sympy.Integer(0)
     if op.kind == "matmul":
-        return fwd, fwd if has_b else sympy.Integer(0), fwd if has_g else sympy.Integer(0)
+        bwd = (2 if op.extra.get("recomputes") else 1) * fwd  # an op that runs its forward again in Backward
+        return fwd, bwd if has_b else sympy.Integer(0), fwd if has_g else sympy.Integer(0)
     return fwd, sympy.Integer(0), sympy.Integer(0)
 
 

@@ -27,6 +27,7 @@ from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
 from primepar_fx.frontend.inplace import functionalize_inplace
+from primepar_fx.frontend.moe import experts_as_one_op
 from primepar_fx.frontend.specialize import (
     DIM_NAMES,
     ShapeSpecializationError,
@@ -232,7 +233,11 @@ def _export(
 ) -> ExportedProgram:
     """``torch.export.export`` (non-strict), a constraint violation re-raised as :class:`ShapeSpecializationError`
     naming the model line that caused it (``sizes``: the example batch and seq, to find the symbols concerned)."""
-    with record_shape_events() as events, torch._dynamo.config.patch(fake_tensor_cache_enabled=fake_cache):
+    with (
+        record_shape_events() as events,
+        torch._dynamo.config.patch(fake_tensor_cache_enabled=fake_cache),
+        experts_as_one_op(model),
+    ):
         try:
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:

@@ -140,6 +140,15 @@ def _requires_grad(gm: fx.GraphModule, captured: Captured) -> set[str]:
     return live
 
 
+def _read_by_outputs(gm: fx.GraphModule) -> set[str]:
+    """Nodes an output of the graph depends on."""
+    read: set[str] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op == "output" or node.name in read:
+            read.update(a.name for a in node.all_input_nodes)
+    return read
+
+
 #: the most nodes :func:`input_chain` follows back (the targets of a loss come from the inputs in a few ops)
 MAX_INPUT_CHAIN = 64
 
@@ -234,6 +243,7 @@ def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
     annotate(captured)
     gm = captured.gm
     grad_live = _requires_grad(gm, captured)
+    needed = _read_by_outputs(gm)
     nodes: dict[str, OpNode] = {}
     g = nx.DiGraph()
     for node in gm.graph.nodes:
@@ -245,7 +255,13 @@ def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
             continue
         inputs = node.all_input_nodes
         weights = frozenset(i for i, a in enumerate(inputs) if a.name in captured.params)
-        no_grad = frozenset(i for i, a in enumerate(inputs) if dims.inputs[i] is not None and a.name not in grad_live)
+        # no gradient reaches an input that does not carry one, nor any input of a node whose result carries none
+        # (``topk``'s indices, a comparison) or that no output reads (``topk``'s values, unused): the cost model
+        # then prices no Backward traffic for it
+        dead = node.name not in grad_live or node.name not in needed
+        no_grad = frozenset(
+            i for i, a in enumerate(inputs) if dims.inputs[i] is not None and (dead or a.name not in grad_live)
+        )
         dims = _count_local(node, dims.with_roles(weights, no_grad), captured)
         node.meta[META_OPDIMS] = dims
         read, written = node_bytes(node)

@@ -90,6 +90,18 @@ TINY_GENERIC = {
     "rotary_dim": TINY_HIDDEN // TINY_HEADS,  # GPT-J, CodeGen: rotary on the whole head
     "tie_word_embeddings": False,
 }
+#: on top of :data:`TINY_GENERIC`, for mixture-of-experts families (those of the names a family's config has): 4
+#: experts (2 a token), each as wide as the hidden, so a plan may split them over 2 or 4 ranks
+TINY_MOE = {
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": TINY_HIDDEN,
+    "shared_expert_intermediate_size": 2 * TINY_HIDDEN,
+    "n_group": 1,
+    "topk_group": 1,
+}
 
 
 #: families that train on 2 ranks equal to one device from their tiny config (docs/coverage.md, bench/coverage.py);
@@ -97,7 +109,9 @@ TINY_GENERIC = {
 COVERED_FAMILIES = (
     *HF_FAMILIES, "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "stablelm",
     "starcoder2", "olmo", "olmo2", "gpt_neox", "gptj", "codegen", "cohere", "glm", "granite", "helium", "nemotron",
-    "xglm", "biogpt", "persimmon", "arcee", "smollm3", "gpt_neo", "mpt",
+    "xglm", "biogpt", "persimmon", "arcee", "smollm3", "gpt_neo", "mpt", "mixtral", "qwen2_moe", "olmoe", "qwen3_moe",
+    "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "flex_olmo", "minimax", "cohere2_moe", "ernie4_5_moe",
+    "glm4_moe", "exaone_moe", "afmoe",
 )  # fmt: skip
 
 
@@ -137,6 +151,9 @@ def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> n
         if family == "gpt_neo":  # one attention type per layer, listed: every layer global
             common["attention_types"] = [[["global"], layers]]
         config = transformers.AutoConfig.for_model(family, **TINY_GENERIC, **common)
+        for name, value in TINY_MOE.items():
+            if hasattr(config, name):
+                setattr(config, name, value)
         for name, value in list(vars(config).items()):  # every dropout (functional ones too) and layer drop off
             if isinstance(value, float) and any(k in name for k in ("dropout", "pdrop", "layerdrop")):
                 setattr(config, name, 0.0)

@@ -31,6 +31,7 @@ import sympy
 import torch
 from torch import fx, nn
 
+from primepar_fx.frontend.moe import MOE_EXPERTS
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.build import input_chain, pure_target, upstream
 from primepar_fx.partition import DeviceMesh, PartitionSeq
@@ -211,6 +212,9 @@ def _local(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, me: NodeInfo) ->
         ((lo, hi),) = lay.in_needed(0)[rank][0]
         _replace(gm, node, "vocab_embedding", VocabEmbedding(lo, hi - lo), args[0], args[1])
         return
+    elif target is MOE_EXPERTS and op.inputs[3][0][0] in split:  # type: ignore[index]
+        ((lo, _),) = lay.in_needed(3)[rank][0]  # the experts this rank holds: tokens routed elsewhere give zero
+        args[10] = lo
     elif target is aten.cross_entropy_loss.default and split:
         n_dim, v_dim = op.dims[0], op.dims[1]
         reduction = {0: "none", 1: "mean", 2: "sum"}[int(arg(node, 3, "reduction", 1))]

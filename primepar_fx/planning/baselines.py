@@ -46,6 +46,7 @@ from typing import Any
 
 import sympy
 
+from primepar_fx.frontend.moe import MOE_EXPERTS
 from primepar_fx.frontend.symbols import B as BATCH
 from primepar_fx.frontend.symbols import S as SEQ
 from primepar_fx.graph import OpGraph, OpNode
@@ -430,6 +431,8 @@ def _greedy_seq(op: OpDims, mesh: DeviceMesh, wants: tuple, vkey: ValuesKey | No
 
 def _mp_rule(name: str, node: OpNode, info: _Analysis, sp: bool) -> tuple[str | None, str, str | None]:
     """(dim, role, reason-if-none) of a node on the model-parallel digits."""
+    if node.target is MOE_EXPERTS:  # Megatron-core's default expert tensor parallelism: each expert's MLP split
+        return "I", "expert-tensor-parallel", None
     lin = info.linears.get(name)
     if lin is not None:
         return (lin.features if lin.style == "column" else lin.contraction), lin.style, None
@@ -481,6 +484,7 @@ def _megatron(
     dp: int,
     mp: int | None = None,
     sequence_parallel: bool = False,
+    expert_parallel: bool = False,
 ) -> Assignment:
     k = dp_digits(mesh, dp)
     if mp is not None and mp * dp != mesh.size:
@@ -488,12 +492,17 @@ def _megatron(
     seqs, fallbacks, roles = {}, [], {}
     for name, node in graph.nodes.items():
         bdim, bwhy = _batch_dim(node.dims)
+        dp_role = "data-parallel"
+        if expert_parallel and node.target is MOE_EXPERTS:  # the experts over the data-parallel ranks
+            bdim, bwhy, dp_role = "E", None, "expert-parallel"
         mdim, role, mwhy = _mp_rule(name, node, info, sequence_parallel)
-        wants = [(bdim, "data-parallel", bwhy)] * k + [(mdim, role, mwhy)] * (len(mesh.digits) - k)
+        wants = [(bdim, dp_role, bwhy)] * k + [(mdim, role, mwhy)] * (len(mesh.digits) - k)
         seqs[name], fbs = _greedy(name, node.dims, mesh, wants, vals)
         fallbacks += fbs
         roles[name] = role
     config = {"dp": dp, "mp": mesh.size // dp, "sequence_parallel": sequence_parallel}
+    if expert_parallel:
+        config["expert_parallel"] = True
     return Assignment(seqs, fallbacks=fallbacks, roles=roles, notes=info.notes if k < len(mesh) else (), config=config)
 
 
@@ -508,15 +517,24 @@ def data_parallel_assignment(graph: OpGraph, mesh: DeviceMesh, values: dict | No
     return Assignment(seqs, fallbacks=fallbacks, roles=roles, config={"dp": mesh.size, "mp": 1})
 
 
-def megatron_configs(mesh: DeviceMesh) -> list[dict]:
+def megatron_configs(mesh: DeviceMesh, *, experts: bool = False) -> list[dict]:
     """Every Megatron split of the mesh: ``dp`` a product of leading digits, each with and without sequence
     parallelism (only once when ``mp == 1``). Each dict is ``{"dp", "mp", "sequence_parallel"}`` and can be passed
-    as ``megatron_assignment(graph, mesh, **config)``; the caller prices them and keeps the best."""
+    as ``megatron_assignment(graph, mesh, **config)``; the caller prices them and keeps the best.
+
+    ``experts`` (the graph has mixture-of-experts layers): each configuration with ``dp > 1`` also with expert
+    parallelism over the data-parallel ranks (``"expert_parallel": True``: the experts split over the ``dp`` digits,
+    each rank's tokens gathered to them, Megatron-core's ``allgather`` token dispatcher). Without it, and on the
+    model-parallel digits always, each expert's MLP is split as Megatron splits an MLP (its expert tensor
+    parallelism, by default the tensor-parallel size)."""
     out = []
     for k in range(len(mesh.digits) + 1):
         dp = prod(mesh.digits[:k])
         mp = mesh.size // dp
-        out += [{"dp": dp, "mp": mp, "sequence_parallel": sp} for sp in ((False, True) if mp > 1 else (False,))]
+        for sp in (False, True) if mp > 1 else (False,):
+            out.append({"dp": dp, "mp": mp, "sequence_parallel": sp})
+            if experts and dp > 1:
+                out.append({"dp": dp, "mp": mp, "sequence_parallel": sp, "expert_parallel": True})
     return out
 
 
@@ -524,6 +542,7 @@ def config_name(config: dict) -> str:
     """``"megatron dp2 x mp4 +SP"``, ``"megatron dp8 x mp4 +SP +distributed optimizer +full recompute +4
     micro-batches"``."""
     sp = " +SP" if config.get("sequence_parallel") else ""
+    sp += f" +EP{config['dp']}" if config.get("expert_parallel") else ""
     dist = " +distributed optimizer" if config.get("distributed_optimizer") else ""
     recompute = f" +{config['recompute']} recompute" if config.get("recompute") else ""
     m = config.get("micro_batches", 1)

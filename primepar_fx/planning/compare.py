@@ -13,6 +13,7 @@ import sympy
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions
+from primepar_fx.frontend.moe import MOE_EXPERTS
 from primepar_fx.frontend.symbols import B
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import layer_units
@@ -84,7 +85,9 @@ def best_megatron(
     ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
     state).
     """
-    configs = [c for c in megatron_configs(mesh) if sequence_parallel in (None, c["sequence_parallel"])]
+    experts = any(node.target is MOE_EXPERTS for node in graph.nodes.values())
+    configs = megatron_configs(mesh, experts=experts)
+    configs = [c for c in configs if sequence_parallel in (None, c["sequence_parallel"])]
     if not configs:
         raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
     assignments = megatron_assignments(graph, mesh, configs, values=values)

@@ -18,6 +18,7 @@ from primepar_fx.rules import (  # noqa: F401  (importing a family registers its
     loss,
     matmul,
     misc,
+    moe,
     norm,
     pointwise,
     view,

@@ -235,3 +235,20 @@ def test_eight_ranks_prime_with_a_split():
     _assert_bytes_match(report, plans)
     linears = [p for n, p in report["prime"]["partitions"].items() if n.startswith("linear")]
     assert any("P2x2" in p and "," in p for p in linears)
+
+
+def test_mixture_of_experts_trains_like_one_device():
+    """Mixtral (tiny: 4 experts, 2 a token) on 4 ranks under two random plans whose MoE layers split the experts
+    over both digits (``E,E``: one expert a rank), each expert's intermediate over both (``I,I``), the experts with
+    the intermediate (``I,E``) or with the tokens (``E,BS``): loss, gradients and 3 AdamW steps as on one device,
+    bytes as predicted."""
+    pytest.importorskip("transformers")
+    plans = ["random:1", "random:2"]
+    report = spawn(check_plans, 4, "hf:mixtral", plans, timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, plans)
+    _assert_bytes_match(report, plans)
+    experts = {p: {n: s for n, s in report[p]["partitions"].items() if n.startswith("moe_experts")} for p in plans}
+    assert experts == {
+        "random:1": {"moe_experts": "I,I", "moe_experts_1": "E,BS"},
+        "random:2": {"moe_experts": "E,E", "moe_experts_1": "I,E"},
+    }
