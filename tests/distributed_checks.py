@@ -60,6 +60,12 @@ def _steps(model, params, args, kwargs, steps: int) -> list[float]:
     return losses
 
 
+def _grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient under each of its names (a tied one under both); none for a parameter the loss does
+    not reach."""
+    return {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+
+
 def _mismatch(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], whole: bool = False) -> list[str]:
     """What of ``full`` differs from ``ref``; ``whole``: ``ref`` names every tensor that may be non-zero (the
     gradients of one device, where a parameter the loss does not reach gets none)."""
@@ -98,7 +104,7 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
     ref, args, kwargs = make(model_name)
     ref_loss = loss_of(ref(*args, **kwargs))
     ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}  # (unused: no grad)
+    ref_grads = _grads_of(ref)
     ref_losses = _steps(ref, list(ref.parameters()), args, kwargs, steps)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
 
@@ -233,7 +239,7 @@ def check_backend(rank: int, world: int, model_name: str, plans: list[str]) -> d
     ref, args, kwargs = make(model_name)
     ref_loss = loss_of(ref(*args, **kwargs))
     ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}  # (unused: no grad)
+    ref_grads = _grads_of(ref)
     other = dict(kwargs)
     for key in ("input_ids", "labels"):
         if key in other:

@@ -241,7 +241,7 @@ def test_mixture_of_experts_trains_like_one_device():
     """Mixtral (tiny: 4 experts, 2 a token) on 4 ranks under two random plans whose MoE layers split the experts
     over both digits (``E,E``: one expert a rank), each expert's intermediate over both (``I,I``), the experts with
     the intermediate (``I,E``) or with the tokens (``E,BS``): loss, gradients and 3 AdamW steps as on one device,
-    bytes as predicted."""
+    bytes as predicted; then one of them with ZeRO-3, full recomputation and 2 micro-batches."""
     pytest.importorskip("transformers")
     plans = ["random:1", "random:2"]
     report = spawn(check_plans, 4, "hf:mixtral", plans, timeout=TIMEOUT)
@@ -252,3 +252,13 @@ def test_mixture_of_experts_trains_like_one_device():
         "random:1": {"moe_experts": "I,I", "moe_experts_1": "E,BS"},
         "random:2": {"moe_experts": "E,E", "moe_experts_1": "I,E"},
     }
+    # and with every lever: ZeRO-3 (the experts' weights gathered around the op and again for its Backward, which
+    # recomputes them), full recomputation of each layer and 2 micro-batches
+    from distributed_checks import check_levers
+
+    plan = "random:2+recompute=full+zero=3+micro_batches=2"
+    r = spawn(check_levers, 4, "hf:mixtral", [plan], timeout=TIMEOUT)[plan]
+    assert r["zero"] == 3 and r["freed_between_steps"]
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=RTOL, abs=ATOL)
+    assert r["bad_params"] == [], r["bad_params"][:3]
+    assert r["sent_planned_total"] == pytest.approx(r["predicted_total"], rel=1e-6)
