@@ -136,7 +136,10 @@ def main() -> None:
             "A family that fails names the op, node or model line that stopped it. Mixture-of-experts layers are "
             "captured as one op (`primepar::moe_experts`, docs/rules.md); *experts split* lists the partitions "
             "their nodes took (`E`: expert parallelism, `I`: each expert's intermediate, `k`: the routing choices, "
-            "`BS`: the tokens, `R`: replicated).",
+            "`BS`: the tokens, `R`: replicated). GPT-Neo (its causal-mask buffer) and MPT (its position bias) "
+            "cannot keep S symbolic; they are captured at the example's S with a warning (docs/troubleshooting.md) "
+            "and train equal to one device there. gpt-oss's experts (a clamped gate) are left to transformers, "
+            "with a warning saying so, and stop at `aten.histc`.",
             "",
         ]
     )
