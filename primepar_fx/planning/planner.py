@@ -323,7 +323,8 @@ def _search_at(
         return min(own, math.inf if upper is None else upper() / m)
 
     for i in tqdm(order, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
-        collect()  # the last mesh's lever search left cyclic garbage (planning runs with the collector paused)
+        if opts.memory_budget is not None or opts.alpha:
+            collect()  # the last mesh's lever search left cyclic garbage (planning runs with the collector paused)
         mesh, start = meshes[i], time.perf_counter()
         entry: dict[str, Any] = {"digits": list(mesh.digits), "objective": None}
         if bounds[i] is not None:
