@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from primepar_fx.frontend.inplace import functionalize_inplace
 from primepar_fx.frontend.moe import experts_as_one_op
+from primepar_fx.frontend.regions import inline_grad_regions
 from primepar_fx.frontend.specialize import (
     DIM_NAMES,
     ShapeSpecializationError,
@@ -161,6 +162,7 @@ def capture(
         static_seq = True
         dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
         program = _export(model, args, kwargs, dynamic_shapes, fake_cache, (batch, seq))
+    inline_grad_regions(program.graph_module)
     functionalize_inplace(program.graph_module)
     _renumber_program(program)
     captured = _captured(

@@ -135,6 +135,8 @@ def _requires_grad(gm: fx.GraphModule, captured: Captured) -> set[str]:
             continue
         dtypes = node.meta.get(META_DTYPES) or ()
         floating = any(dt is not None and dt.is_floating_point for dt in dtypes)
+        if node.target is torch.ops.aten.detach.default:  # (a no_grad region's result: no gradient past it)
+            continue
         if floating and any(a.name in live for a in node.all_input_nodes):
             live.add(node.name)
     return live

@@ -337,3 +337,45 @@ def test_in_place_updates_of_intermediates_are_captured_out_of_place() -> None:
 def test_in_place_updates_another_name_could_see_are_left_as_they_are(mode: str, kept: str) -> None:
     captured = capture(_InPlace(mode), (torch.randn(2, 4, 8),))
     assert kept in _mutable_ops(captured)
+
+
+class _MaskedUnderNoGrad(torch.nn.Module):
+    """A forward with a ``torch.no_grad()`` block (export keeps it as ``wrap_with_set_grad_enabled``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.no_grad():
+            mask = (h.abs() > h.abs().mean(-1, keepdim=True)).to(h.dtype)
+            scale = h.abs().amax(-1, keepdim=True) + 1.0
+        return (h * mask / scale).sum()
+
+
+def test_a_no_grad_block_is_inlined_with_its_results_detached():
+    import primepar_fx
+    from primepar_fx.graph.build import build_graph
+
+    torch.manual_seed(0)
+    model, x = _MaskedUnderNoGrad(), torch.randn(2, 4, 8)
+    captured = capture(model, (x,))
+    targets = [n.target for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert not any("wrap_with_set_grad_enabled" in str(t) for t in targets)
+    assert targets.count(torch.ops.aten.detach.default) == 2  # the mask (cast inside the block) and the scale
+    graph = build_graph(captured)
+    detached = [n.name for n in graph.nodes.values() if n.target is torch.ops.aten.detach.default]
+    edges = [(v, d["dst_in"]) for u in detached for _, v, d in graph.graph.out_edges(u, data=True)]
+    assert len(edges) == 2 and all(k in graph.nodes[v].dims.no_grad for v, k in edges)  # no gradient priced back
+    module = primepar_fx.compile(model, (x,), plan="data_parallel", world_size=1)
+    loss = module(x)
+    loss.backward()
+    ref = _MaskedUnderNoGrad()
+    ref.load_state_dict(model.state_dict())
+    want = ref(x)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    grads = module.gather_grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
