@@ -26,7 +26,7 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
-from primepar_fx.frontend.inplace import functionalize_inplace
+from primepar_fx.frontend.inplace import fills_to_cat, functionalize_inplace
 from primepar_fx.frontend.moe import experts_as_one_op
 from primepar_fx.frontend.regions import inline_grad_regions
 from primepar_fx.frontend.specialize import (
@@ -163,6 +163,7 @@ def capture(
         dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
         program = _export(model, args, kwargs, dynamic_shapes, fake_cache, (batch, seq))
     inline_grad_regions(program.graph_module)
+    fills_to_cat(program.graph_module)
     functionalize_inplace(program.graph_module)
     _renumber_program(program)
     captured = _captured(

@@ -14,6 +14,11 @@ op's first argument, the only one its schema marks written) is
   caller would see), and not the output of a view op (whose base would change too);
 * not read through a view taken before the in-place op and used after it (that view would go stale).
 
+A tensor allocated and then filled slice by slice (``x = y.new_empty(...); x[..., :n].copy_(a);
+x[..., n:].copy_(b)``, DeepSeek's keys) is a concatenation: :func:`fills_to_cat` rewrites it to ``aten.cat``
+when the slices of one dim are disjoint, cover it whole, and each is written once, by a source of its shape and
+dtype, before anything else reads the tensor.
+
 Any other in-place op is left as it is; analysis then names it with its model source line
 (:class:`~primepar_fx.rules.MissingRuleError`).
 """
@@ -103,3 +108,84 @@ def functionalize_inplace(gm: fx.GraphModule) -> list[str]:
         gm.recompile()
         log.info("rewrote %d in-place op(s) out of place: %s", len(rewritten), ", ".join(rewritten))
     return rewritten
+
+
+#: ops that allocate a tensor whose values are all written before being read where :func:`fills_to_cat` applies
+_FRESH = {
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.zeros.default,
+}
+
+
+def _meta_shape(node: object) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _fill(base: fx.Node) -> tuple[int, list[tuple[int, fx.Node, fx.Node, fx.Node]]] | None:
+    """``(dim, [(start, slice, copy, source), ...])`` when every use of ``base`` up to its last ``copy_`` is a slice
+    of one dim written once by ``copy_`` and the slices cover that dim exactly; else ``None``."""
+    shape, val = _meta_shape(base), base.meta.get("val")
+    if shape is None:
+        return None
+    parts, dims = [], set()
+    for view in base.users:
+        if view.target is not torch.ops.aten.slice.Tensor or len(view.users) != 1:
+            continue
+        (write,) = view.users
+        if write.target is not torch.ops.aten.copy_.default or write.args[0] is not view or write.users:
+            continue
+        dim, start, end, *step = (*view.args[1:], *([0] if len(view.args) < 3 else []))[:4]
+        src = write.args[1]
+        if step not in ([], [1]) or not isinstance(src, fx.Node) or write.kwargs:
+            return None
+        size = shape[dim % len(shape)]
+        if not (isinstance(start, int) and isinstance(end, int)) or not isinstance(size, int):
+            return None
+        sval = src.meta.get("val")
+        if _meta_shape(src) != _meta_shape(view) or not isinstance(sval, torch.Tensor) or sval.dtype != val.dtype:
+            return None
+        dims.add(dim % len(shape))
+        parts.append((max(0, start), view, write, src, min(end, size)))
+    if len(parts) < 2 or len(dims) != 1:
+        return None
+    (dim,) = dims
+    parts.sort(key=lambda p: p[0])
+    edges = [(p[0], p[4]) for p in parts]
+    if edges[0][0] != 0 or edges[-1][1] != shape[dim] or any(a[1] != b[0] for a, b in zip(edges, edges[1:])):
+        return None
+    return dim, [p[:4] for p in parts]
+
+
+def fills_to_cat(gm: fx.GraphModule) -> list[str]:
+    """Rewrite each fresh tensor filled slice by slice into ``aten.cat`` of the slices' sources (module docstring);
+    the names of the tensors rewritten."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    done = []
+    for base in list(gm.graph.nodes):
+        if base.op != "call_function" or base.target not in _FRESH:
+            continue
+        found = _fill(base)
+        if found is None:
+            continue
+        dim, parts = found
+        last = max((write for _, _, write, _ in parts), key=order.__getitem__)
+        ours = {n for _, view, write, _ in parts for n in (view, write)}
+        if any(order[u] < order[last] for u in base.users if u not in ours):
+            continue  # read between the writes: not a plain concatenation
+        with gm.graph.inserting_after(last):
+            cat = gm.graph.call_function(torch.ops.aten.cat.default, ([src for *_, src in parts], dim))
+        cat.meta = {k: v for k, v in base.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")}
+        base.replace_all_uses_with(cat, delete_user_cb=lambda u, ours=ours: u not in ours)
+        for _, view, write, _ in parts:
+            gm.graph.erase_node(write)
+            gm.graph.erase_node(view)
+        gm.graph.erase_node(base)
+        done.append(cat.name)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+        log.info("rewrote %d slice-by-slice fills as concatenations: %s", len(done), ", ".join(done))
+    return done

@@ -142,13 +142,14 @@ def _requires_grad(gm: fx.GraphModule, captured: Captured) -> set[str]:
     return live
 
 
-def _read_by_outputs(gm: fx.GraphModule) -> set[str]:
-    """Nodes an output of the graph depends on."""
-    read: set[str] = set()
+def _gradient_reaches(gm: fx.GraphModule, grad_live: set[str]) -> set[str]:
+    """Nodes whose result a gradient reaches in Backward: an input of an output, or of a node a gradient reaches
+    whose own result carries one (not through ``topk``'s indices, a comparison, a ``detach``)."""
+    reached: set[str] = set()
     for node in reversed(gm.graph.nodes):
-        if node.op == "output" or node.name in read:
-            read.update(a.name for a in node.all_input_nodes)
-    return read
+        if node.op == "output" or (node.name in reached and node.name in grad_live):
+            reached.update(a.name for a in node.all_input_nodes)
+    return reached
 
 
 #: the most nodes :func:`input_chain` follows back (the targets of a loss come from the inputs in a few ops)
@@ -245,7 +246,7 @@ def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
     annotate(captured)
     gm = captured.gm
     grad_live = _requires_grad(gm, captured)
-    needed = _read_by_outputs(gm)
+    needed = _gradient_reaches(gm, grad_live)
     nodes: dict[str, OpNode] = {}
     g = nx.DiGraph()
     for node in gm.graph.nodes:
@@ -258,8 +259,8 @@ def build_graph(captured: Captured, *, fallback: str | None = None) -> OpGraph:
         inputs = node.all_input_nodes
         weights = frozenset(i for i, a in enumerate(inputs) if a.name in captured.params)
         # no gradient reaches an input that does not carry one, nor any input of a node whose result carries none
-        # (``topk``'s indices, a comparison) or that no output reads (``topk``'s values, unused): the cost model
-        # then prices no Backward traffic for it
+        # (``topk``'s indices, a comparison) or receives none (``topk``'s values, unused or read only on the way to
+        # integer indices): the cost model then prices no Backward traffic for it
         dead = node.name not in grad_live or node.name not in needed
         no_grad = frozenset(
             i for i, a in enumerate(inputs) if dims.inputs[i] is not None and (dead or a.name not in grad_live)

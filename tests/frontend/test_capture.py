@@ -379,3 +379,41 @@ def test_a_no_grad_block_is_inlined_with_its_results_detached():
     grads = module.gather_grads()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad)
+
+
+class _FilledBySlices(torch.nn.Module):
+    """Keys built as DeepSeek-V3 builds them: a fresh tensor whose last dim is filled slice by slice."""
+
+    def __init__(self, cover: bool = True) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 6), torch.nn.Linear(8, 2)
+        self.cover = cover
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.a(x), self.b(x)
+        out = a.new_empty(*a.shape[:-1], 8 if self.cover else 9)
+        out[..., :6].copy_(a)
+        out[..., 6:8].copy_(b)
+        return (out[..., :8] * x).sum()
+
+
+def test_a_tensor_filled_slice_by_slice_is_captured_as_a_concatenation():
+    import primepar_fx
+
+    torch.manual_seed(0)
+    model, x = _FilledBySlices(), torch.randn(2, 4, 8)
+    targets = [n.target for n in capture(model, (x,)).gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.cat.default in targets
+    assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.new_empty.default not in targets
+    module = primepar_fx.compile(model, (x,), plan="data_parallel", world_size=1)
+    loss = module(x)
+    loss.backward()
+    want = model(x)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    grads = module.gather_grads()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
+    # a fill that leaves part of the tensor unwritten is not a concatenation: left as it is
+    partial = [n.target for n in capture(_FilledBySlices(cover=False), (x,)).gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.copy_.default in partial and torch.ops.aten.cat.default not in partial
