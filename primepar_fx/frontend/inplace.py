@@ -67,6 +67,15 @@ def _stale_view(target: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bo
     return False
 
 
+def finish(gm: fx.GraphModule, changed: list[str], what: str) -> list[str]:
+    """After a rewrite of ``gm``'s graph: check and recompile it and log ``what`` changed (when anything did)."""
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+        log.info("%d %s: %s", len(changed), what, ", ".join(changed))
+    return changed
+
+
 def out_of_place(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The out-of-place twin of an in-place op (``aten.add_.Tensor`` -> ``aten.add.Tensor``), or ``None``."""
     base = op._schema.name.split("::")[-1]
@@ -103,11 +112,7 @@ def functionalize_inplace(gm: fx.GraphModule) -> list[str]:
         for user in later:
             user.replace_input_with(target, node)
         rewritten.append(node.name)
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-        log.info("rewrote %d in-place op(s) out of place: %s", len(rewritten), ", ".join(rewritten))
-    return rewritten
+    return finish(gm, rewritten, "in-place op(s) rewritten out of place")
 
 
 #: ops that allocate a tensor whose values are all written before being read where :func:`fills_to_cat` applies
@@ -184,8 +189,4 @@ def fills_to_cat(gm: fx.GraphModule) -> list[str]:
             gm.graph.erase_node(view)
         gm.graph.erase_node(base)
         done.append(cat.name)
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-        log.info("rewrote %d slice-by-slice fills as concatenations: %s", len(done), ", ".join(done))
-    return done
+    return finish(gm, done, "slice-by-slice fill(s) rewritten as concatenations")

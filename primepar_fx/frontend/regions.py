@@ -11,13 +11,12 @@ then names the op).
 
 from __future__ import annotations
 
-import logging
 import operator
 
 import torch
 from torch import fx
 
-log = logging.getLogger(__name__)
+from primepar_fx.frontend.inplace import finish
 
 aten = torch.ops.aten
 
@@ -59,11 +58,7 @@ def inline_grad_regions(gm: fx.GraphModule) -> list[str]:
             gm.graph.erase_node(holder)
             delattr(gm, holder.target)
         done.append(node.name)
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-        log.info("inlined %d grad-mode regions", len(done))
-    return done
+    return finish(gm, done, "grad-mode region(s) inlined")
 
 
 def _detached(gm: fx.GraphModule, value: object) -> object:

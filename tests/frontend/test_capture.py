@@ -339,6 +339,24 @@ def test_in_place_updates_another_name_could_see_are_left_as_they_are(mode: str,
     assert kept in _mutable_ops(captured)
 
 
+def _assert_compiles_like_the_model(model: torch.nn.Module, x: torch.Tensor) -> None:
+    """``model`` compiled on one rank gives the loss and the parameter gradients of an untouched copy of it."""
+    import copy
+
+    import primepar_fx
+
+    ref = copy.deepcopy(model)
+    module = primepar_fx.compile(model, (x,), plan="data_parallel", world_size=1)
+    loss = module(x)
+    loss.backward()
+    want = ref(x)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    grads = module.gather_grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
+
+
 class _MaskedUnderNoGrad(torch.nn.Module):
     """A forward with a ``torch.no_grad()`` block (export keeps it as ``wrap_with_set_grad_enabled``)."""
 
@@ -355,7 +373,6 @@ class _MaskedUnderNoGrad(torch.nn.Module):
 
 
 def test_a_no_grad_block_is_inlined_with_its_results_detached():
-    import primepar_fx
     from primepar_fx.graph.build import build_graph
 
     torch.manual_seed(0)
@@ -368,17 +385,7 @@ def test_a_no_grad_block_is_inlined_with_its_results_detached():
     detached = [n.name for n in graph.nodes.values() if n.target is torch.ops.aten.detach.default]
     edges = [(v, d["dst_in"]) for u in detached for _, v, d in graph.graph.out_edges(u, data=True)]
     assert len(edges) == 2 and all(k in graph.nodes[v].dims.no_grad for v, k in edges)  # no gradient priced back
-    module = primepar_fx.compile(model, (x,), plan="data_parallel", world_size=1)
-    loss = module(x)
-    loss.backward()
-    ref = _MaskedUnderNoGrad()
-    ref.load_state_dict(model.state_dict())
-    want = ref(x)
-    want.backward()
-    torch.testing.assert_close(loss, want)
-    grads = module.gather_grads()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad)
+    _assert_compiles_like_the_model(model, x)
 
 
 class _FilledBySlices(torch.nn.Module):
@@ -398,22 +405,12 @@ class _FilledBySlices(torch.nn.Module):
 
 
 def test_a_tensor_filled_slice_by_slice_is_captured_as_a_concatenation():
-    import primepar_fx
-
     torch.manual_seed(0)
     model, x = _FilledBySlices(), torch.randn(2, 4, 8)
     targets = [n.target for n in capture(model, (x,)).gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.cat.default in targets
     assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.new_empty.default not in targets
-    module = primepar_fx.compile(model, (x,), plan="data_parallel", world_size=1)
-    loss = module(x)
-    loss.backward()
-    want = model(x)
-    want.backward()
-    torch.testing.assert_close(loss, want)
-    grads = module.gather_grads()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad)
+    _assert_compiles_like_the_model(model, x)
     # a fill that leaves part of the tensor unwritten is not a concatenation: left as it is
     partial = [n.target for n in capture(_FilledBySlices(cover=False), (x,)).gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.copy_.default in partial and torch.ops.aten.cat.default not in partial
