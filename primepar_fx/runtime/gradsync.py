@@ -151,8 +151,15 @@ class GradientBuckets:
         self._held: dict[int, torch.Tensor] = {}  # their .grad from before the first local backward
         self._late: set[int] = set()  # buckets launched at the end of backward, with the sums that join them
         self._nodes = [get_gradient_edge(p).node for p in self.params]
+        #: the bus bytes of each parameter's sum, as the graph's all-reduces count them
+        self._volumes = [
+            ring_factors("all-reduce", len(r.ranks))[0] * p.numel() * p.element_size()
+            for p, r in zip(self.params, self.reductions)
+        ]
         self._handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
-        self._handles += [p.register_post_accumulate_grad_hook(self._drop(i)) for i, p in enumerate(self.params)]
+        self._drops: list = []  # the post-accumulate hooks of reduce-scattered parameters (:meth:`scatter_into`)
+        #: parameter -> its place in its bucket's kept buffer, shaped like it (made with the buffer, reused)
+        self._places: dict[int, torch.Tensor] = {}
         self._reset()
 
     # ------------------------------------------------------------------------------------------------ micro-batches
@@ -191,8 +198,9 @@ class GradientBuckets:
         return hook
 
     def _drop(self, i: int):
-        """After autograd wrote parameter ``i``'s ``.grad``: a reduce-scattered bucket keeps its own reference until
-        it is sent, so the local gradient goes as soon as it is in the flat copy (ZeRO-2 keeps no whole gradient)."""
+        """After autograd wrote parameter ``i``'s ``.grad`` (a reduce-scattered bucket's parameter): the bucket keeps
+        its own reference until it is sent, so the local gradient goes as soon as it is in the flat copy (ZeRO-2
+        keeps no whole gradient). Only those parameters carry the hook: one Python call less per gradient else."""
 
         def hook(p: torch.Tensor) -> None:
             if not self._local and self.bucket_of[i] in self._scatter:
@@ -268,14 +276,23 @@ class GradientBuckets:
         gradient itself for a ZeRO-2 bucket, which is reduce-scattered from a padded copy)."""
         if bucket.index in self._scatter:
             return grad
-        p = self.params[i]
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=p.device)
+            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.params[i].device)
+        place = self._place(bucket, i)
         earlier = self._earlier[i]
         if earlier is not None and earlier.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
             self._earlier[i] = earlier.clone()  # last backward's .grad is a view of the place about to be written
-        place = bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + p.numel()]
-        place.view(p.shape).copy_(grad)
+        place.copy_(grad)
+        return place
+
+    def _place(self, bucket: _Bucket, i: int) -> torch.Tensor:
+        """Parameter ``i``'s place in ``bucket``'s kept buffer, shaped like it (made once per buffer: a buffer that
+        grows drops its members' places)."""
+        assert bucket.buffer is not None
+        place = self._places.get(i)
+        if place is None:
+            p = self.params[i]
+            place = self._places[i] = bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view(p.shape)
         return place
 
     def _append(self, bucket: _Bucket, joined: list) -> torch.Tensor:
@@ -287,6 +304,8 @@ class GradientBuckets:
             grown = torch.empty(end, dtype=bucket.dtype, device=bucket.buffer.device)
             grown[: bucket.numel].copy_(bucket.buffer[: bucket.numel])
             bucket.buffer = grown
+            for i in bucket.members:
+                self._places.pop(i, None)
         offset = bucket.numel
         for g, _, _ in joined:
             bucket.buffer[offset : offset + g.numel()].copy_(g.reshape(-1))
@@ -299,9 +318,7 @@ class GradientBuckets:
 
     def _count(self, i: int, calls: int = 1) -> None:
         if self.stats is not None:
-            p, r = self.params[i], self.reductions[i]
-            volume = ring_factors("all-reduce", len(r.ranks))[0] * p.numel() * p.element_size()
-            self.stats.add("collective", volume, r.node, calls=calls)
+            self.stats.add("collective", self._volumes[i], self.reductions[i].node, calls=calls)
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
@@ -357,6 +374,13 @@ class GradientBuckets:
         """Reduce-scatter ``buckets`` from now on: each rank keeps its chunk of the sum (:meth:`scattered`), and
         their parameters get no ``.grad`` (ZeRO stage 2)."""
         self._scatter = set(buckets)
+        for h in self._drops:
+            h.remove()
+        self._drops = [
+            self.params[i].register_post_accumulate_grad_hook(self._drop(i))
+            for b in sorted(self._scatter)
+            for i in self.buckets[b].members
+        ]
 
     def scattered(self, index: int) -> torch.Tensor | None:
         """This rank's chunk of bucket ``index``'s summed gradients since :meth:`clear_scattered`, or ``None``."""
@@ -381,11 +405,16 @@ class GradientBuckets:
                     for i in bucket.members:  # what autograd wrote there is the local part, now in the chunk
                         self.params[i].grad = None
                     continue
-                offset = 0
-                for i in bucket.sent:
-                    n = self.params[i].numel()
-                    self._write(i, bucket.flat[offset : offset + n])  # type: ignore[index]
-                    offset += n
+                if len(bucket.sent) == len(bucket.members):  # sent from the kept buffer: each sum is in its place
+                    for i in bucket.sent:
+                        self._write(i, self._place(bucket, i))
+                    offset = bucket.numel
+                else:
+                    offset = 0
+                    for i in bucket.sent:
+                        n = self.params[i].numel()
+                        self._write(i, bucket.flat[offset : offset + n])  # type: ignore[index]
+                        offset += n
                 for g, then, _ in self._joined.get(bucket.index, []):
                     then(bucket.flat[offset : offset + g.numel()].view(g.shape))  # type: ignore[index]
                     offset += g.numel()
@@ -402,9 +431,9 @@ class GradientBuckets:
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""
-        for h in self._handles:
+        for h in (*self._handles, *self._drops):
             h.remove()
-        self._handles = []
+        self._handles, self._drops = [], []
 
     def describe(self) -> list[dict]:
         """One row per bucket: its group, dtype, parameters and bytes (for ``explain`` and tests)."""
