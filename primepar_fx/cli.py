@@ -317,22 +317,23 @@ def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str
             f" (the default: {1 - DEVICE_MEMORY_RESERVE:.0%} of the {format_bytes(spec.device.memory_capacity)} of "
             f"a {spec.device.name}; --memory-budget none lifts it)"
         )
-    levers = ["more devices (-n)", "a smaller --batch"]
-    if options.dtype == "fp32":
+    levers = ["more devices (-n)"] if e.floor else ["more devices (-n)", "a smaller --batch"]
+    if options.dtype == "fp32" and not e.floor:
         levers.append("--dtype bf16 (half the activations)")
     costs = options.cost_options()
     if costs.optimizer_states and costs.state_dtype == "fp32":
         levers.append("--state-dtype bf16 (half the optimizer state)")
     if costs.keeps_master:
         levers.append("--no-master-weights")
-    if options.recompute in ("none", "selective"):
-        levers.append("--recompute auto or full (recompute the layers' activations in Backward)")
-    if options.zero in (0, 1):
-        levers.append("--zero auto or 2 (gradients and optimizer state split over each parameter's replicas)")
-    elif options.zero == 2:
-        levers.append("--zero auto or 3 (the parameters split too, gathered only around their uses)")
-    if options.micro_batches != "auto":
-        levers.append("--micro-batches auto or more (a smaller micro-batch's activations)")
+    if not e.floor:  # a bound from the state alone: activations and replicas are not what is over
+        if options.recompute in ("none", "selective"):
+            levers.append("--recompute auto or full (recompute the layers' activations in Backward)")
+        if options.zero in (0, 1):
+            levers.append("--zero auto or 2 (gradients and optimizer state split over each parameter's replicas)")
+        elif options.zero == 2:
+            levers.append("--zero auto or 3 (the parameters split too, gathered only around their uses)")
+        if options.micro_batches != "auto":
+            levers.append("--micro-batches auto or more (a smaller micro-batch's activations)")
     searched = {"auto": "with or without recomputation", "none": "without recomputation"}.get(
         options.recompute, f"with {options.recompute} recomputation"
     )
@@ -343,11 +344,13 @@ def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str
         searched += f", in up to {max(micro_batch_tries(options))} micro-batches"
     else:
         searched += f", in {options.micro_batches} micro-batches"
-    return (
-        f"no plan fits the memory budget of {budget}: the smallest needs {format_bytes(e.min_memory)} per device "
-        f"({math.ceil(e.min_memory):,} bytes) {searched}. "
-        f"What would lower it: {', '.join(levers)}"
-    )
+    if e.floor:
+        need = f"no plan can need less than {format_bytes(e.min_memory)} per device, {e.floor}"
+    else:
+        need = (
+            f"the smallest needs {format_bytes(e.min_memory)} per device ({math.ceil(e.min_memory):,} bytes) {searched}"
+        )
+    return f"no plan fits the memory budget of {budget}: {need}. What would lower it: {', '.join(levers)}"
 
 
 def plan_warnings(plan: Plan, spec: ClusterSpec, memory_budget: int | None, graph: Any = None) -> list[str]:

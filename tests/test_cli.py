@@ -252,7 +252,13 @@ def test_plan_reports_an_infeasible_memory_budget(capsys) -> None:
         "1KiB",
         "--no-baselines",
     )
-    assert rc == 2 and "no plan fits the memory budget of 1 KiB: the smallest needs" in err, err
+    # below the training state split over both devices: said at once, with the levers that shrink the state
+    assert rc == 2 and "no plan fits the memory budget of 1 KiB: no plan can need less than" in err, err
+    assert re.search(
+        r"the training state alone, split evenly over all 2 devices \(16 B a parameter: [^)]+; [0-9,]+ parameters\)",
+        err,
+    ), err
+    assert "What would lower it: more devices (-n), --state-dtype bf16" in err and "--recompute" not in err, err
 
 
 def test_explain_and_plan_fold_identical_layers_unless_asked_for_every_node(capsys) -> None:

@@ -169,6 +169,8 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     """
     opts = _options(graph, options, kwargs)
     full = opts.mesh()
+    if opts.memory_budget is not None:
+        check_state_floor(graph, opts)
     meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
     found, infeasible = None, []
@@ -243,6 +245,31 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
         search["groupings"] = found.tried
         search["groupings_s"] = round(t2 - t0, 4)
     return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute, costs=costs)
+
+
+def state_floor(graph: OpGraph, opts: PlanOptions) -> tuple[float, str]:
+    """A lower bound on any plan's peak per device, and what it counts: each parameter's value, gradient and
+    optimizer state (master copy, moments) split evenly over every device, no activation, no buffer. No split,
+    ZeRO stage, recomputation or micro-batching goes below it (ZeRO-3 without a master copy keeps more: an fp32
+    copy of its shard)."""
+    costs = opts.cost_options()
+    per_element = costs.param_grad_bytes + costs.optimizer_bytes / costs.optimizer_shards
+    params, world = graph.param_count(), opts.world_size
+    what = (
+        f"the training state alone, split evenly over all {world} devices "
+        f"({dataclasses.replace(costs, zero=0).describe_state()}; "
+        f"{params:,} parameters), before any activation"
+    )
+    return params * per_element / world, what
+
+
+def check_state_floor(graph: OpGraph, opts: PlanOptions) -> None:
+    """Raise :class:`~primepar_fx.search.InfeasibleBudget` at once when :func:`state_floor` exceeds the memory
+    budget: no plan can fit, and searching the memory levers of a large model to find that out takes minutes and
+    gigabytes."""
+    floor, what = state_floor(graph, opts)
+    if opts.memory_budget is not None and floor > opts.memory_budget:
+        raise InfeasibleBudget(opts.memory_budget, floor, floor=what)
 
 
 def micro_batch_tries(opts: PlanOptions) -> list[int]:

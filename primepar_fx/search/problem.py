@@ -43,16 +43,24 @@ class CutOff(SearchError):
 
 
 class InfeasibleBudget(SearchError):
-    """No plan fits the memory budget; ``min_memory`` is the smallest memory any finite-cost plan needs."""
+    """No plan fits the memory budget; ``min_memory`` is the smallest memory any finite-cost plan needs.
 
-    def __init__(self, budget: float, min_memory: float) -> None:
+    ``floor``: set when no plan was searched because a lower bound already exceeds the budget (the training state
+    split over every device, say); ``min_memory`` is then that bound, and ``floor`` says what it counts."""
+
+    def __init__(self, budget: float, min_memory: float, floor: str | None = None) -> None:
         self.budget = budget
         self.min_memory = min_memory
+        self.floor = floor
         need = math.ceil(min_memory) if math.isfinite(min_memory) else min_memory
+        what = (
+            f"at least {need:,} bytes ({min_memory / 2**20:.3f} MiB) per device are needed for {floor}"
+            if floor
+            else f"the smallest achievable memory per device is {need:,} bytes ({min_memory / 2**20:.3f} MiB)"
+        )
         super().__init__(
-            f"memory budget {budget:,.0f} bytes ({budget / 2**20:.3f} MiB) is infeasible: the smallest achievable "
-            f"memory per device is {need:,} bytes ({min_memory / 2**20:.3f} MiB); raise the budget to at least "
-            "that, or allow more devices"
+            f"memory budget {budget:,.0f} bytes ({budget / 2**20:.3f} MiB) is infeasible: {what}; raise the budget "
+            "to at least that, or allow more devices"
         )
 
 

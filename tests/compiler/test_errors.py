@@ -223,10 +223,14 @@ def test_a_plan_for_another_model_is_refused(tiny_graph, tmp_path):
 
 
 def test_a_memory_budget_no_plan_meets_reports_the_smallest_feasible_one(tiny_graph):
+    floor = tiny_graph.param_count() * 16 / 2  # the training state alone over both ranks
+    with fake_world(2), nothing_built(), pytest.raises(InfeasibleBudget, match="the training state alone") as err:
+        compile_graph(tiny_graph, memory_budget=floor - 1)  # below it: refused before any search
+    assert err.value.min_memory == floor
     with fake_world(2), nothing_built(), pytest.raises(InfeasibleBudget) as err:
-        compile_graph(tiny_graph, memory_budget=1000.0)
+        compile_graph(tiny_graph, memory_budget=floor)
     least = err.value.min_memory
-    assert least > 1000 and f"{math.ceil(least):,} bytes" in str(err.value) and "smallest" in str(err.value)
+    assert least > floor and f"{math.ceil(least):,} bytes" in str(err.value) and "smallest" in str(err.value)
     with fake_world(2):
         module = compile_graph(tiny_graph, memory_budget=least)
     assert module.plan.predicted.peak_memory_bytes <= least

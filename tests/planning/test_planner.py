@@ -62,8 +62,29 @@ def test_a_memory_budget_is_never_exceeded_and_an_impossible_one_names_the_minim
     mid = plan_graph(g, world_size=4, batch=8, seq=64, baselines=False, memory_budget=budget)
     assert mid.predicted.peak_memory_bytes <= budget
     assert mid.predicted.step_time_s >= free.predicted.step_time_s * (1 - 1e-9)
-    with pytest.raises(InfeasibleBudget, match="smallest achievable memory"):
-        plan_graph(g, world_size=4, batch=8, seq=64, baselines=False, memory_budget=1024)
+    with pytest.raises(InfeasibleBudget, match="smallest achievable memory") as info:
+        plan_graph(g, world_size=4, batch=8, seq=64, baselines=False, memory_budget=g.param_count() * 16 / 4)
+    assert info.value.floor is None and info.value.min_memory > g.param_count() * 16 / 4
+
+
+def test_a_budget_below_the_training_state_over_every_device_is_refused_before_any_search(monkeypatch) -> None:
+    """16 B a parameter (fp32 value, gradient and two moments) split over all 4 devices is a floor no plan goes
+    below: a budget under it fails at once, naming the floor; one at it is searched (and fails with the search's
+    least, above the floor: activations come on top)."""
+    from primepar_fx.planning import planner
+
+    g = graph("opt-tiny")
+    floor = g.param_count() * 16 / 4
+    assert planner.state_floor(g, planner._options(g, None, {"world_size": 4, "batch": 8, "seq": 64}))[0] == floor
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched although the budget is below the floor")
+
+    with monkeypatch.context() as m:
+        m.setattr(planner, "_search_at", no_search)
+        with pytest.raises(InfeasibleBudget, match="the training state alone, split evenly over all 4 devices") as info:
+            plan_graph(g, world_size=4, batch=8, seq=64, baselines=False, memory_budget=floor - 1)
+    assert info.value.min_memory == floor and "parameters" in info.value.floor
 
 
 def test_the_searched_plan_is_never_predicted_slower_than_its_baselines() -> None:
@@ -101,10 +122,11 @@ def test_a_budget_at_the_free_plans_peak_keeps_the_free_plan():
     tight = plan_graph(graph, memory_budget=free.predicted.peak_memory_bytes, **kw)
     assert tight.predicted.step_time_s == pytest.approx(free.predicted.step_time_s)
     assert tight.predicted.peak_memory_bytes <= free.predicted.peak_memory_bytes
+    floor = graph.param_count() * 16 / 4  # the training state over every device: searched from there up
     with pytest.raises(InfeasibleBudget) as info:
-        plan_graph(graph, memory_budget=1000.0, **kw)
+        plan_graph(graph, memory_budget=floor, **kw)
     smallest = info.value.min_memory  # the smallest feasible budget it reports is feasible
-    assert 1000.0 < smallest <= free.predicted.peak_memory_bytes
+    assert floor < smallest <= free.predicted.peak_memory_bytes
     lean = plan_graph(graph, memory_budget=smallest, **kw)
     assert lean.predicted.peak_memory_bytes <= smallest
     with pytest.raises(InfeasibleBudget) as info:  # and it is the least: a byte less does not fit
