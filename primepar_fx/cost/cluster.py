@@ -80,6 +80,14 @@ _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float
 
 def dtype_key(dtype: object) -> str:
     """``"bf16"`` for ``torch.bfloat16``, ``"bfloat16"`` or ``"bf16"`` (and likewise fp32, fp16, tf32)."""
+    try:
+        return _dtype_key(dtype)
+    except TypeError:  # unhashable: not a dtype
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)} or a torch floating dtype") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_key(dtype: object) -> str:
     name = str(dtype).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:

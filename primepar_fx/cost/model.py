@@ -145,6 +145,7 @@ def _num(expr: sympy.Expr, vkey: ValuesKey) -> float:
     return float(sympy.sympify(expr).xreplace({k: sympy.Integer(v) for k, v in vkey}))
 
 
+@lru_cache(maxsize=1 << 14)
 def phase_flops(op: OpDims, target: object) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
     """Forward, Backward and Gradient FLOPs of the whole (unpartitioned) node."""
     fwd = sympy.sympify(op.flops)

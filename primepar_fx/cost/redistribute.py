@@ -172,7 +172,7 @@ def _source_held(producer: OpPartition, index: int, shared: bool) -> EdgeUse:
     return forward_needed(producer, index) if shared else forward_held(producer, index)
 
 
-def _source_grad_needed(producer: OpPartition, index: int, shared: bool) -> EdgeUse:
+def source_grad_needed(producer: OpPartition, index: int, shared: bool) -> EdgeUse:
     """Where the source side needs the gradient: its ``d_out``, or a shared parameter's storage layout."""
     return forward_needed(producer, index) if shared else backward_needed(producer, index)
 
@@ -411,7 +411,7 @@ def producer_sides(producers: Sequence[OpPartition], out_index: int, vkey: Value
     """``(held, grad_needed)``: the :data:`Side` of the producer's Forward output and of its gradient's need."""
     return (
         _side([_source_held(p, out_index, shared) for p in producers], vkey),
-        _side([_source_grad_needed(p, out_index, shared) for p in producers], vkey),
+        _side([source_grad_needed(p, out_index, shared) for p in producers], vkey),
     )
 
 

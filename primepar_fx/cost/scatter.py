@@ -30,7 +30,7 @@ from torch import fx
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
 from primepar_fx.cost.cluster import ClusterSpec, ring_factors
-from primepar_fx.cost.redistribute import EdgeUse, backward_held, backward_needed, forward_held, forward_needed
+from primepar_fx.cost.redistribute import EdgeUse, backward_held, forward_held, forward_needed, source_grad_needed
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import Collective
 from primepar_fx.partition.enumerate import values_key
@@ -271,17 +271,22 @@ def scatter_saving(
     cluster: ClusterSpec,
     values: dict[sympy.Symbol, int],
     opts: CostOptions,
+    shared: bool = False,
 ) -> ScatterSaving | None:
     """The savings of an edge whose producer partitions have the fusable Forward all-reduces ``forward`` and whose
     consumer partitions have the fusable input-gradient all-reduces ``backward`` (:func:`fusable_forward`,
-    :func:`fusable_backward`); ``None`` when no pair fuses."""
+    :func:`fusable_backward`); ``None`` when no pair fuses. ``shared``: the edge is a parameter both read
+    (``out_index`` the producer's input that stores it): the consumer's gradient all-reduce may fuse with the
+    re-layout back to the storage layout, as it does after any other re-layout."""
     vkey, item = values_key(values), opts.itemsize
     shape = (len(producers), len(consumers))
     out = ScatterSaving(*(np.zeros(shape) for _ in dataclasses.fields(ScatterSaving)))
     found = False
     mesh = producers[0].mesh
     needed = _Distinct([forward_needed(c, in_index) for c in consumers], vkey) if any(forward) else None
-    grad_needed = _Distinct([backward_needed(p, out_index) for p in producers], vkey) if any(backward) else None
+    grad_needed = None
+    if any(backward):
+        grad_needed = _Distinct([source_grad_needed(p, out_index, shared) for p in producers], vkey)
     for i, (p, f) in enumerate(zip(producers, forward)):
         if f is None or needed is None:
             continue

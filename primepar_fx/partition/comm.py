@@ -12,8 +12,10 @@ Tensor names: ``in{k}`` / ``out{j}`` are the op's inputs and outputs, ``d_in{k}`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from types import MappingProxyType
 
 from primepar_fx.partition.dsi import PHASES, OpPartition, Phase, TensorSlice
 from primepar_fx.partition.mesh import DeviceMesh, class_senders
@@ -41,8 +43,9 @@ def gradient_phase_inputs(op: OpDims) -> frozenset[int]:
     return op.weights
 
 
-def phase_tensors(op: OpDims) -> dict[Phase, tuple[PhaseTensor, ...]]:
-    """The tensors each phase reads and produces.
+@lru_cache(maxsize=1 << 14)
+def phase_tensors(op: OpDims) -> Mapping[Phase, tuple[PhaseTensor, ...]]:
+    """The tensors each phase reads and produces (read-only, made once per ``op``).
 
     Forward reads the inputs and produces the outputs. Backward (data gradient) produces ``d_in`` of every
     input that is neither a parameter nor gradient-free; Gradient produces ``d_in`` of the parameters. A matrix
@@ -64,7 +67,7 @@ def phase_tensors(op: OpDims) -> dict[Phase, tuple[PhaseTensor, ...]]:
     late = gradient_phase_inputs(op)
     bwd = d_out + bwd_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k not in late]
     grd = d_out + grad_read + [PhaseTensor(f"d_in{k}", m, True) for k, m in grads if k in late]
-    return {Phase.FORWARD: tuple(fwd), Phase.BACKWARD: tuple(bwd), Phase.GRADIENT: tuple(grd)}
+    return MappingProxyType({Phase.FORWARD: tuple(fwd), Phase.BACKWARD: tuple(bwd), Phase.GRADIENT: tuple(grd)})
 
 
 def tensor_uses(part: OpPartition) -> dict[str, tuple[TensorMap, list[Use]]]:

@@ -10,6 +10,7 @@ shape, not L times.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -169,6 +170,11 @@ def price_graph(
         pricing.tied,
         deferred,
     )
+
+
+def _summed(a: ScatterSaving, b: ScatterSaving) -> ScatterSaving:
+    """Two savings of one pair of nodes, e.g. a data-flow edge's and a shared parameter's."""
+    return ScatterSaving(*(frozen(getattr(a, f.name) + getattr(b, f.name)) for f in dataclasses.fields(ScatterSaving)))
 
 
 @dataclass(frozen=True)
@@ -436,9 +442,57 @@ class _Pricing:
                 sec = sec - np.where(saving.shared, saving.reduce_s[None, :], -latency)
             elif latency.any():
                 sec = sec + latency
+            found = self._tied_scatter(u, k_u, v, k_v, saving)
+            if found is not None:
+                fused, net = found
+                sec = sec - net
+                known = self.scatter.get((u, v))  # (a data-flow edge between the two as well: both savings)
+                self.scatter[(u, v)] = fused if known is None else _summed(known, fused)
             if (u, v) in self.edge_cost:
                 sec, nbytes = sec + self.edge_cost[(u, v)], nbytes + self.edge_bytes[(u, v)]
             self.edge_cost[(u, v)], self.edge_bytes[(u, v)] = sec, nbytes
+
+    def _tied_scatter(
+        self, u: str, k_u: int, v: str, k_v: int, tied: TiedSaving | None
+    ) -> tuple[ScatterSaving, np.ndarray] | None:
+        """Where ``v`` keeps its own all-reduce of the shared parameter's gradient (not summed into ``u``'s), the
+        runtime fuses it with the re-layout back to ``u``'s storage layout into a reduce-scatter when that
+        re-layout only slices (:func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`). Returns the saving
+        per pair as the summary reports it, and the seconds off the edge; None when no pair fuses.
+
+        The all-reduce is a parameter's: priced at its share of a micro-batch, bucketed on ``v``, its own message's
+        latency on this edge (:meth:`add_shared_parameters`). The fused pairs lose both: the edge the whole
+        difference of the lone all-reduce and the reduce-scatter, the node's collective seconds that less the
+        latency, which was never the node's."""
+        fusable = self._fusable_all(v, k_v)
+        if fusable is None:
+            return None
+        saving = scatter_saving(
+            self.partitions[u],
+            k_u,
+            self.partitions[v],
+            k_v,
+            [None] * len(self.partitions[u]),
+            fusable[1],
+            self.cluster,
+            self.values,
+            self.opts,
+            shared=True,
+        )
+        if saving is None:
+            return None
+        keep = 1.0 if tied is None else ~tied.shared  # summed into u's all-reduce: v has none of its own
+        m = self.opts.micro_batches
+        scaled = {}
+        for f in dataclasses.fields(ScatterSaving):
+            values = getattr(saving, f.name) * keep / m
+            scaled[f.name] = np.round(values) if f.name.endswith(("bytes", "scattered")) else values
+        if not scaled["backward_scattered"].any():
+            return None
+        net = frozen(scaled["backward_s"])
+        hits = scaled["backward_scattered"] > 0
+        scaled["backward_s"] = scaled["backward_s"] - np.where(hits, self._latency(v, k_v)[None, :], 0.0)
+        return ScatterSaving(**{k: frozen(a) for k, a in scaled.items()}), net
 
     def _tied_saving(self, u: str, k_u: int, v: str, k_v: int) -> TiedSaving | None:
         """Where ``v``'s all-reduce of the gradient of the parameter it shares with ``u`` is ``u``'s

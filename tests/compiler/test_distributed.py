@@ -205,6 +205,48 @@ def test_falcon_and_gemma_train_like_one_device_and_send_what_is_predicted(famil
     _assert_bytes_match(report, plans)
 
 
+def _seeds_with_tied_scatter(model_name: str, world: int, tries: int = 40) -> list[int]:
+    """Seeds of random plans in which a tied parameter's later reader all-reduces its gradient and the re-layout back
+    to the first reader's storage only slices it: the runtime runs a reduce-scatter there, and the plan prices one."""
+    from distributed_checks import BATCH, SEQ, make
+
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.frontend.symbols import B, S
+    from primepar_fx.graph import graph_of
+    from primepar_fx.planning.compare import price_assignments
+    from primepar_fx.planning.options import PlanOptions
+    from primepar_fx.planning.planner import _random_assignment
+    from primepar_fx.planning.pricing import shared_parameters
+
+    model, args, kwargs = make(model_name)
+    graph = graph_of(lambda static: capture(model, args, kwargs, static_seq=static))
+    opts = PlanOptions.make(world_size=world, cluster="cpu-gloo", batch=BATCH, seq=SEQ, memory_budget=None)
+    values, mesh, tied = {B: BATCH, S: SEQ}, opts.mesh(), shared_parameters(graph)
+    assert tied, f"{model_name} ties no parameter"
+    seeds = []
+    for seed in range(tries):
+        assignment = _random_assignment(graph, mesh, values, seed)
+        priced, (choice,) = price_assignments(graph, [assignment], mesh, opts.cluster, values, opts.cost_options())
+        for u, _, v, _ in tied:
+            saving = priced.scatter.get((u, v))
+            if saving is not None and saving.backward_scattered[choice[u], choice[v]] > 0:
+                seeds.append(seed)
+    return seeds
+
+
+def test_a_tied_parameter_gradient_reduce_scattered_to_its_storage_sends_what_is_predicted():
+    """GPT-2's tied embedding is stored in the embedding's layout; where the LM head splits the rows (its weight
+    gradient a partial sum) and the embedding splits the hidden dim, the head's all-reduce and the re-layout back to
+    the storage are one reduce-scatter at run time, and the plan prices that (it priced the all-reduce)."""
+    seeds = _seeds_with_tied_scatter("gpt2-tiny", 2)
+    assert seeds, "no random plan of the first 40 fuses the tied gradient"
+    plan = f"random:{seeds[0]}"
+    report = spawn(check_plans, 2, "gpt2-tiny", [plan], timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, [plan])
+    _assert_bytes_match(report, [plan])
+    assert report[plan]["sent_rank0"]["redistribution"] > 0
+
+
 def rotating_pair(families: tuple[str, ...], day: int) -> list[str]:
     """Two of ``families`` for the day ``day`` (an ordinal): every family comes round within len/2 days."""
     k = (2 * day) % len(families)

@@ -131,12 +131,53 @@ def test_readers_that_do_not_share_pay_each_all_reduce_s_latency_on_their_edge()
 
     lat_u, lat_v = latency(first, k_u), latency(later, k_v)
     tied, edge = p.tied[(first, later)], p.cost_graph.edge_cost[(first, later)]
+    fused = p.scatter[(first, later)].backward_scattered  # apart, v's all-reduce and the re-layout back may fuse
     apart = [(i, j) for i in range(len(lat_u)) for j in range(len(lat_v)) if not tied.shared[i, j]]
-    assert any(lat_u[i] > 0 and lat_v[j] > 0 for i, j in apart)
+    assert any(lat_u[i] > 0 and lat_v[j] > 0 and not fused[i, j] for i, j in apart)
     for i, j in apart:
-        assert edge[i, j] == pytest.approx(relayout[i, j] + lat_u[i] + lat_v[j], rel=1e-12, abs=1e-15)
+        if not fused[i, j]:
+            assert edge[i, j] == pytest.approx(relayout[i, j] + lat_u[i] + lat_v[j], rel=1e-12, abs=1e-15)
     for i, j in zip(*tied.shared.nonzero()):
         assert edge[i, j] == pytest.approx(relayout[i, j] - tied.reduce_s[j], rel=1e-12, abs=1e-15)
+
+
+def test_a_later_reader_s_own_all_reduce_fused_with_the_re_layout_back_is_priced_as_a_reduce_scatter():
+    """Apart, where the re-layout of the later reader's gradient back to the storage layout only slices it, the
+    runtime runs one reduce-scatter instead of the all-reduce and the slice: the edge is the re-layout plus the
+    first reader's latency plus the lone reduce-scatter, less the bucketed all-reduce the node priced; the summary
+    reports the reduce-scatter's bytes on the later reader."""
+    from primepar_fx.cost.blocks import block_bytes, tensor_map
+    from primepar_fx.cost.model import edge_cost_matrix
+    from primepar_fx.cost.share import input_all_reduce_latency
+    from primepar_fx.partition import collectives
+    from primepar_fx.partition.enumerate import values_key
+    from primepar_fx.partition.layouts import bound_partition
+
+    p, spec, vkey = priced(), load_cluster("cpu-gloo"), values_key(VALUES)
+    first, later = readers()
+    (k_u,), (k_v,) = (sorted(graph().nodes[n].dims.weights) for n in (first, later))
+    parts = {n: [bound_partition((graph().nodes[n].dims, s, p.mesh)) for s in p.strategies[n]] for n in (first, later)}
+    relayout, _ = edge_cost_matrix(parts[first], k_u, parts[later], k_v, spec, VALUES, OPTS, shared=True)
+    tied, edge = p.tied[(first, later)], p.cost_graph.edge_cost[(first, later)]
+    fused = p.scatter[(first, later)].backward_scattered
+    pairs = list(zip(*fused.nonzero()))
+    assert pairs and not any(tied.shared[i, j] for i, j in pairs)
+    for i, j in pairs:
+        q = parts[later][j]
+        (c,) = [c for c in collectives(q) if c.tensor == f"d_in{k_v}"]
+        block = block_bytes(q, tensor_map(q.op, c.tensor), vkey, 4)
+        alone = {kind: spec.collective_time(kind, block, p.mesh, c.digits) for kind in ("all-reduce", "reduce-scatter")}
+        bucketed = spec.collective_time("all-reduce", block, p.mesh, c.digits, bucketed=True)
+        lat_u = input_all_reduce_latency(parts[first][i], graph().nodes[first].target, k_u, spec, vkey, 4)
+        expected = relayout[i, j] + lat_u + alone["reduce-scatter"] - bucketed
+        assert edge[i, j] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        bus, _ = ring_factors("reduce-scatter", spec.group_size(p.mesh, c.digits))
+        assert fused[i, j] == round(bus * block)
+    i, j = pairs[0]
+    choice = dict.fromkeys(graph().nodes, 0) | {first: int(i), later: int(j)}
+    node = {n.name: n for n in summarize(graph(), p, choice, OPTS).nodes}[later]
+    assert node.cost.comm_bytes.get("reduce-scatter") == fused[i, j]
+    assert node.cost.collective_s >= 0
 
 
 def test_the_tied_edge_goes_through_a_proxy_so_the_layers_stay_separable():
