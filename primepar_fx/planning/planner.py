@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import sympy
 import torch
 from tqdm.auto import tqdm
@@ -338,10 +339,20 @@ def _search_at(
     # Under a budget each mesh weighs recomputation, ZeRO and budget caps: many DP runs. A mesh's fastest plan
     # without a budget bounds all of that from below (recomputation only adds time, ZeRO-2 none), so the meshes are
     # searched in the order of that bound, and those whose bound is no faster than the best plan found are skipped.
+    # The pricing of a bound is the search's, so it is kept for it, as long as those kept stay under KEEP_PRICED.
     bounds: list[float | None] = [None] * len(meshes)
+    kept: dict[int, tuple[PricedGraph, float]] = {}
     if len(meshes) > 1 and opts.memory_budget is not None and opts.alpha == 0 and not free_only:
+        held = 0
         for i, mesh in enumerate(tqdm(meshes, desc="groupings' bounds", disable=not opts.progress, leave=False)):
-            bounds[i] = solve(price(mesh).search_graph, method=opts.method).cost  # type: ignore[arg-type]
+            start = time.perf_counter()
+            priced = price(mesh)
+            priced_s = time.perf_counter() - start
+            bounds[i] = solve(priced.search_graph, method=opts.method).cost  # type: ignore[arg-type]
+            size = priced_nbytes(priced)
+            if held + size <= KEEP_PRICED:
+                kept[i], held = (priced, priced_s), held + size
+            del priced
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
     best, entries, infeasible, cut = None, {}, [], False
 
@@ -359,9 +370,13 @@ def _search_at(
         entries[i] = entry
         if best is not None and bounds[i] is not None and bounds[i] >= best.chosen.solution.cost:  # type: ignore[operator]
             entry["seconds"] = 0.0  # its fastest plan is no faster than the best found: not searched
+            kept.pop(i, None)
             continue
-        priced = price(mesh)
-        priced_s = time.perf_counter() - start
+        if i in kept:
+            priced, priced_s = kept.pop(i)
+        else:
+            priced = price(mesh)
+            priced_s = time.perf_counter() - start
         try:
             chosen, stage = _choose_levers(
                 graph, priced, values, costs, opts, limit, free_only=free_only, reprice=functools.partial(price, mesh)
@@ -392,6 +407,30 @@ def _search_at(
     if best is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     return best
+
+
+#: bytes of priced graphs that the groupings' bounds keep for their searches (past it, a grouping is priced again)
+KEEP_PRICED = 2 * 2**30
+
+
+def priced_nbytes(priced: PricedGraph) -> int:
+    """The bytes of ``priced``'s arrays (each array shared by identical layers counted once): node vectors, edge
+    matrices and the flows' and savings' matrices, i.e. nearly all it holds."""
+    seen: dict[int, int] = {}
+
+    def add(a: object) -> None:
+        if isinstance(a, np.ndarray):
+            seen.setdefault(id(a), a.nbytes)
+
+    cg = priced.cost_graph
+    for table in (cg.node_cost, cg.node_memory or {}, cg.edge_cost, priced.edge_bytes):
+        for a in table.values():
+            add(a)
+    for group in (priced.flows, priced.scatter, priced.tied, priced.deferred):
+        for item in group.values():
+            for f in dataclasses.fields(item):
+                add(getattr(item, f.name))
+    return sum(seen.values())
 
 
 def _choose_levers(

@@ -122,3 +122,29 @@ def test_a_plan_on_any_grouping_costs_the_same_written_out_on_every_digit(digits
         assert theirs.step_time_s == pytest.approx(ours.step_time_s, rel=1e-9)
         assert (theirs.comm_bytes, theirs.peak_memory_bytes) == (ours.comm_bytes, ours.peak_memory_bytes)
     assert split_only >= 2 and math.prod(digits) == 16
+
+
+def test_a_grouping_is_searched_on_the_pricing_its_bound_was_read_off(monkeypatch):
+    """Under a budget each grouping is priced for its bound (its fastest plan) and then searched; the search reads
+    the bound's pricing instead of pricing the grouping again: fewer pricings, the same plan as pricing again."""
+    from primepar_fx.planning import planner
+
+    spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
+    kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, baselines=False, method="dp")
+    calls, real = [], planner.price_graph
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].digits)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "price_graph", counted)
+    kept = plan_graph(graph(), **kw)
+    reused = len(calls)
+    assert any(t.get("bound") is not None for t in kept.search["groupings"])
+    calls.clear()
+    monkeypatch.setattr(planner, "KEEP_PRICED", 0)  # nothing kept: every searched grouping priced again
+    again = plan_graph(graph(), **kw)
+    searched = sum(t["objective"] is not None for t in again.search["groupings"])
+    assert len(calls) - reused >= searched >= 1
+    assert kept.search["objective"] == again.search["objective"] and kept.digits == again.digits
+    assert [n.partition for n in kept.nodes] == [n.partition for n in again.nodes]
