@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import sympy
 import torch
 from tqdm.auto import tqdm
@@ -349,7 +348,7 @@ def _search_at(
             priced = price(mesh)
             priced_s = time.perf_counter() - start
             bounds[i] = solve(priced.search_graph, method=opts.method).cost  # type: ignore[arg-type]
-            size = priced_nbytes(priced)
+            size = priced.array_nbytes()
             if held + size <= KEEP_PRICED:
                 kept[i], held = (priced, priced_s), held + size
             del priced
@@ -411,26 +410,6 @@ def _search_at(
 
 #: bytes of priced graphs that the groupings' bounds keep for their searches (past it, a grouping is priced again)
 KEEP_PRICED = 2 * 2**30
-
-
-def priced_nbytes(priced: PricedGraph) -> int:
-    """The bytes of ``priced``'s arrays (each array shared by identical layers counted once): node vectors, edge
-    matrices and the flows' and savings' matrices, i.e. nearly all it holds."""
-    seen: dict[int, int] = {}
-
-    def add(a: object) -> None:
-        if isinstance(a, np.ndarray):
-            seen.setdefault(id(a), a.nbytes)
-
-    cg = priced.cost_graph
-    for table in (cg.node_cost, cg.node_memory or {}, cg.edge_cost, priced.edge_bytes):
-        for a in table.values():
-            add(a)
-    for group in (priced.flows, priced.scatter, priced.tied, priced.deferred):
-        for item in group.values():
-            for f in dataclasses.fields(item):
-                add(getattr(item, f.name))
-    return sum(seen.values())
 
 
 def _choose_levers(

@@ -58,6 +58,20 @@ class PricedGraph:
         them."""
         return add_share_nodes(self.cost_graph, self.flows, self.fanout)
 
+    def array_nbytes(self) -> int:
+        """The bytes of this pricing's arrays (an array that identical layers share counted once): node vectors,
+        edge matrices and the flows' and savings' matrices, i.e. nearly all it holds."""
+        seen: dict[int, int] = {}
+        cg = self.cost_graph
+        tables = (cg.node_cost, cg.node_memory or {}, cg.edge_cost, self.edge_bytes)
+        arrays = [a for table in tables for a in table.values()]
+        for group in (self.flows, self.scatter, self.tied, self.deferred):
+            arrays += [getattr(item, f.name) for item in group.values() for f in dataclasses.fields(item)]
+        for a in arrays:
+            if isinstance(a, np.ndarray):
+                seen.setdefault(id(a), a.nbytes)
+        return sum(seen.values())
+
     def with_memory(self, opts: CostOptions) -> PricedGraph:
         """This pricing with every node's memory read again under ``opts`` (another ZeRO stage: each strategy's
         seconds and bytes stay, :class:`~primepar_fx.cost.blocks.CostOptions`)."""

@@ -482,17 +482,19 @@ class _Pricing:
         if saving is None:
             return None
         keep = 1.0 if tied is None else ~tied.shared  # summed into u's all-reduce: v has none of its own
-        m = self.opts.micro_batches
-        scaled = {}
-        for f in dataclasses.fields(ScatterSaving):
-            values = getattr(saving, f.name) * keep / m
-            scaled[f.name] = np.round(values) if f.name.endswith(("bytes", "scattered")) else values
-        if not scaled["backward_scattered"].any():
+        m = self.opts.micro_batches  # (a shared parameter's edge has no Forward all-reduce: backward fields only)
+        scattered = np.round(saving.backward_scattered * keep / m)
+        if not scattered.any():
             return None
-        net = frozen(scaled["backward_s"])
-        hits = scaled["backward_scattered"] > 0
-        scaled["backward_s"] = scaled["backward_s"] - np.where(hits, self._latency(v, k_v)[None, :], 0.0)
-        return ScatterSaving(**{k: frozen(a) for k, a in scaled.items()}), net
+        net = frozen(saving.backward_s * keep / m)
+        latency = np.where(scattered > 0, self._latency(v, k_v)[None, :], 0.0)
+        fused = dataclasses.replace(
+            saving,
+            backward_s=frozen(net - latency),
+            backward_bytes=frozen(np.round(saving.backward_bytes * keep / m)),
+            backward_scattered=frozen(scattered),
+        )
+        return fused, net
 
     def _tied_saving(self, u: str, k_u: int, v: str, k_v: int) -> TiedSaving | None:
         """Where ``v``'s all-reduce of the gradient of the parameter it shares with ``u`` is ``u``'s
