@@ -5,7 +5,6 @@ Pipeline: capture (torch.export) -> symbolic shapes (B, S) -> op dimension rules
 """
 
 from primepar_fx.api import analyze, explain, plan
-from primepar_fx.compiler import checkpoint  # primepar_fx.checkpoint.save / load
 from primepar_fx.compiler.dynamo import backend  # also registers torch.compile(backend="primepar")
 from primepar_fx.compiler.module import (
     PrimeParModule,
@@ -24,6 +23,17 @@ from primepar_fx.report.explain import Explanation, explain_choice
 from primepar_fx.rules.registry import MissingRuleError, register_rule
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # primepar_fx.checkpoint.save / load, imported on first use: torch.distributed.checkpoint takes about a second
+    # to import, which every command that never touches a checkpoint (plan, explain, dump) would otherwise pay
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module("primepar_fx.compiler.checkpoint")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Captured",

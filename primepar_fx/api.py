@@ -13,6 +13,7 @@ from primepar_fx.frontend.capture import capture, config_seq_max
 from primepar_fx.graph import OpGraph, check_fallback, graph_of
 from primepar_fx.graph.replicate import analyze_replicated
 from primepar_fx.planning.options import PlanOptions
+from primepar_fx.planning.parallel import default_workers
 from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import plan_graph
 from primepar_fx.report.explain import Explanation, explain_choice
@@ -76,6 +77,7 @@ def plan(
     recompute: str = "auto",
     zero: str | int = "auto",
     micro_batches: str | int = "auto",
+    workers: int | None = None,
 ) -> Plan:
     """Capture ``model``, price its partition space on ``cluster`` and search the cheapest plan.
 
@@ -108,6 +110,8 @@ def plan(
     ``micro_batches``: gradient accumulation over micro-batches of ``batch / micro_batches``: ``"auto"`` (the
     default: 1 unless the budget binds, then the fastest of 1, 2, 4, 8 that divide the batch) or a count; the
     compiled module splits the batch itself (:mod:`~primepar_fx.compiler.microbatch`).
+    ``workers``: processes that price and search the groupings of the digits side by side (forked, where the
+    platform can fork: :mod:`~primepar_fx.planning.parallel`); ``None`` (the default) is one per core.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the
@@ -133,6 +137,7 @@ def plan(
         recompute=recompute,
         zero=zero,
         micro_batches=micro_batches,
+        workers=default_workers() if workers is None else workers,
     )
     limit = config_seq_max(model)
     if seq is not None and limit is not None and seq > limit:

@@ -26,6 +26,7 @@ import torch
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.planning.options import DEVICE_MEMORY_RESERVE, PlanOptions, parse_plan
+from primepar_fx.planning.parallel import default_workers
 from primepar_fx.planning.plan import Plan
 from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.units import format_bytes
@@ -248,6 +249,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         grouped=args.grouped,
         fallback=args.fallback,
         progress=sys.stderr.isatty(),
+        workers=default_workers() if args.workers is None else args.workers,
     )
     model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
     _check_seq(model, args.seq, name)
@@ -556,6 +558,12 @@ def _add_plan_parser(sub: Any) -> None:
         "--no-grouped", dest="grouped", action="store_false", help="search the full mesh (slow past 3 digits)"
     )
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
+    pl.add_argument(
+        "--workers",
+        type=positive_int,
+        help="processes that price and search the groupings of the digits side by side (default: one per core; "
+        "1: this process alone)",
+    )
     pl.add_argument("-o", "--output", help="write the plan JSON here")
     pl.add_argument("--report", metavar="HTML", help="write a self-contained HTML report of the plan here")
     pl.set_defaults(func=cmd_plan)

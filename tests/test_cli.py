@@ -89,6 +89,7 @@ def test_explain_rejects_unknown_models_and_bad_digits(capsys: pytest.CaptureFix
         (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--memory-budget", "1.5.5MB"], "not a byte size"),
         (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--format", "nope"], "unknown table format 'nope'"),
         (["explain", "gpt2-tiny", "--devices-per-node", "0"], "argument --devices-per-node: must be >= 1"),
+        (["plan", "gpt2-tiny", "--batch", "4", "--seq", "8", "--workers", "0"], "argument --workers: must be >= 1"),
     ],
 )
 def test_bad_arguments_get_one_usage_error_naming_the_flag(capsys, argv, message) -> None:

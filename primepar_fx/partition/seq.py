@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 
 from primepar_fx.partition.mesh import DeviceMesh
@@ -93,7 +94,12 @@ class PartitionSeq:
 
     @classmethod
     def parse(cls, text: str) -> PartitionSeq:
-        """Parse ``"B,P2x2,N"``; ``"-"`` or ``""`` is the empty sequence (one device)."""
+        """Parse ``"B,P2x2,N"``; ``"-"`` or ``""`` is the empty sequence (one device). Sequences are immutable, so a
+        text is parsed once (plans and baselines parse the same few texts for every node of a large model)."""
+        return _parse(text)
+
+    @classmethod
+    def _parse(cls, text: str) -> PartitionSeq:
         text = text.strip()
         if text in ("", "-"):
             return cls(())
@@ -152,3 +158,8 @@ class PartitionSeq:
                 f"(device digits {mesh.digits})"
             )
         return tuple(out)
+
+
+@lru_cache(maxsize=1 << 14)
+def _parse(text: str) -> PartitionSeq:
+    return PartitionSeq._parse(text)

@@ -168,6 +168,9 @@ class PlanOptions:
         canonical: search one sequence per class of equivalent ones.
         fallback: ``"replicate"`` runs ops without a dimension rule replicated; ``None`` raises.
         progress: show the pricing's progress bars on stderr.
+        workers: processes that price and search the groupings of the digits side by side (forked,
+            :mod:`~primepar_fx.planning.parallel`; 1, the default, plans in this process alone, as
+            :func:`~primepar_fx.compile` does on every rank).
     """
 
     cluster: ClusterSpec
@@ -191,6 +194,7 @@ class PlanOptions:
     canonical: bool = False
     fallback: str | None = None
     progress: bool = False
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterSpec):
@@ -222,6 +226,9 @@ class PlanOptions:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
         check_fallback(self.fallback)
+        w = self.workers
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"workers must be a whole number >= 1, got {w!r}")
         if self.grouped not in (None, True, False, "leading", "all"):
             raise ValueError(f"grouped must be None, True, False, 'leading' or 'all', got {self.grouped!r}")
         if self.digits is not None:

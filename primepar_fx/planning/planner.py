@@ -55,6 +55,7 @@ from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
 )
 from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
+from primepar_fx.planning.parallel import Forked, can_fork, run_forked
 from primepar_fx.planning.peak import plan_peak, solve_for_peak
 from primepar_fx.planning.plan import Baseline, Plan
 from primepar_fx.planning.priced import PricedGraph
@@ -171,6 +172,20 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     full = opts.mesh()
     if opts.memory_budget is not None:
         check_state_floor(graph, opts)
+    # with workers, Megatron's, data parallelism's and FSDP's plans are priced in a fork while the search runs
+    early = Forked(functools.partial(_fixed_baselines, graph, full, opts)) if opts.baselines and _forks(opts) else None
+    try:
+        return _plan_graph(graph, opts, full, early)
+    finally:
+        if early is not None:
+            early.stop()
+
+
+def _forks(opts: PlanOptions) -> bool:
+    return opts.workers > 1 and can_fork()
+
+
+def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Forked | None) -> Plan:
     meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
     found, infeasible = None, []
@@ -226,7 +241,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     costs = found.costs
     ours = per_step(summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak), m)
     t2 = time.perf_counter()
-    base = _baselines(graph, priced, full, opts, costs) if opts.baselines else {}
+    base = _baselines(graph, priced, full, opts, costs, early) if opts.baselines else {}
     search = {
         "method": sol.method,
         "proven_optimal": sol.proven_optimal,
@@ -322,7 +337,7 @@ def _search_at(
     values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
     costs = dataclasses.replace(opts.cost_options(), micro_batches=m)
 
-    def price(mesh: DeviceMesh, at: CostOptions = costs) -> PricedGraph:
+    def price(mesh: DeviceMesh, at: CostOptions = costs, progress: bool = opts.progress) -> PricedGraph:
         clear_caches()  # each mesh numbers its own index sets, so the table of their overlaps holds this one's
         return price_graph(
             graph,
@@ -332,26 +347,35 @@ def _search_at(
             at,
             allow_prime=opts.allow_prime,
             canonical=opts.canonical,
-            progress=opts.progress,
+            progress=progress,
         )
 
     # Under a budget each mesh weighs recomputation, ZeRO and budget caps: many DP runs. A mesh's fastest plan
     # without a budget bounds all of that from below (recomputation only adds time, ZeRO-2 none), so the meshes are
     # searched in the order of that bound, and those whose bound is no faster than the best plan found are skipped.
     # The pricing of a bound is the search's, so it is kept for it, as long as those kept stay under KEEP_PRICED.
+    # With workers the bounds are found side by side (planning.parallel), also without a budget, where the bound is
+    # the search: only the best mesh is searched then, on its bound's pricing if this process priced it.
     bounds: list[float | None] = [None] * len(meshes)
     kept: dict[int, tuple[PricedGraph, float]] = {}
-    if len(meshes) > 1 and opts.memory_budget is not None and opts.alpha == 0 and not free_only:
+    workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
+    if len(meshes) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
         held = 0
-        for i, mesh in enumerate(tqdm(meshes, desc="groupings' bounds", disable=not opts.progress, leave=False)):
+
+        def bound(i: int) -> float:
+            nonlocal held
             start = time.perf_counter()
-            priced = price(mesh)
+            priced = price(meshes[i], progress=opts.progress and workers == 1)
             priced_s = time.perf_counter() - start
-            bounds[i] = solve(priced.search_graph, method=opts.method).cost  # type: ignore[arg-type]
+            cost = solve(priced.search_graph, method=opts.method).cost  # type: ignore[arg-type]
             size = priced.array_nbytes()
-            if held + size <= KEEP_PRICED:
+            if held + size <= KEEP_PRICED:  # in a worker, kept in its memory until it ends: harmless
                 kept[i], held = (priced, priced_s), held + size
-            del priced
+            return cost
+
+        found = run_forked(bound, range(len(meshes)), workers)
+        for i, ok, value in tqdm(found, "groupings' bounds", len(meshes), disable=not opts.progress, leave=False):
+            bounds[i] = value if ok else bound(i)  # a worker's error is raised here, as this process meets it
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
     best, entries, infeasible, cut = None, {}, [], False
 
@@ -371,8 +395,9 @@ def _search_at(
             entry["seconds"] = 0.0  # its fastest plan is no faster than the best found: not searched
             kept.pop(i, None)
             continue
-        if i in kept:
+        if i in kept:  # priced for its bound, before this search started
             priced, priced_s = kept.pop(i)
+            start -= priced_s
         else:
             priced = price(mesh)
             priced_s = time.perf_counter() - start
@@ -503,15 +528,29 @@ def model_dtype(graph: OpGraph) -> str:
     return _MODEL_DTYPES.get(first, "fp32")
 
 
+def _fixed_baselines(graph: OpGraph, full: DeviceMesh, opts: PlanOptions) -> dict[str, Baseline]:
+    """Megatron-LM, data parallelism and FSDP: they bring their own levers (the distributed optimizer, not our ZeRO),
+    from the whole batch (Megatron tries its micro-batches itself: compare.best_megatron_micro_batches), so they do
+    not depend on the plan found."""
+    whole = dataclasses.replace(opts.cost_options(), zero=0, micro_batches=1)
+    return price_baselines(graph, full, opts.cluster, {B: opts.batch, S: opts.seq}, whole, opts.memory_budget)
+
+
 def _baselines(
-    graph: OpGraph, priced: PricedGraph, full: DeviceMesh, opts: PlanOptions, costs: CostOptions
+    graph: OpGraph,
+    priced: PricedGraph,
+    full: DeviceMesh,
+    opts: PlanOptions,
+    costs: CostOptions,
+    early: Forked | None = None,
 ) -> dict[str, Baseline]:
-    """Megatron-LM, data parallelism and, when the plan's space has P(S x S), split-only."""
-    values = {B: opts.batch, S: opts.seq}
-    # Megatron, data parallelism and FSDP bring their own levers (the distributed optimizer, not our ZeRO), from the
-    # whole batch (Megatron tries its micro-batches itself: compare.best_megatron_micro_batches)
-    whole = dataclasses.replace(costs, zero=0, micro_batches=1)
-    base = price_baselines(graph, full, opts.cluster, values, whole, opts.memory_budget)
+    """Megatron-LM, data parallelism and FSDP (:func:`_fixed_baselines`, from ``early`` where it was priced in a
+    fork) and, when the plan's space has P(S x S), split-only."""
+    ok, base = early.result() if early is not None else (False, None)
+    if not ok:
+        if early is not None:
+            log.debug("the baselines' fork gave no result (%s): priced here", base)
+        base = _fixed_baselines(graph, full, opts)
     if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
         split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
         budget, alpha, method = opts.memory_budget, opts.alpha, opts.method

@@ -18,6 +18,7 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime
 from primepar_fx.planning.options import PlanOptions
+from primepar_fx.planning.parallel import can_fork
 from primepar_fx.planning.planner import _price_fixed, _random_assignment, plan_graph, search_meshes
 
 BATCH, SEQ = 16, 64
@@ -148,3 +149,25 @@ def test_a_grouping_is_searched_on_the_pricing_its_bound_was_read_off(monkeypatc
     assert len(calls) - reused >= searched >= 1
     assert kept.search["objective"] == again.search["objective"] and kept.digits == again.digits
     assert [n.partition for n in kept.nodes] == [n.partition for n in again.nodes]
+
+
+def test_groupings_searched_in_worker_processes_give_the_plan_of_one_process():
+    """With workers the groupings' bounds are found in forked processes (planning.parallel) and the fixed
+    baselines priced in another; without a budget the bound is the search, so only the best grouping is searched
+    again. The plan and its baselines are the one-process ones exactly."""
+    if not can_fork():
+        pytest.skip("no fork on this platform: planning runs in one process")
+    spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
+    kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, method="dp", memory_budget=None)
+    one = plan_graph(graph(), **kw, workers=1)
+    two = plan_graph(graph(), **kw, workers=2)  # the baselines priced in a fork meanwhile
+    assert two.search["objective"] == one.search["objective"] and two.digits == one.digits
+    assert two.to_dict()["nodes"] == one.to_dict()["nodes"]
+    assert two.to_dict()["baselines"] == one.to_dict()["baselines"] and "megatron" in two.baselines
+    listed = two.search["groupings"]
+    assert [t["digits"] for t in listed] == [t["digits"] for t in one.search["groupings"]]
+    best = min(t["bound"] for t in listed)
+    assert two.search["objective"] == best  # no budget binds this tiny model: the best bound is the plan
+    searched = [t for t in listed if t["objective"] is not None]  # the best; the others (ties too) skipped
+    assert len(searched) == 1 and searched[0]["bound"] == best and list(two.digits) == searched[0]["digits"]
+    assert two.search["search_s"] >= 0 and two.search["pricing_s"] > 0

@@ -1,0 +1,124 @@
+"""Independent pieces of planning run in forked worker processes: each grouping of the device digits is priced and
+searched on its own (:func:`~primepar_fx.planning.planner.plan_graph`), and pricing is mostly Python, which one
+process runs on one core. A worker is a fork of the planner, so it starts with the captured graph and the options
+in memory (nothing goes to it; what comes back, a few numbers or the baselines' plans, is pickled through a pipe),
+and prices exactly as the planner would: the same code on the same inputs, so the same numbers.
+
+Only where ``fork`` exists (Linux; not Windows, and not macOS's default), and only when asked: the planner's
+default is one process, which is what :func:`primepar_fx.compile` uses on every rank of a job (a rank forking
+planners beside the other ranks of its host would only compete with them for the cores); the ``plan`` command
+and :func:`primepar_fx.plan` ask for one process per core (:func:`default_workers`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+def can_fork() -> bool:
+    """Whether worker processes can be forked here."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def default_workers() -> int:
+    """One worker per core this process may run on (the planner itself is one of them)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores)
+
+
+def run_forked(job: Callable[[int], Any], items: Sequence[int], workers: int) -> Iterator[tuple[int, bool, Any]]:
+    """``job(i)`` for each ``i`` of ``items``, in this process and ``workers - 1`` forked ones, each taking the
+    next item not yet taken until none is left (so a process that prices faster takes more). Yields ``(i, True,
+    result)``, or ``(i, False, message)`` where the job raised in a worker or its worker died (the caller runs it
+    again here, to raise it with its own type or get it). This process takes the first item and yields its items
+    first, in order, as each is done; the workers' after. ``workers <= 1``, a single item, or no ``fork``: every
+    item here, in order."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1 or not can_fork():
+        for i in items:
+            yield i, True, job(i)
+        return
+    ctx = multiprocessing.get_context("fork")
+    taken = ctx.Value("i", 0)  # how many items have been taken, under its lock
+
+    def take() -> int | None:
+        with taken.get_lock():
+            k = taken.value
+            taken.value = k + 1
+        return items[k] if k < len(items) else None
+
+    def work() -> list[tuple[int, bool, Any]]:
+        done = []
+        while (i := take()) is not None:
+            try:
+                done.append((i, True, job(i)))
+            except Exception as exc:  # noqa: BLE001 -- reported to the caller, which runs it again to raise it
+                done.append((i, False, f"{type(exc).__name__}: {exc}"))
+        return done
+
+    first = take()  # this process's first item is the first of all: taken before any worker can
+    forks = [Forked(work) for _ in range(min(workers, len(items)) - 1)]
+    try:
+        seen, i = set(), first
+        while i is not None:
+            seen.add(i)
+            yield i, True, job(i)
+            i = take()
+        for fork in forks:
+            ok, done = fork.result()
+            for i, fine, value in done if ok else ():
+                seen.add(i)
+                yield i, fine, value
+        for i in items:
+            if i not in seen:  # taken by a worker that died before it sent its results
+                yield i, False, "its worker process ended without a result"
+    finally:
+        for fork in forks:
+            fork.stop()
+
+
+class Forked:
+    """``job()`` in one forked process, started at once, beside whatever this process does meanwhile.
+
+    :meth:`result` waits for it: ``(True, value)``, or ``(False, message)`` where it raised or the process died
+    (the caller runs the job here then, to raise or get it as one process would); :meth:`stop` ends the process
+    early, where the caller no longer needs it (e.g. it raised first). One or the other must be called."""
+
+    def __init__(self, job: Callable[[], Any]) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_send_result, args=(job, send), daemon=True)
+        self._process.start()
+        send.close()  # the child holds its own end: a child that dies closes the pipe, and recv says so
+
+    def result(self) -> tuple[bool, Any]:
+        try:
+            out = self._recv.recv()
+        except EOFError:
+            self._process.join()
+            out = False, f"the worker process ended without a result (exit code {self._process.exitcode})"
+        self._process.join()  # it ends once it has sent
+        self._recv.close()
+        return out
+
+    def stop(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join()
+        self._recv.close()
+
+
+def _send_result(job: Callable[[], Any], send: Connection) -> None:
+    try:
+        out: tuple[bool, Any] = (True, job())
+    except Exception as exc:  # noqa: BLE001 -- reported to the caller, which runs the job again to raise it
+        out = (False, f"{type(exc).__name__}: {exc}")
+    send.send(out)
+    send.close()
