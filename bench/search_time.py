@@ -62,6 +62,10 @@ READING = """## Reading the results
   [paper_fig7.md](paper_fig7.md): the kept mesh is `2x4x4` at 32 GPUs for all three (K across two groups of
   nodes, B across four), a plan the single leading grouping (`8x2x2`) cannot express, predicted 20% faster for
   llama2-70b on `v100-edr`. `--grouped` (the leading grouping only) is the fast answer, as before.
+* **These are one process's times, the groupings one after another.** The planner can price them side by side
+  in forked processes (`--workers`, the `plan` command's default: one per core; docs/planning.md); measured
+  apart from this run, on 2 cores, llama2-70b's whole plan without a budget went from 30.3 s to 16.1-20.5 s at 32
+  GPUs and from 49.4 s to 37.4 s at 64, the same plans.
 * **The issue's targets are not met:** the whole llama2-70b plan at 32 GPUs in 6 s (29 s here), at 64 and 128
   in 20 s (52 and 96 s). Nor is the space the paper's whole space: P full, the per-node count of the ungrouped
   mesh, is 1,294 at 16 GPUs and 7,723 at 32, against 130-214 on a grouping.
