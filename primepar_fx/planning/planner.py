@@ -28,6 +28,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -360,7 +361,7 @@ def _search_at(
     kept: dict[int, tuple[PricedGraph, float]] = {}
     workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
     if len(meshes) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
-        held = 0
+        held, planner = 0, os.getpid()
 
         def bound(i: int) -> float:
             nonlocal held
@@ -369,7 +370,7 @@ def _search_at(
             priced_s = time.perf_counter() - start
             cost = solve(priced.search_graph, method=opts.method).cost  # type: ignore[arg-type]
             size = priced.array_nbytes()
-            if held + size <= KEEP_PRICED:  # in a worker, kept in its memory until it ends: harmless
+            if os.getpid() == planner and held + size <= KEEP_PRICED:  # a worker's would only fill its memory
                 kept[i], held = (priced, priced_s), held + size
             return cost
 
