@@ -14,17 +14,21 @@ import sympy
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.moe import MOE_EXPERTS
-from primepar_fx.frontend.symbols import B
+from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import layer_units
-from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
+from primepar_fx.planning.options import PlanOptions
+from primepar_fx.planning.parallel import Forked
+from primepar_fx.planning.peak import solve_for_peak
 from primepar_fx.planning.plan import Baseline, Predicted
 from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import layer_pricing
 from primepar_fx.planning.summary import Summary, per_step, summarize
+from primepar_fx.search import InfeasibleBudget
 
 log = logging.getLogger(__name__)
 
@@ -322,3 +326,41 @@ def best_micro_batches(
         if rank(found) < rank(best):
             best = found
     return best
+
+
+def fixed_baselines(graph: OpGraph, full: DeviceMesh, opts: PlanOptions) -> dict[str, Baseline]:
+    """Megatron-LM, data parallelism and FSDP: they bring their own levers (the distributed optimizer, not our ZeRO),
+    from the whole batch (Megatron tries its micro-batches itself: :func:`best_megatron_micro_batches`), so they do
+    not depend on the plan found."""
+    whole = dataclasses.replace(opts.cost_options(), zero=0, micro_batches=1)
+    return price_baselines(graph, full, opts.cluster, {B: opts.batch, S: opts.seq}, whole, opts.memory_budget)
+
+
+def plan_baselines(
+    graph: OpGraph,
+    priced: PricedGraph,
+    full: DeviceMesh,
+    opts: PlanOptions,
+    costs: CostOptions,
+    early: Forked | None = None,
+) -> dict[str, Baseline]:
+    """Megatron-LM, data parallelism and FSDP (:func:`fixed_baselines`, from ``early`` where it was priced in a
+    fork) and, when the plan's space has P(S x S), split-only."""
+    ok, base = early.result() if early is not None else (False, None)
+    if not ok:
+        if early is not None:
+            log.debug("the baselines' fork gave no result (%s): priced here", base)
+        base = fixed_baselines(graph, full, opts)
+    if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
+        split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
+        budget, alpha, method = opts.memory_budget, opts.alpha, opts.method
+        config: dict[str, Any] = {"search": "no P(S x S)"}
+        try:
+            split_sol = solve_for_peak(split_priced, memory_budget=budget, alpha=alpha, method=method)
+        except InfeasibleBudget:  # the split-only space cannot fit where ours can: its fastest plan, marked so
+            split_sol = solve_for_peak(split_priced, memory_budget=None, alpha=alpha, method=method)
+        split = per_step(summarize(graph, split_priced, split_sol.choice, costs), costs.micro_batches)
+        if budget is not None:
+            config["fits_budget"] = split.predicted.peak_memory_bytes <= budget
+        base["split_only"] = Baseline("split_only", config, split.predicted, {n.name: n.partition for n in split.nodes})
+    return base

@@ -43,12 +43,14 @@ from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
-from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime, enumerate_sequences
+from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     FSDP_GATHERED_LAYERS,
     best_fsdp,
     best_megatron,
+    fixed_baselines,
+    plan_baselines,
     price_assignments,
     price_baselines,
     price_fixed,
@@ -174,7 +176,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     if opts.memory_budget is not None:
         check_state_floor(graph, opts)
     # with workers, Megatron's, data parallelism's and FSDP's plans are priced in a fork while the search runs
-    early = Forked(functools.partial(_fixed_baselines, graph, full, opts)) if opts.baselines and _forks(opts) else None
+    early = Forked(functools.partial(fixed_baselines, graph, full, opts)) if opts.baselines and _forks(opts) else None
     try:
         return _plan_graph(graph, opts, full, early)
     finally:
@@ -242,7 +244,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     costs = found.costs
     ours = per_step(summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak), m)
     t2 = time.perf_counter()
-    base = _baselines(graph, priced, full, opts, costs, early) if opts.baselines else {}
+    base = plan_baselines(graph, priced, full, opts, costs, early) if opts.baselines else {}
     search = {
         "method": sol.method,
         "proven_optimal": sol.proven_optimal,
@@ -527,44 +529,6 @@ def model_dtype(graph: OpGraph) -> str:
     """The dtype key of the model's first parameter (``"fp32"`` for a model without any)."""
     first = next(iter(graph.param_dtypes.values()), torch.float32)
     return _MODEL_DTYPES.get(first, "fp32")
-
-
-def _fixed_baselines(graph: OpGraph, full: DeviceMesh, opts: PlanOptions) -> dict[str, Baseline]:
-    """Megatron-LM, data parallelism and FSDP: they bring their own levers (the distributed optimizer, not our ZeRO),
-    from the whole batch (Megatron tries its micro-batches itself: compare.best_megatron_micro_batches), so they do
-    not depend on the plan found."""
-    whole = dataclasses.replace(opts.cost_options(), zero=0, micro_batches=1)
-    return price_baselines(graph, full, opts.cluster, {B: opts.batch, S: opts.seq}, whole, opts.memory_budget)
-
-
-def _baselines(
-    graph: OpGraph,
-    priced: PricedGraph,
-    full: DeviceMesh,
-    opts: PlanOptions,
-    costs: CostOptions,
-    early: Forked | None = None,
-) -> dict[str, Baseline]:
-    """Megatron-LM, data parallelism and FSDP (:func:`_fixed_baselines`, from ``early`` where it was priced in a
-    fork) and, when the plan's space has P(S x S), split-only."""
-    ok, base = early.result() if early is not None else (False, None)
-    if not ok:
-        if early is not None:
-            log.debug("the baselines' fork gave no result (%s): priced here", base)
-        base = _fixed_baselines(graph, full, opts)
-    if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
-        split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
-        budget, alpha, method = opts.memory_budget, opts.alpha, opts.method
-        config: dict[str, Any] = {"search": "no P(S x S)"}
-        try:
-            split_sol = solve_for_peak(split_priced, memory_budget=budget, alpha=alpha, method=method)
-        except InfeasibleBudget:  # the split-only space cannot fit where ours can: its fastest plan, marked so
-            split_sol = solve_for_peak(split_priced, memory_budget=None, alpha=alpha, method=method)
-        split = per_step(summarize(graph, split_priced, split_sol.choice, costs), costs.micro_batches)
-        if budget is not None:
-            config["fits_budget"] = split.predicted.peak_memory_bytes <= budget
-        base["split_only"] = Baseline("split_only", config, split.predicted, {n.name: n.partition for n in split.nodes})
-    return base
 
 
 def _prime_only(seqs: list[PartitionSeq]) -> list[PartitionSeq]:
