@@ -33,13 +33,23 @@ def default_workers() -> int:
     return max(1, cores)
 
 
-def run_forked(job: Callable[[int], Any], items: Sequence[int], workers: int) -> Iterator[tuple[int, bool, Any]]:
+def run_forked(
+    job: Callable[[int], Any],
+    items: Sequence[int],
+    workers: int,
+    *,
+    finish: Callable[[list[tuple[int, bool, Any]]], list[tuple[int, bool, Any]]] | None = None,
+) -> Iterator[tuple[int, bool, Any]]:
     """``job(i)`` for each ``i`` of ``items``, in this process and ``workers - 1`` forked ones, each taking the
     next item not yet taken until none is left (so a process that prices faster takes more). Yields ``(i, True,
     result)``, or ``(i, False, message)`` where the job raised in a worker or its worker died (the caller runs it
     again here, to raise it with its own type or get it). This process takes the first item and yields its items
     first, in order, as each is done; the workers' after. ``workers <= 1``, a single item, or no ``fork``: every
-    item here, in order."""
+    item here, in order.
+
+    ``finish``: run in a worker on its ``(i, ok, result)`` list once it has no item left, and what it returns is
+    sent instead, e.g. with what the worker kept of its best item attached (only the worker knows which that is,
+    and sending every item's would cost more than it saves)."""
     items = list(items)
     if workers <= 1 or len(items) <= 1 or not can_fork():
         for i in items:
@@ -61,7 +71,7 @@ def run_forked(job: Callable[[int], Any], items: Sequence[int], workers: int) ->
                 done.append((i, True, job(i)))
             except Exception as exc:  # noqa: BLE001 -- reported to the caller, which runs it again to raise it
                 done.append((i, False, f"{type(exc).__name__}: {exc}"))
-        return done
+        return done if finish is None else finish(done)
 
     first = take()  # this process's first item is the first of all: taken before any worker can
     forks = [Forked(work) for _ in range(min(workers, len(items)) - 1)]

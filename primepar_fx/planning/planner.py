@@ -358,12 +358,14 @@ def _search_at(
     # searched in the order of that bound, and those whose bound is no faster than the best plan found are skipped.
     # The pricing of a bound is the search's, so it is kept for it, as long as those kept stay under KEEP_PRICED.
     # With workers the bounds are found side by side (planning.parallel), also without a budget, where the bound is
-    # the search: only the best mesh is searched then, on its bound's pricing if this process priced it.
+    # the search: only the best mesh is searched then, on its bound's pricing: this process's, or the one a worker
+    # sends back with its bounds (each worker sends its cheapest grouping's, which is likely to be searched).
     bounds: list[float | None] = [None] * len(meshes)
     kept: dict[int, tuple[PricedGraph, float]] = {}
     workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
     if len(meshes) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
         held, planner = 0, os.getpid()
+        own: list[tuple[float, int, PricedGraph, float]] = []  # in a worker: its cheapest grouping so far
 
         def bound(i: int) -> float:
             nonlocal held
@@ -372,12 +374,25 @@ def _search_at(
             priced_s = time.perf_counter() - start
             cost = solve(priced.search_graph, method=opts.method).cost  # type: ignore[arg-type]
             size = priced.array_nbytes()
-            if os.getpid() == planner and held + size <= KEEP_PRICED:  # a worker's would only fill its memory
+            if os.getpid() != planner:  # a worker keeps only its cheapest, for send_own
+                if size <= KEEP_PRICED and (not own or cost < own[0][0]):
+                    own[:] = [(cost, i, priced, priced_s)]
+            elif held + size <= KEEP_PRICED:
                 kept[i], held = (priced, priced_s), held + size
             return cost
 
-        found = run_forked(bound, range(len(meshes)), workers)
+        def send_own(done: list[tuple[int, bool, Any]]) -> list[tuple[int, bool, Any]]:
+            if not own:
+                return done
+            cost, j, priced, priced_s = own[0]
+            return [(i, ok, (cost, priced, priced_s) if ok and i == j else value) for i, ok, value in done]
+
+        found = run_forked(bound, range(len(meshes)), workers, finish=send_own)
         for i, ok, value in tqdm(found, "groupings' bounds", len(meshes), disable=not opts.progress, leave=False):
+            if ok and isinstance(value, tuple):  # a worker's cheapest, with its pricing
+                value, priced, priced_s = value
+                if held + priced.array_nbytes() <= KEEP_PRICED:
+                    kept[i], held = (priced, priced_s), held + priced.array_nbytes()
             bounds[i] = value if ok else bound(i)  # a worker's error is raised here, as this process meets it
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
     best, entries, infeasible, cut = None, {}, [], False

@@ -11,6 +11,7 @@ shape, not L times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -62,7 +63,16 @@ def default_workers() -> int:
 
 
 def node_key(node: OpNode) -> tuple:
-    return (node.dims, node.target)
+    """What makes two nodes price alike: their dims and their op, by name (a pricing holding it can be pickled to
+    another process, which an ``OpOverload`` cannot)."""
+    return node.dims, _op_key(node.target)
+
+
+@functools.lru_cache(maxsize=1024)
+def _op_key(target: object) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return f"{getattr(target, '__module__', None)}.{getattr(target, '__qualname__', repr(target))}"
 
 
 def out_index(consumer: OpNode) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import pytest
 
@@ -151,16 +152,31 @@ def test_a_grouping_is_searched_on_the_pricing_its_bound_was_read_off(monkeypatc
     assert [n.partition for n in kept.nodes] == [n.partition for n in again.nodes]
 
 
-def test_groupings_searched_in_worker_processes_give_the_plan_of_one_process():
+def test_groupings_searched_in_worker_processes_give_the_plan_of_one_process(tmp_path, monkeypatch):
     """With workers the groupings' bounds are found in forked processes (planning.parallel) and the fixed
     baselines priced in another; without a budget the bound is the search, so only the best grouping is searched
-    again. The plan and its baselines are the one-process ones exactly."""
+    again, on its bound's pricing wherever it was priced (a worker sends its cheapest back): every grouping is
+    priced once. The plan and its baselines are the one-process ones exactly."""
     if not can_fork():
         pytest.skip("no fork on this platform: planning runs in one process")
+    import primepar_fx.planning.planner as planner
+
+    log, price_graph = tmp_path / "priced.txt", planner.price_graph
+
+    def logged(graph, mesh, *args, **kwargs):  # noqa: ANN001, ANN202 -- in every process, forks included
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {list(mesh.digits)}\n")
+        return price_graph(graph, mesh, *args, **kwargs)
+
     spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
     kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, method="dp", memory_budget=None)
     one = plan_graph(graph(), **kw, workers=1)
+    monkeypatch.setattr(planner, "price_graph", logged)
     two = plan_graph(graph(), **kw, workers=2)  # the baselines priced in a fork meanwhile
+    priced = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert sorted(d for _, d in priced) == sorted(str(t["digits"]) for t in two.search["groupings"])
+    by_worker = {d for pid, d in priced if int(pid) != os.getpid()}
+    assert by_worker and by_worker != {d for _, d in priced}  # both processes priced some
     assert two.search["objective"] == one.search["objective"] and two.digits == one.digits
     assert two.to_dict()["nodes"] == one.to_dict()["nodes"]
     assert two.to_dict()["baselines"] == one.to_dict()["baselines"] and "megatron" in two.baselines
@@ -171,3 +187,13 @@ def test_groupings_searched_in_worker_processes_give_the_plan_of_one_process():
     searched = [t for t in listed if t["objective"] is not None]  # the best; the others (ties too) skipped
     assert len(searched) == 1 and searched[0]["bound"] == best and list(two.digits) == searched[0]["digits"]
     assert two.search["search_s"] >= 0 and two.search["pricing_s"] > 0
+    # the best grouping second of two: this process takes the first, the worker the best, whose pricing comes back
+    worse = max(listed, key=lambda t: t["bound"])["digits"]
+    meshes = [DeviceMesh(tuple(worse)), DeviceMesh(tuple(one.digits))]
+    monkeypatch.setattr(planner, "search_meshes", lambda *_: meshes)
+    log.unlink()
+    again = plan_graph(graph(), **kw, workers=2)
+    priced = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert sorted(d for _, d in priced) == sorted([str(worse), str(list(one.digits))])  # each once
+    assert [d for pid, d in priced if int(pid) != os.getpid()] == [str(list(one.digits))]
+    assert again.to_dict()["nodes"] == one.to_dict()["nodes"] and again.search["objective"] == one.search["objective"]

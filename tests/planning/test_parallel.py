@@ -44,6 +44,22 @@ def test_the_work_is_shared_between_this_process_and_the_workers():
     assert len({value[1] for _, _, value in got}) == 3  # each process took items while any were left
 
 
+def largest_marked(done: list) -> list:
+    """A worker's results with its largest item's value marked (what it keeps of its best item goes back)."""
+    top = max(i for i, _, _ in done)
+    return [(i, ok, (*value, "kept") if i == top else value) for i, ok, value in done]
+
+
+@forking
+def test_a_worker_finishes_its_results_before_sending_them():
+    got = {i: value for i, ok, value in run_forked(slow_square, range(6), 3, finish=largest_marked)}
+    assert sorted(got) == list(range(6)) and all(v[0] == i * i * 3 for i, v in got.items())
+    workers = {v[1] for v in got.values()} - {os.getpid()}
+    marked = {v[1]: i for i, v in got.items() if v[-1] == "kept"}
+    assert set(marked) == workers  # one per worker, on its largest item; none on this process's
+    assert all(i == max(j for j, v in got.items() if v[1] == pid) for pid, i in marked.items())
+
+
 def fails_on_odd(i: int) -> int:
     if i % 2:
         raise ValueError(f"item {i} is odd")
