@@ -26,6 +26,7 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
+from primepar_fx.frontend.complexes import complex_as_real
 from primepar_fx.frontend.inplace import fills_to_cat, functionalize_inplace
 from primepar_fx.frontend.moe import experts_as_one_op
 from primepar_fx.frontend.regions import inline_grad_regions
@@ -165,6 +166,7 @@ def capture(
     inline_grad_regions(program.graph_module)
     fills_to_cat(program.graph_module)
     functionalize_inplace(program.graph_module)
+    complex_as_real(program.graph_module)
     _renumber_program(program)
     captured = _captured(
         program,

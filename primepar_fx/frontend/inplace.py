@@ -67,12 +67,12 @@ def _stale_view(target: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bo
     return False
 
 
-def finish(gm: fx.GraphModule, changed: list[str], what: str) -> list[str]:
+def finish(gm: fx.GraphModule, changed: list[str], what: str, logger: logging.Logger = log) -> list[str]:
     """After a rewrite of ``gm``'s graph: check and recompile it and log ``what`` changed (when anything did)."""
     if changed:
         gm.graph.lint()
         gm.recompile()
-        log.info("%d %s: %s", len(changed), what, ", ".join(changed))
+        logger.info("%d %s: %s", len(changed), what, ", ".join(changed))
     return changed
 
 

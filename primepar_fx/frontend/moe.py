@@ -47,6 +47,26 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+#: gates other than ``act(gate) * up``, by the name :func:`_experts` takes as its ``activation``, with their
+#: parameters after colons: gpt-oss's clamped SwiGLU, ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)`` with
+#: ``g = clamp(gate, max=l)`` (``GptOssExperts._apply_gate``)
+GATES: dict[str, Callable[..., Tensor]] = {
+    "clamped_swiglu": lambda gate, value, alpha, limit: (
+        (value.clamp(min=-limit, max=limit) + 1) * (g := gate.clamp(max=limit)) * torch.sigmoid(g * alpha)
+    ),
+}
+
+
+def _gate(activation: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """``gate, value -> h`` of a gated expert: ``act(gate) * value``, or one of :data:`GATES` (``name:p1:p2``)."""
+    name, *params = activation.split(":")
+    if name in GATES:
+        fn, numbers = GATES[name], [float(p) for p in params]
+        return lambda gate, value: fn(gate, value, *numbers)
+    act = ACTIVATIONS[activation]
+    return lambda gate, value: act(gate) * value
+
+
 def _experts(
     hidden: Tensor,
     top_k_index: Tensor,
@@ -59,11 +79,14 @@ def _experts(
     gated: bool,
     transposed: bool,
     expert_lo: int,
+    interleaved: bool = False,
 ) -> Tensor:
-    """The experts ``[expert_lo, expert_lo + E)`` on the tokens routed to them (differentiable, plain torch)."""
+    """The experts ``[expert_lo, expert_lo + E)`` on the tokens routed to them (differentiable, plain torch).
+    ``interleaved``: a gated expert's up rows alternate gate and value (``[g0, v0, g1, v1, ...]``) instead of
+    holding all gates first."""
     tokens, hid = hidden.shape
     k = top_k_index.shape[-1]
-    act = ACTIVATIONS[activation]
+    act = _gate(activation) if gated else ACTIVATIONS[activation]
     flat = top_k_index.reshape(-1) - expert_lo  # (T k,): the local expert of each (token, choice) pair
     weights = top_k_weights.reshape(-1)
     picks = hidden.new_zeros(tokens * k, down.shape[-1] if transposed else down.shape[1])
@@ -76,8 +99,8 @@ def _experts(
         if up_bias is not None:
             h = h + up_bias[e]
         if gated:
-            gate, value = h.chunk(2, dim=-1)
-            h = act(gate) * value
+            gate, value = (h[..., 0::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+            h = act(gate, value)
         else:
             h = act(h)
         y = h @ down[e] if transposed else h @ down[e].t()
@@ -125,7 +148,7 @@ def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
         wants = t is not None and t.requires_grad
         g = grads.get(id(t)) if wants else None
         result.append(torch.zeros_like(t) if wants and g is None else g)
-    return (*result, None, None, None, None)
+    return (*result, *(None for _ in ctx.flags))
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
@@ -137,18 +160,28 @@ MOE_EXPERTS = moe_experts._opoverload
 # ------------------------------------------------------------------------------------------------ capture
 def _unsupported(module: nn.Module) -> str | None:
     """Why ``module`` (a Hugging Face experts module) cannot run as :func:`moe_experts`, or ``None``."""
-    from transformers.integrations.moe import _default_apply_gate
-
-    config = getattr(module, "config", None)
-    name = getattr(config, "hidden_act", None)
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
-    if name not in ACTIVATIONS:
+    name = _activation(module)
+    if name is None:
+        return "a gate other than act(gate) * up or gpt-oss's clamped SwiGLU"
+    if name.split(":")[0] not in (*ACTIVATIONS, *GATES):
         return f"the activation {name!r}"
-    if module.has_gate and (type(module)._apply_gate is not _default_apply_gate or not module.is_concatenated):
-        return "a gate other than act(gate) * up over concatenated [gate; up] rows"
     if getattr(module, "_is_expert_parallel", False):
         return "transformers' own expert parallelism"
+    return None
+
+
+def _activation(module: nn.Module) -> str | None:
+    """The ``activation`` :func:`_experts` runs ``module``'s experts with, or ``None`` where it has no such."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    name = getattr(getattr(module, "config", None), "hidden_act", None)
+    gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if not module.has_gate or gate is _default_apply_gate:
+        return str(name)
+    if gate.__qualname__ == "GptOssExperts._apply_gate" and not module.is_concatenated:
+        return f"clamped_swiglu:{float(module.alpha)!r}:{float(module.limit)!r}"
     return None
 
 
@@ -160,7 +193,7 @@ def _one_op_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
         down_bias = self.down_proj_bias
     return torch.ops.primepar.moe_experts(
         hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), up, self.down_proj, up_bias, down_bias,
-        self.config.hidden_act, bool(self.has_gate), bool(self.is_transposed), 0,
+        _activation(self), bool(self.has_gate), bool(self.is_transposed), 0, not self.is_concatenated,
     )  # fmt: skip
 
 

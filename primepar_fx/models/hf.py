@@ -90,21 +90,20 @@ TINY_GENERIC = {
     "rotary_dim": TINY_HIDDEN // TINY_HEADS,  # GPT-J, CodeGen: rotary on the whole head
     "tie_word_embeddings": False,
 }
-#: on top of :data:`TINY_GENERIC`, for families whose attention has its own head dims (DeepSeek-V3's latent
-#: attention: its rotary and no-rotary parts of a query/key head, value head, and the low-rank latents)
-TINY_FAMILY = {
-    "deepseek_v3": {
-        "head_dim": 8,
-        "rotary_dim": 8,
-        "num_key_value_heads": TINY_HEADS,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "kv_lora_rank": 32,
-        "q_lora_rank": 48,
-        "first_k_dense_replace": 1,
-        "n_shared_experts": 1,
-    },
+#: on top of :data:`TINY_GENERIC`, for families with DeepSeek's multi-head latent attention (their configs have a
+#: ``kv_lora_rank``: DeepSeek-V2/V3, MiniCPM3, ...): the rotary and no-rotary parts of a query/key head, the value
+#: head, the low-rank latents, as many key/value heads as query heads; a dense first layer and one shared expert
+TINY_LATENT = {
+    "head_dim": 8,
+    "rotary_dim": 8,
+    "num_key_value_heads": TINY_HEADS,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
 }
 #: on top of :data:`TINY_GENERIC`, for mixture-of-experts families (those of the names a family's config has): 4
 #: experts (2 a token), each as wide as the hidden, so a plan may split them over 2 or 4 ranks
@@ -127,7 +126,7 @@ COVERED_FAMILIES = (
     "starcoder2", "olmo", "olmo2", "gpt_neox", "gptj", "codegen", "cohere", "glm", "granite", "helium", "nemotron",
     "xglm", "biogpt", "persimmon", "arcee", "smollm3", "gpt_neo", "mpt", "mixtral", "qwen2_moe", "olmoe", "qwen3_moe",
     "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "flex_olmo", "minimax", "cohere2_moe", "ernie4_5_moe",
-    "glm4_moe", "exaone_moe", "afmoe", "deepseek_v3",
+    "glm4_moe", "exaone_moe", "afmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
 )  # fmt: skip
 
 
@@ -166,7 +165,9 @@ def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> n
         common = {"vocab_size": TINY_VOCAB, "use_cache": False, "num_hidden_layers": layers, **_SPECIAL_TOKENS}
         if family == "gpt_neo":  # one attention type per layer, listed: every layer global
             common["attention_types"] = [[["global"], layers]]
-        config = transformers.AutoConfig.for_model(family, **{**TINY_GENERIC, **TINY_FAMILY.get(family, {})}, **common)
+        latent = hasattr(transformers.AutoConfig.for_model(family), "kv_lora_rank")
+        tiny = {**TINY_GENERIC, **(TINY_LATENT if latent else {})}
+        config = transformers.AutoConfig.for_model(family, **tiny, **common)
         for name, value in TINY_MOE.items():
             if hasattr(config, name):
                 setattr(config, name, value)

@@ -2,7 +2,8 @@
 
 ``hidden [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``, ``up [E, U, H]`` (``[E, H, U]`` transposed),
 ``down [E, H, I]`` (``[E, I, H]`` transposed), optional biases ``[E, U]`` and ``[E, H]`` -> ``[T, H]``, with
-``U = 2 I`` (a gated expert's ``[gate; up]`` rows, mapped to ``(G, I)``, ``G = 2``) or ``U = I``.
+``U = 2 I`` (a gated expert's ``[gate; up]`` rows, mapped to ``(G, I)``, ``G = 2``; interleaved
+``[gate0, up0, gate1, ...]`` rows, gpt-oss's, to ``(I, G)``) or ``U = I``.
 Iteration dims ``T`` (tokens, named by size: ``BS``), ``k``, ``E``, ``G``, ``I``, ``H``:
 
 * ``T`` and ``k`` split freely: each token, and each of its ``k`` choices, is computed on its own. ``k`` is
@@ -13,7 +14,9 @@ Iteration dims ``T`` (tokens, named by size: ``BS``), ``k``, ``E``, ``G``, ``I``
   is a partial sum over those digits and the input's gradient too. Tokens are not exchanged: where ``E`` is split,
   the tokens are held whole on that digit, as Megatron-core's ``allgather`` token dispatcher does.
 * ``H`` is ``no_split``: it is both the up projection's contraction and the down projection's output, with the
-  activation between them. ``G`` is ``no_split`` (a gate and its value stay on one device).
+  activation between them. ``G`` is ``no_split`` (a gate and its value stay on one device). With a down
+  projection bias (gpt-oss), ``I`` is ``no_split`` too: the op adds the bias to its output, which a split of
+  ``I`` leaves a partial sum of, so each device would add it once more.
 
 FLOPs: ``2 T k H (U + I)``, the routed tokens only. A split of ``E`` divides them by its ways on the assumption
 that the routing is balanced (each expert receives ``T k / E`` tokens); the capture's random routing is not used
@@ -63,7 +66,8 @@ def moe_experts_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     if not same_size(u_size, 2 * i_size if gated else i_size):
         raise RuleError(f"up {su} has {u_size} rows for an intermediate of {i_size} (gated={gated})")
     i = nm.new(i_size, role="I")
-    u: tuple[str, ...] = (nm.new(2, role="G"), i) if gated else (i,)
+    g = nm.new(2, role="G") if gated else None
+    u: tuple[str, ...] = (i,) if g is None else (i, g) if arg(node, "interleaved") else (g, i)
     up_map: TensorMap = ((e,), (h,), u) if transposed else ((e,), u, (h,))
     down_map: TensorMap = ((e,), (i,), (h,)) if transposed else ((e,), (h,), (i,))
     maps: dict[fx.Node, TensorMap | None] = {
@@ -80,6 +84,7 @@ def moe_experts_rule(node: fx.Node, ctx: RuleContext) -> OpDims:
     if len(set(maps)) != len(maps) or len(node.all_input_nodes) != len(maps):
         raise RuleError("moe_experts reads one tensor in two places")
     flops = sympy.expand(2 * sh[0] * si[1] * sh[1] * (u_size + i_size))
-    no_split = frozenset({h, *u[:-1]})
+    # a down bias is added by every device that computes a partial sum over I: I stays whole where there is one
+    no_split = frozenset({h} | ({g} if g is not None else set()) | ({i} if down_bias is not None else set()))
     inputs = align_inputs(node, maps)
     return nm.build("matmul", inputs, (((t,), (h,)),), no_split=no_split, flops=flops, extra={"recomputes": True})

@@ -16,6 +16,7 @@ from primepar_fx.frontend.capture import Captured, capture
 from primepar_fx.frontend.shapes import annotate
 from primepar_fx.frontend.specialize import ShapeSpecializationError, StaticSeqWarning
 from primepar_fx.frontend.symbols import ALLOWED_SYMBOLS, META_SHAPES, B, S
+from primepar_fx.rules import MissingRuleError
 
 VOCAB, HIDDEN, HEADS = 64, 32, 4
 
@@ -414,3 +415,55 @@ def test_a_tensor_filled_slice_by_slice_is_captured_as_a_concatenation():
     # a fill that leaves part of the tensor unwritten is not a concatenation: left as it is
     partial = [n.target for n in capture(_FilledBySlices(cover=False), (x,)).gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.copy_.default in partial and torch.ops.aten.cat.default not in partial
+
+
+class _ComplexRotary(nn.Module):
+    """Attention queries rotated in complex arithmetic, as Meta's Llama code and DeepSeek-V2 do it."""
+
+    def __init__(self, mode: str = "rotary") -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 8)
+        self.register_buffer("inv_freq", 1.0 / (100.0 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        freqs = torch.arange(s, device=x.device).float()[:, None] * self.inv_freq  # (S, 4)
+        cis = torch.polar(torch.ones_like(freqs), freqs) * 0.5  # complex times a real number
+        q = torch.view_as_complex(self.q(x).float().reshape(b, s, 2, 4, 2))  # (B, S, 2 heads, 4)
+        k = torch.view_as_complex(self.k(x).reshape(b, s, 1, 4, 2))  # one key head
+        cis = cis[None, :, None, :]  # views of a complex tensor
+        q, k = q * cis, (k * cis) * torch.sigmoid(x[..., :1, None])  # complex times complex, times a real tensor
+        if self.mode == "abs":
+            return (q.abs() * 1.0).sum()  # no real form here: left complex
+        out = torch.view_as_real(q + k.expand(b, s, 2, 4)).flatten(3)  # (B, S, 2, 8)
+        return (out * x[..., None, :8]).sum()
+
+
+def _complex_nodes(gm: torch.fx.GraphModule) -> list[str]:
+    return [
+        n.name for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_complex()
+    ]
+
+
+def test_complex_rotary_is_captured_as_real_pairs_and_trains_like_the_model() -> None:
+    torch.manual_seed(0)
+    model, x = _ComplexRotary(), torch.randn(2, 6, 16)
+    captured = capture(model, (x,))
+    assert _complex_nodes(captured.gm) == []
+    targets = {n.target for n in captured.gm.graph.nodes if n.op == "call_function"}
+    assert not targets & {torch.ops.aten.polar.default, torch.ops.aten.view_as_complex.default}
+    assert {torch.ops.aten.cos.default, torch.ops.aten.sin.default, torch.ops.aten.stack.default} <= targets
+    torch.testing.assert_close(captured.program.module()(x), model(x))
+    _assert_compiles_like_the_model(model, x)
+
+
+def test_a_complex_op_without_a_real_form_leaves_the_graph_complex_and_is_named() -> None:
+    from primepar_fx.api import analyze
+
+    model, x = _ComplexRotary("abs"), torch.randn(2, 6, 16)
+    captured = capture(model, (x,))
+    assert "polar" in _complex_nodes(captured.gm)  # all or nothing: nothing rewritten
+    with pytest.raises(MissingRuleError, match="polar"):
+        analyze(model, (x,))

@@ -15,8 +15,8 @@ from primepar_fx.frontend.symbols import B, S
 T, H, I, E, K = 12, 8, 6, 4, 2
 
 
-def _per_token(hidden, index, weights, up, down, up_bias, down_bias, act, gated, transposed):
-    """The definition, one token and one choice at a time."""
+def _per_token(hidden, index, weights, up, down, up_bias, down_bias, act, gated, transposed, gate=None):
+    """The definition, one token and one choice at a time (``gate(gate, value)`` instead of ``act(gate) * value``)."""
     rows = []
     for t in range(hidden.shape[0]):
         acc = torch.zeros(hidden.shape[1], dtype=hidden.dtype)
@@ -25,7 +25,8 @@ def _per_token(hidden, index, weights, up, down, up_bias, down_bias, act, gated,
             w_up = up[e] if transposed else up[e].t()
             w_down = down[e] if transposed else down[e].t()
             h = hidden[t] @ w_up + (up_bias[e] if up_bias is not None else 0)
-            h = act(h[: h.shape[0] // 2]) * h[h.shape[0] // 2 :] if gated else act(h)
+            half = h.shape[0] // 2
+            h = (gate or (lambda a, b: act(a) * b))(h[:half], h[half:]) if gated else act(h)
             acc = acc + weights[t, j] * (h @ w_down + (down_bias[e] if down_bias is not None else 0))
         rows.append(acc)
     return torch.stack(rows)
@@ -92,6 +93,38 @@ def test_split_experts_and_intermediate_sum_to_the_whole():
     g_split = torch.autograd.grad(by_experts, [hidden, weights, up, down], seed)
     for a, b in zip(g_split, g_whole):
         torch.testing.assert_close(a, b)
+
+
+def _clamped_swiglu(gate, value, alpha=1.702, limit=0.5):
+    """gpt-oss's gate (``GptOssExperts._apply_gate``), written out: a small limit so that both clamps bite."""
+    gate, value = gate.clamp(max=limit), value.clamp(min=-limit, max=limit)
+    return (value + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def test_interleaved_rows_with_gpt_oss_gate_compute_the_definition_and_split_by_intermediate():
+    """gpt-oss's experts: up rows alternating gate and value (``interleaved``) and its clamped SwiGLU, against the
+    definition with the rows de-interleaved; a device holding the interleaved rows of its slice of the intermediate
+    (a contiguous block of ``U``, what a split of ``I`` in ``(I, G)`` gives it) computes its part of the sum."""
+    x = _leaves(_inputs(True, True, True))
+    hidden, index, weights, up, down, up_bias, down_bias = x
+    act = "clamped_swiglu:1.702:0.5"
+    out = moe_experts(*x, act, True, True, 0, True)
+    order = torch.cat([torch.arange(0, 2 * I, 2), torch.arange(1, 2 * I, 2)])  # interleaved -> [gates; values]
+    ref = _leaves([hidden, index, weights, up[..., order], down, up_bias[:, order], down_bias])
+    want = _per_token(*ref, None, True, True, gate=_clamped_swiglu)
+    torch.testing.assert_close(out, want)
+    for got, exp in zip(_grads(out, x), _grads(want, ref)):
+        if got.shape == exp.shape and got.shape[-1] == 2 * I:
+            exp = exp[..., torch.argsort(order)]  # back to the interleaved rows
+        torch.testing.assert_close(got, exp)
+    by_inter = sum(
+        moe_experts(
+            hidden, index, weights, up[..., 2 * a : 2 * b], down[:, a:b], up_bias[:, 2 * a : 2 * b],
+            down_bias if a == 0 else None, act, True, True, 0, True,
+        )
+        for a, b in ((0, 3), (3, 6))
+    )  # fmt: skip
+    torch.testing.assert_close(by_inter, out)
 
 
 def test_a_device_whose_experts_no_token_reached_gives_zeros():
@@ -165,3 +198,25 @@ def test_the_rule_splits_tokens_choices_experts_and_intermediate_not_hidden():
     assert dims.weights == {3, 4} and dims.no_grad == {1}
     assert sympy.simplify(dims.flops - 2 * B * S * k * h * (2 * i + i)) == 0
     assert dims.extra["recomputes"] is True
+
+
+def test_gpt_oss_experts_are_one_op_with_interleaved_rows_and_their_biases_keep_the_intermediate_whole():
+    """gpt-oss's experts (transposed, interleaved gate/value rows, biases, a clamped gate) run as the one op and
+    compute what transformers does; the up rows map to ``(I, G)``, and the down bias, which every device summing
+    over a split ``I`` would add once more, keeps ``I`` whole."""
+    pytest.importorskip("transformers")
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.graph.build import build_graph
+    from primepar_fx.models import build_hf_tiny, hf_example_inputs
+
+    model = build_hf_tiny("gpt_oss")
+    args, kwargs = hf_example_inputs(model, 2, 8)
+    with torch.no_grad():
+        want = model(*args, **kwargs).loss
+        with experts_as_one_op(model) as taken:
+            assert taken == [f"model.layers.{i}.mlp.experts" for i in range(model.config.num_hidden_layers)]
+            torch.testing.assert_close(model(*args, **kwargs).loss, want)
+    dims = build_graph(capture(model, args, kwargs)).nodes["moe_experts"].dims
+    assert dims.inputs[3] == (("E",), ("H",), ("I", "G"))  # [E, H, U] transposed, U = (I, G) interleaved
+    assert dims.inputs[5:] == ((("E",), ("I", "G")), (("E",), ("H",)))  # the up and down biases
+    assert dims.no_split == {"H", "G", "I"}
