@@ -301,8 +301,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     else:
         searched = f"pricing {took['pricing_s']:.2f} s, search {took['search_s']:.2f} s"
-    if took.get("planning_s", 0) > took.get("groupings_s", took["pricing_s"] + took["search_s"]) + 0.05:
-        searched += f" (with the other micro-batch counts tried: {took['planning_s']:.2f} s)"
+    counts = took.get("micro_batches_tried", [])
+    if len(counts) > 1:
+        searched += f" (micro-batch counts {', '.join(map(str, counts))} tried: {took['planning_s']:.2f} s)"
     print(
         f"planned in {time.perf_counter() - t0:.1f} s: capture {captured_s:.2f} s, {searched}, "
         f"baselines {took['baselines_s']:.2f} s",

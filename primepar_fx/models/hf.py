@@ -117,6 +117,9 @@ TINY_MOE = {
     "n_group": 1,
     "topk_group": 1,
 }
+#: for mixture-of-experts families whose config leaves these unset (``None``) by default though their model needs
+#: them (dots.llm1's shared experts)
+TINY_MOE_UNSET = {"n_shared_experts": 1}
 
 
 #: families that train on 2 ranks equal to one device from their tiny config (docs/coverage.md, bench/coverage.py);
@@ -170,6 +173,9 @@ def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> n
         config = transformers.AutoConfig.for_model(family, **tiny, **common)
         for name, value in TINY_MOE.items():
             if hasattr(config, name):
+                setattr(config, name, value)
+        for name, value in TINY_MOE_UNSET.items():
+            if hasattr(config, name) and getattr(config, name) is None:
                 setattr(config, name, value)
         for name, value in list(vars(config).items()):  # every dropout (functional ones too) and layer drop off
             if isinstance(value, float) and any(k in name for k in ("dropout", "pdrop", "layerdrop")):

@@ -206,7 +206,9 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
                 probes[m] = None
         return probes[m]
 
+    searched: list[int] = []  # the counts searched, in order
     for i, m in enumerate(tries):
+        searched.append(m)
 
         def upper(i: int = i, found: _Found | None = found) -> float:
             """The per-step objective the search at ``tries[i]`` must beat: the plan found with fewer
@@ -252,6 +254,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         "pricing_s": round(found.priced_s, 4),
         "search_s": round(found.searched_s, 4),
         "planning_s": round(t2 - t0, 4),  # every micro-batch count and grouping, priced and searched
+        "micro_batches_tried": sorted({*searched, *probes}),
         "baselines_s": round(time.perf_counter() - t2, 4),
         "alpha": opts.alpha,
         "memory_budget": opts.memory_budget,

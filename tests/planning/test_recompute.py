@@ -282,6 +282,9 @@ def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_boun
     fastest = min(fixed, key=lambda p: p.predicted.step_time_s)
     assert auto.predicted.step_time_s == pytest.approx(fastest.predicted.step_time_s, rel=1e-12)
     assert auto.micro_batches == fastest.micro_batches and auto.predicted.peak_memory_bytes <= budget
+    tried = auto.search["micro_batches_tried"]  # one batch, the probe of two, and on while slower counts may not be
+    assert tried[:2] == [1, 2] and set(tried) <= {1, 2, 4, 8} and auto.micro_batches in tried
+    assert probe.search["micro_batches_tried"] == [2]
 
 
 def test_the_fewest_layers_that_fit_are_bisected_not_stepped() -> None:
