@@ -115,8 +115,10 @@ def analyze_replicated(
             except NotRepeated as exc:
                 log.info("layer stack %s: layer %d does not repeat layer %d (%s)", fqn, first + 1, first, exc)
         log.warning("layer stack %s does not repeat; capturing the whole model", fqn)
+    cache = found is not None  # a deep model's layers repeat their ops; without a stack the model is shallow
     return graph_of(
-        lambda static: capture(model, example_args, example_kwargs, **whole, static_seq=static), fallback=fallback
+        lambda static: capture(model, example_args, example_kwargs, **whole, static_seq=static, fake_cache=cache),
+        fallback=fallback,
     )
 
 

@@ -129,7 +129,11 @@ COVERED_FAMILIES = (
     "starcoder2", "olmo", "olmo2", "gpt_neox", "gptj", "codegen", "cohere", "glm", "granite", "helium", "nemotron",
     "xglm", "biogpt", "persimmon", "arcee", "smollm3", "gpt_neo", "mpt", "mixtral", "qwen2_moe", "olmoe", "qwen3_moe",
     "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "flex_olmo", "minimax", "cohere2_moe", "ernie4_5_moe",
-    "glm4_moe", "exaone_moe", "afmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
+    "glm4_moe", "exaone_moe", "afmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "apertus", "cohere2", "diffllama",
+    "doge", "exaone", "exaone4", "ernie4_5", "glm4", "gpt_bigcode", "granite_swa", "hunyuan_v1_dense", "internlm3",
+    "lfm2", "llama4_text", "ministral", "ministral3", "nanochat", "olmo3", "seed_oss", "bitnet", "openai-gpt",
+    "vaultgemma", "solar_open", "cwm", "mellum", "jais2", "minicpm3", "youtu", "minimax_m2", "sarvam_moe",
+    "glm4_moe_lite", "deepseek_v32", "longcat_flash", "dots1",
 )  # fmt: skip
 
 
