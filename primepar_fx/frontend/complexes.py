@@ -10,8 +10,9 @@ compute the same numbers on those pairs:
 
 * ``polar(r, theta)`` -> ``stack([r * cos(theta), r * sin(theta)], -1)``;
 * ``view_as_complex(x)`` -> ``x``; ``view_as_real(z)`` -> ``z``'s pair;
-* ``mul(z, w)`` of two complex tensors -> ``stack([a*c - b*d, a*d + b*c], -1)`` of their ``select``-ed parts; of a
-  complex tensor and a real one or a real number -> the pair times it (a real tensor unsqueezed at the end);
+* ``mul(z, w)`` of two complex tensors -> ``z * c + [-b, a] * d`` for ``z = [a, b]``, ``w = [c, d]`` (slices of the
+  pairs: ``(a c - b d, b c + a d)``, laid out as a real rotary embedding's ``rotate_half``); of a complex tensor and
+  a real one or a real number -> the pair times it (a real tensor unsqueezed at the end);
 * ``add`` / ``sub`` of two complex tensors -> the same op on the pairs;
 * views and copies (``unsqueeze``, ``view``/``reshape``, ``slice``, ``select``, ``expand``, ``clone``, ``to``)
   -> the same op on the pair, a negative dim moved one further left and a shape given one more size ``2``,
@@ -72,8 +73,19 @@ class _Rewriter:
                 node.meta[key] = self.at.meta[key]  # type: ignore[union-attr]
         return node
 
-    def parts(self, z: fx.Node) -> tuple[fx.Node, fx.Node]:
-        return self.emit(aten.select.int, self.pair[z], -1, 0), self.emit(aten.select.int, self.pair[z], -1, 1)
+    def product(self, z: fx.Node, w: fx.Node) -> fx.Node:
+        """The pair of the complex product of pairs ``z = [a, b]`` and ``w = [c, d]``: ``z * c + [-b, a] * d``, the
+        shape of a real rotary embedding's ``rotate_half`` (two slices, a negation and a concatenation), which the
+        search handles as it does Llama's; written with ``select``, the four products and their ``stack`` would
+        entangle the pair's two halves in one table too large for the search on a real model."""
+
+        def half(x: fx.Node, i: int) -> fx.Node:  # the real (0) or imaginary (1) part, kept as a last dim of 1
+            return self.emit(aten.slice.Tensor, x, x.meta["val"].dim() - 1, i, i + 1)
+
+        turned = self.emit(aten.cat.default, [self.emit(aten.neg.default, half(z, 1)), half(z, 0)], -1)
+        return self.emit(
+            aten.add.Tensor, self.emit(aten.mul.Tensor, z, half(w, 0)), self.emit(aten.mul.Tensor, turned, half(w, 1))
+        )
 
     def rewrite(self, node: fx.Node) -> fx.Node | None:
         """The pair of ``node``'s complex result (or, for ``view_as_real``, the real node that replaces it)."""
@@ -93,10 +105,7 @@ class _Rewriter:
             if _is_complex(a) and _is_complex(b):
                 if op is not aten.mul.Tensor:
                     return self.emit(op, pair(a), pair(b))
-                (ar, ai), (br, bi) = self.parts(a), self.parts(b)
-                re = self.emit(aten.sub.Tensor, self.emit(op, ar, br), self.emit(op, ai, bi))
-                im = self.emit(aten.add.Tensor, self.emit(op, ar, bi), self.emit(op, ai, br))
-                return self.emit(aten.stack.default, [re, im], -1)
+                return self.product(pair(a), pair(b))
             if op is not aten.mul.Tensor:
                 return None  # a real added to a complex changes only its real part: not rewritten
             z, x = (a, b) if _is_complex(a) else (b, a)
