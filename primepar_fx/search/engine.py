@@ -127,7 +127,8 @@ def plan_elimination(
             raise TableTooLarge(
                 f"eliminating {label(v)} needs a table of {size:,} entries (limit {limit:,}) over its neighbours "
                 f"{others}; the graph is too entangled for the dynamic program here: use method='ilp' or 'auto', "
-                "or raise the limit"
+                "or raise the limit",
+                () if names is None else tuple(str(names[u]) for u in [v, *sorted(union(v) - {v})]),
             )
         members = union(v)
         inputs = tuple(sorted(factors_of[v]))

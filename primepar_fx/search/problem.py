@@ -65,7 +65,13 @@ class InfeasibleBudget(SearchError):
 
 
 class TableTooLarge(SearchError):
-    """The dynamic program would need a table larger than its limit (use method='ilp' or 'auto')."""
+    """The dynamic program would need a table larger than its limit (use method='ilp' or 'auto').
+
+    ``nodes``: the nodes of that table (the one eliminated first), where the DP named them."""
+
+    def __init__(self, message: str, nodes: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.nodes = nodes
 
 
 def _as_vector(name: str, what: str, value: object) -> np.ndarray:

@@ -8,8 +8,10 @@ budget ``M <= memory_budget``. The methods:
   (:mod:`~primepar_fx.search.budget`), which always returns a plan within budget and proves optimality unless the
   relaxation has a duality gap.
 * ``"ilp"`` -- the ILP (:mod:`~primepar_fx.search.ilp`), with the budget as a constraint.
-* ``"auto"`` -- the DP; if its tables would be too large, the ILP; with a budget and an unclosed duality gap, the
-  ILP as well when it is small enough (``ilp_max_variables``), keeping the better plan.
+* ``"auto"`` -- the DP; if its tables would be too large, the ILP; if that is too large too, the DP on a narrower
+  space (the nodes of the tables too large keep their locally cheapest strategies: a plan, not proven optimal,
+  ``method="dp-narrowed"``); with a budget and an unclosed duality gap, the ILP as well when it is small enough
+  (``ilp_max_variables``), keeping the better plan.
 
 Forbidden strategies are dropped first (:func:`~primepar_fx.search.problem.reduce_graph`); every answer is then
 re-evaluated exactly on the original graph and re-checked against the budget.
@@ -23,12 +25,15 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
+
 from primepar_fx.search.budget import least_memory, solve_budget_dp
 from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
 from primepar_fx.search.ilp import IlpInfeasible, ilp_size, solve_ilp
 from primepar_fx.search.problem import (
     CostGraph,
     InfeasibleBudget,
+    InfeasibleGraph,
     Reduced,
     SearchError,
     Solution,
@@ -36,6 +41,7 @@ from primepar_fx.search.problem import (
     evaluate,
     plan_memory,
     reduce_graph,
+    restrict,
 )
 
 log = logging.getLogger(__name__)
@@ -155,19 +161,88 @@ class Search:
             choice, proven, bound = self._dp(budget, alpha, cutoff, hints)
         except TableTooLarge as err:
             size = ilp_size(red.graph)
-            if size > self.ilp_max_variables:
+            if size <= self.ilp_max_variables:
+                log.info("DP tables too large (%s); solving the ILP instead", err)
+                return (*_ilp(red, budget, alpha, self.time_limit), -math.inf, "ilp")
+            narrowed = self._narrowed(err, budget, alpha, cutoff, hints)
+            if narrowed is None:
                 raise TableTooLarge(
                     f"{err}; the ILP fallback would need {size:,} variables (limit {self.ilp_max_variables:,}), so "
                     "neither solver can take this graph: use a smaller world size, canonical=True, or raise the limits"
                 ) from None
-            log.info("DP tables too large (%s); solving the ILP instead", err)
-            return (*_ilp(red, budget, alpha, self.time_limit), -math.inf, "ilp")
+            return (*narrowed, -math.inf, "dp-narrowed")
         if proven or bound >= cutoff or ilp_size(red.graph) > self.ilp_max_variables:
             return choice, proven, bound, "dp"
         ilp_choice, ilp_proven = _ilp(red, budget, alpha, self.time_limit)
         if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
             choice = ilp_choice
         return choice, ilp_proven, bound, "dp+ilp"
+
+    def _narrowed(
+        self, err: TableTooLarge, budget: float | None, alpha: float, cutoff: float, hints: Sequence[float]
+    ) -> tuple[dict[str, int], bool] | None:
+        """The DP on a narrower space, where its tables are too large and the ILP too: the nodes of the table that
+        failed (and every node with the same key: the same node of the other layers) keep only their locally
+        cheapest strategies (:func:`_local_order`), halving the largest domains until that table holds half the
+        limit, and the DP runs again; up to :data:`NARROW_ROUNDS` tables. The plan is feasible but not proven
+        optimal; ``None`` where the failing table names no node of the graph or a node is down to one strategy."""
+        graph = self.reduced.graph
+        limit = (self.options or DPOptions()).max_table_entries
+        keys = graph.node_key or {}
+        alike: dict[object, list[str]] = {}
+        for n in graph.nodes:
+            alike.setdefault(keys.get(n, n), []).append(n)
+        kept: dict[str, np.ndarray] = {}
+        for _ in range(NARROW_ROUNDS):
+            names = [n for n in err.nodes if n in graph.index]
+            if not names:
+                return None
+            sizes = {n: len(kept[n]) if n in kept else graph.strategies(n) for n in names}
+            while math.prod(sizes.values()) > limit // 2:
+                widest = max(sizes, key=lambda n: sizes[n])
+                if sizes[widest] <= 1:
+                    return None
+                sizes[widest] //= 2
+            for n, k in sizes.items():
+                for m in alike[keys.get(n, n)]:
+                    if m not in kept or len(kept[m]) > k:
+                        kept[m] = np.sort(_local_order(graph, m, kept, alpha)[:k])
+            try:
+                sol = Search(restrict(graph, kept), method="dp", options=self.options).solve(
+                    memory_budget=budget, alpha=alpha, cutoff=cutoff, hints=hints
+                )
+            except TableTooLarge as again:
+                err = again
+                continue
+            except InfeasibleGraph:
+                return None
+            log.warning(
+                "the DP's tables were too large and the ILP too (%s); %d nodes were narrowed to their locally "
+                "cheapest strategies: the plan is not proven optimal",
+                err.nodes[0] if err.nodes else "?",
+                len(kept),
+            )
+            return {n: int(kept[n][p]) if n in kept else p for n, p in sol.choice.items()}, False
+        return None
+
+
+#: how many tables too large :meth:`Search._narrowed` narrows before it gives up
+NARROW_ROUNDS = 8
+
+
+def _local_order(graph: CostGraph, node: str, kept: dict[str, np.ndarray], alpha: float) -> np.ndarray:
+    """``node``'s strategies, cheapest first by what each costs locally: its own cost (and ``alpha`` times its
+    memory) plus, on each edge, the cheapest partner among the neighbour's strategies still kept."""
+    score = np.array(graph.node_cost[node], dtype=np.float64)
+    if alpha and graph.node_memory is not None:
+        score = score + alpha * graph.node_memory[node]
+    for m in graph.succ[node]:
+        edge = graph.edge_cost[(node, m)]
+        score = score + (edge[:, kept[m]] if m in kept else edge).min(axis=1)
+    for m in graph.pred[node]:
+        edge = graph.edge_cost[(m, node)]
+        score = score + (edge[kept[m]] if m in kept else edge).min(axis=0)
+    return np.argsort(score, kind="stable")
 
 
 def solve(

@@ -371,6 +371,21 @@ def test_a_table_over_the_limit_raises_and_auto_falls_back_to_the_ilp():
     assert_close(sol.cost, solve(graph, method="dp").cost)
 
 
+def test_where_the_ilp_is_too_large_too_auto_searches_a_narrower_space():
+    """Tables too large for the DP and an ILP too large: the nodes of the failing tables keep their locally
+    cheapest strategies until the DP fits. The plan is a real one (its cost is what evaluate gives, no better than
+    the optimum found by brute force) and is marked not proven; with nothing to narrow, the error stays."""
+    nodes = [f"n{i}" for i in range(6)]
+    graph = build(nodes, dict.fromkeys(nodes, 4), list(itertools.combinations(nodes, 2)), seed=0)
+    sol = solve(graph, method="auto", options=DPOptions(max_table_entries=100), ilp_max_variables=10)
+    assert sol.method == "dp-narrowed" and not sol.proven_optimal and sol.bound == -math.inf
+    assert math.isfinite(sol.cost) and sol.cost == evaluate(graph, sol.choice)
+    best = min(evaluate(graph, dict(zip(nodes, c))) for c in itertools.product(range(4), repeat=6))
+    assert sol.cost >= best and sol.cost <= 1.5 * best  # the locally cheapest strategies keep it near
+    with pytest.raises(TableTooLarge, match="neither solver"):
+        solve(graph, method="auto", options=DPOptions(max_table_entries=1), ilp_max_variables=10)
+
+
 def test_forbidden_strategies_are_dropped_and_choices_use_the_original_indices():
     inf = np.inf
     graph = CostGraph(
