@@ -282,7 +282,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if base.config.get("fallback_nodes"):
             print(
                 f"  ({base.config['fallback_nodes']} of {len(plan.nodes)} nodes could not take that configuration's "
-                "split on some digit, which does not divide their dim, and are replicated there)"
+                "split on some digit (it does not divide their dim, or they may not split it) and are replicated there)"
             )
     for warning in plan_warnings(plan, options.cluster, options.memory_budget, graph):
         print(f"warning: {warning}", file=sys.stderr)
