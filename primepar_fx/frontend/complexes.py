@@ -62,12 +62,12 @@ class _Rewriter:
         self.fake = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta])
         self.at: fx.Node | None = None  # the node being rewritten: new nodes take its source and module stack
 
-    def emit(self, target: Callable, *args: Any) -> fx.Node:
-        """A new node ``target(*args)`` before :attr:`at`, its ``val`` computed on the fake inputs."""
-        node = self.graph.call_function(target, args)
+    def emit(self, target: Callable, *args: Any, **kwargs: Any) -> fx.Node:
+        """A new node ``target(*args, **kwargs)`` before :attr:`at`, its ``val`` computed on the fake inputs."""
+        node = self.graph.call_function(target, args, kwargs)
         fakes = fx.node.map_arg(args, lambda n: n.meta["val"])
         with self.fake:
-            node.meta["val"] = target(*fakes)
+            node.meta["val"] = target(*fakes, **kwargs)
         for key in ("stack_trace", "nn_module_stack"):
             if key in self.at.meta:  # type: ignore[union-attr]
                 node.meta[key] = self.at.meta[key]  # type: ignore[union-attr]
@@ -134,24 +134,12 @@ class _Rewriter:
         if op is aten.clone.default and not args[1:]:
             return self.emit(op, self.pair[z])
         if op in (aten.to.dtype_layout, aten.to.dtype, aten._to_copy.default):
-            return self._to(node, z, rest, kw)
+            out = node.meta["val"]
+            if not out.is_complex() or any(not isinstance(a, (torch.dtype, bool)) for a in rest):
+                return None  # complex to real drops the imaginary part: not rewritten
+            kwargs = {k: v for k, v in kw.items() if k not in ("dtype", "memory_format", "copy")}
+            return self.emit(aten._to_copy.default, self.pair[z], **kwargs, dtype=REAL_OF[out.dtype])
         return None
-
-    def _to(self, node: fx.Node, z: fx.Node, rest: tuple, kw: dict) -> fx.Node | None:
-        out = node.meta["val"]
-        if not out.is_complex():
-            return None  # complex to real drops the imaginary part: not rewritten
-        kwargs = {k: v for k, v in kw.items() if k not in ("dtype", "memory_format", "copy")}
-        kwargs["dtype"] = REAL_OF[out.dtype]
-        if any(not isinstance(a, (torch.dtype, bool)) for a in rest):
-            return None
-        node_ = self.graph.call_function(aten._to_copy.default, (self.pair[z],), kwargs)
-        with self.fake:
-            node_.meta["val"] = aten._to_copy.default(self.pair[z].meta["val"], **kwargs)
-        for key in ("stack_trace", "nn_module_stack"):
-            if key in node.meta:
-                node_.meta[key] = node.meta[key]
-        return node_
 
 
 def complex_as_real(gm: fx.GraphModule) -> list[str]:
@@ -175,10 +163,14 @@ def complex_as_real(gm: fx.GraphModule) -> list[str]:
             if node.target is aten._assert_tensor_metadata.default:
                 done.append((node, None))
                 continue
-            new = rewriter.rewrite(node)
+            try:
+                new = rewriter.rewrite(node)
+            except Exception as exc:  # noqa: BLE001 -- e.g. a shape the fake op rejects: the graph is left as it was
+                log.info("complex op %s at %s could not be rewritten (%s)", node.target, node, exc)
+                new = None
         if new is None:
             log.info("complex op %s at %s has no real form here: complex arithmetic left as it is", node.target, node)
-            for n in reversed(list(gm.graph.nodes)):
+            for n in reversed(list(gm.graph.nodes)):  # the nodes added so far: none is read by an original node yet
                 if n not in before:
                     gm.graph.erase_node(n)
             return []
