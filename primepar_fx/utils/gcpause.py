@@ -22,19 +22,29 @@ R = TypeVar("R")
 
 @contextmanager
 def paused() -> Iterator[None]:
-    """No automatic cyclic collection inside the block; the collector's previous state is restored after it."""
+    """No automatic cyclic collection inside the block; the collector's previous state is restored after it.
+
+    The outermost block (the collector was on, nothing frozen) also freezes what is alive when it starts
+    (``gc.freeze``: the model, its capture, imported modules), so that a :func:`collect` inside walks only what the
+    block allocated; the frozen objects are handed back to the collector when the block ends."""
     was_enabled = gc.isenabled()
+    freeze = was_enabled and gc.get_freeze_count() == 0
     gc.disable()
+    if freeze:
+        gc.freeze()
     try:
         yield
     finally:
+        if freeze:
+            gc.unfreeze()
         if was_enabled:
             gc.enable()
 
 
-def collect() -> None:
-    """A full cyclic collection now, paused or not: for a long loop inside :func:`paused`, between units of work."""
-    gc.collect()
+def collect() -> int:
+    """A full cyclic collection now, paused or not: for a long loop inside :func:`paused`, between units of work.
+    Returns the number of unreachable objects found."""
+    return gc.collect()
 
 
 def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:

@@ -1,0 +1,72 @@
+"""The collector's pause around planning: it freezes what was alive only in the outermost block, and restores."""
+
+import gc
+import weakref
+
+import pytest
+
+from primepar_fx.utils.gcpause import collect, gc_paused, paused
+
+
+@pytest.fixture
+def collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+    if not was:
+        gc.disable()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_outermost_block_freezes_what_was_alive_and_collect_frees_only_what_it_made(collector_on):
+    old = _Cycle()
+    old_alive = weakref.ref(old)
+    with paused():
+        assert not gc.isenabled()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        del old  # garbage from before the block: frozen, so not walked by collect()
+        new = _Cycle()
+        new_alive = weakref.ref(new)
+        del new
+        assert collect() >= 1
+        assert new_alive() is None and old_alive() is not None
+        with paused():  # nested: nothing frozen again, nothing handed back early
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    gc.collect()  # the old cycle, handed back to the collector, is freed now
+    assert old_alive() is None
+
+
+def test_a_freeze_the_caller_made_is_left_as_it_was(collector_on):
+    gc.freeze()
+    before = gc.get_freeze_count()
+    with paused():
+        assert gc.get_freeze_count() == before
+    assert gc.get_freeze_count() == before
+
+
+def test_a_disabled_collector_stays_disabled_and_unfrozen():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        gc_paused(lambda: None)()
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() == 0
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_an_error_inside_still_restores(collector_on):
+    with pytest.raises(RuntimeError), paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
