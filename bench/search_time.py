@@ -5,7 +5,7 @@ GPUs, the same nodes, more of them): the time
 to price the partition space (Eq. 7-9, cached per distinct layer shape) and the time of the segmented DP
 (Eq. 11-14), with the largest per-node strategy count P. Up to three device digits (8 GPUs) the full space is
 searched; past that, as the planner does by default, every grouping of the digits into three
-(:func:`primepar_fx.planning.planner.search_meshes`) is priced and searched and the cheapest plan kept: the times
+(:func:`primepar_fx.planning.groupings.search_meshes`) is priced and searched and the cheapest plan kept: the times
 are summed over the groupings, P is the kept one's, and the full space's P is shown for comparison.
 
 The ILP cross-check runs on a two-layer model of the same shapes (the whole 80-layer graph is millions of ILP
@@ -32,7 +32,7 @@ from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import enumerate_sequences
-from primepar_fx.planning.planner import search_meshes
+from primepar_fx.planning.groupings import search_meshes
 from primepar_fx.planning.pricing import price_graph
 from primepar_fx.search import SearchError, solve
 from primepar_fx.search.ilp import ilp_size

@@ -162,7 +162,7 @@ class PlanOptions:
         baselines: also price Megatron-LM, data parallelism and split-only.
         digits: device digits overriding the cluster's (their product is ``world_size``).
         grouped: past three device digits, which meshes the search runs on
-            (:func:`~primepar_fx.planning.planner.search_meshes`): ``None`` or ``"all"`` every grouping of the digits
+            (:func:`~primepar_fx.planning.groupings.search_meshes`): ``None`` or ``"all"`` every grouping of the digits
             into three, the cheapest plan kept; ``True`` or ``"leading"`` only the leading digits merged; ``False``
             the full mesh.
         canonical: search one sequence per class of equivalent ones.

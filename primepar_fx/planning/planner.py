@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -39,7 +37,6 @@ import sympy
 import torch
 from tqdm.auto import tqdm
 
-from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
@@ -56,16 +53,23 @@ from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     price_fixed,
     variant_summary,
 )
+from primepar_fx.planning.groupings import (  # noqa: F401  (re-exported)
+    GROUPED_DIGITS,
+    GROUPINGS,
+    grouping_bounds,
+    search_mesh,
+    search_meshes,
+)
 from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
-from primepar_fx.planning.parallel import Forked, can_fork, run_forked
+from primepar_fx.planning.parallel import Forked, can_fork
 from primepar_fx.planning.peak import plan_peak, solve_for_peak
 from primepar_fx.planning.plan import Baseline, Plan
 from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
 from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
 from primepar_fx.planning.summary import Summary, per_step, summarize  # noqa: F401  (re-exported)
-from primepar_fx.search import CutOff, InfeasibleBudget, solve
+from primepar_fx.search import CutOff, InfeasibleBudget
 from primepar_fx.utils.gcpause import collect, gc_paused
 
 log = logging.getLogger(__name__)
@@ -75,58 +79,6 @@ _price_fixed, _price_assignments = price_fixed, price_assignments
 
 #: torch dtype -> the dtype key a plan of a model with such parameters is priced at by default
 _MODEL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
-GROUPINGS = ("leading", "all")
-
-
-def search_mesh(mesh: DeviceMesh, grouped: bool | str | None) -> DeviceMesh:
-    """The first mesh :func:`search_meshes` gives: ``mesh`` itself, or with its leading (inter-node) digits merged."""
-    if grouped is None or grouped is True or grouped in GROUPINGS:
-        grouped = len(mesh.digits) > GROUPED_DIGITS
-    return mesh.grouped(GROUPED_DIGITS) if grouped else mesh
-
-
-def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: ClusterSpec) -> list[DeviceMesh]:
-    """The meshes the free search runs on, the plan kept being the cheapest of theirs.
-
-    With at most :data:`GROUPED_DIGITS` digits, or ``grouped=False``: ``mesh`` itself (the full space). Past that
-    the full space grows past what the DP tables hold, so the search runs on *groupings*: ``mesh`` with runs of
-    consecutive digits merged into one each, :data:`GROUPED_DIGITS` digits left. A plan on a grouping is a plan on
-    ``mesh`` whose merged digits split one dim together. ``"leading"`` (or ``True``) is the one grouping that merges
-    the leading (inter-node) digits (:meth:`~primepar_fx.partition.DeviceMesh.grouped`): every split across nodes
-    is of one dim. ``"all"`` (the default, ``None``) is every grouping, which also has mixed splits across nodes
-    (K across two groups of nodes, B across four) and P(S x S) across nodes; two groupings whose digits have the
-    same radices made of the same network levels relabel devices of each other, so one of them is searched. The
-    leading grouping comes first, so a tie keeps it.
-    """
-    if grouped is False or len(mesh.digits) <= GROUPED_DIGITS:
-        return [mesh]
-    if grouped is True or grouped == "leading":
-        return [mesh.grouped(GROUPED_DIGITS)]
-    if grouped is not None and grouped != "all":
-        raise ValueError(f"grouped must be None, True, False or one of {list(GROUPINGS)}, got {grouped!r}")
-    levels = [cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))]
-    n = len(mesh.digits)
-    leading = tuple(range(n - GROUPED_DIGITS + 1, n))  # the cuts between runs of mesh.grouped(GROUPED_DIGITS)
-    cuts = [leading, *(c for c in itertools.combinations(range(1, n), GROUPED_DIGITS - 1) if c != leading)]
-    out, seen = [], set()
-    for cut in cuts:
-        runs = list(zip((0, *cut), (*cut, n)))
-        key = tuple(sorted((math.prod(mesh.digits[a:b]), _level_parts(mesh, levels, a, b)) for a, b in runs))
-        if key not in seen:
-            seen.add(key)
-            out.append(DeviceMesh(tuple(math.prod(mesh.digits[a:b]) for a, b in runs)))
-    return out
-
-
-def _level_parts(mesh: DeviceMesh, levels: list[int], a: int, b: int) -> tuple[tuple[int, int], ...]:
-    """``(level, product of the radices of that level)`` of the run of digits ``a:b``."""
-    parts: dict[int, int] = {}
-    for p in range(a, b):
-        parts[levels[p]] = parts.get(levels[p], 1) * mesh.digits[p]
-    return tuple(sorted(parts.items()))
 
 
 def make_plan(
@@ -367,36 +319,13 @@ def _search_at(
     kept: dict[int, tuple[PricedGraph, float]] = {}
     workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
     if len(meshes) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
-        held, planner = 0, os.getpid()
-        own: list[tuple[float, int, PricedGraph, float]] = []  # in a worker: its cheapest grouping so far
-
-        def bound(i: int) -> float:
-            nonlocal held
-            start = time.perf_counter()
-            priced = price(meshes[i], progress=opts.progress and workers == 1)
-            priced_s = time.perf_counter() - start
-            cost = solve(priced.search_graph, method=opts.method).cost  # type: ignore[arg-type]
-            size = priced.array_nbytes()
-            if os.getpid() != planner:  # a worker keeps only its cheapest, for send_own
-                if size <= KEEP_PRICED and (not own or cost < own[0][0]):
-                    own[:] = [(cost, i, priced, priced_s)]
-            elif held + size <= KEEP_PRICED:
-                kept[i], held = (priced, priced_s), held + size
-            return cost
-
-        def send_own(done: list[tuple[int, bool, Any]]) -> list[tuple[int, bool, Any]]:
-            if not own:
-                return done
-            cost, j, priced, priced_s = own[0]
-            return [(i, ok, (cost, priced, priced_s) if ok and i == j else value) for i, ok, value in done]
-
-        found = run_forked(bound, range(len(meshes)), workers, finish=send_own)
-        for i, ok, value in tqdm(found, "groupings' bounds", len(meshes), disable=not opts.progress, leave=False):
-            if ok and isinstance(value, tuple):  # a worker's cheapest, with its pricing
-                value, priced, priced_s = value
-                if held + priced.array_nbytes() <= KEEP_PRICED:
-                    kept[i], held = (priced, priced_s), held + priced.array_nbytes()
-            bounds[i] = value if ok else bound(i)  # a worker's error is raised here, as this process meets it
+        bounds, kept = grouping_bounds(
+            meshes,
+            lambda mesh, shown: price(mesh, progress=shown),
+            method=opts.method,
+            workers=workers,
+            progress=opts.progress,
+        )
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
     best, entries, infeasible, cut = None, {}, [], False
 
@@ -452,10 +381,6 @@ def _search_at(
     if best is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     return best
-
-
-#: bytes of priced graphs that the groupings' bounds keep for their searches (past it, a grouping is priced again)
-KEEP_PRICED = 2 * 2**30
 
 
 def _choose_levers(

@@ -129,7 +129,7 @@ def test_a_plan_on_any_grouping_costs_the_same_written_out_on_every_digit(digits
 def test_a_grouping_is_searched_on_the_pricing_its_bound_was_read_off(monkeypatch):
     """Under a budget each grouping is priced for its bound (its fastest plan) and then searched; the search reads
     the bound's pricing instead of pricing the grouping again: fewer pricings, the same plan as pricing again."""
-    from primepar_fx.planning import planner
+    from primepar_fx.planning import groupings, planner
 
     spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
     kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, baselines=False, method="dp")
@@ -144,7 +144,7 @@ def test_a_grouping_is_searched_on_the_pricing_its_bound_was_read_off(monkeypatc
     reused = len(calls)
     assert any(t.get("bound") is not None for t in kept.search["groupings"])
     calls.clear()
-    monkeypatch.setattr(planner, "KEEP_PRICED", 0)  # nothing kept: every searched grouping priced again
+    monkeypatch.setattr(groupings, "KEEP_PRICED", 0)  # nothing kept: every searched grouping priced again
     again = plan_graph(graph(), **kw)
     searched = sum(t["objective"] is not None for t in again.search["groupings"])
     assert len(calls) - reused >= searched >= 1

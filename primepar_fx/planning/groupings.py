@@ -1,0 +1,130 @@
+"""The meshes the free search runs on past three digits (*groupings* of the digits), and their bounds.
+
+With many digits the full space grows past what the DP tables hold (16 devices: ~700 sequences per node, see
+``docs/benchmarks/search_time.md``), so the planner searches :func:`search_meshes`: the mesh with runs of
+consecutive digits merged, :data:`GROUPED_DIGITS` digits left, and keeps the cheapest plan of them.
+:func:`grouping_bounds` finds each grouping's fastest plan, side by side in worker processes where there are
+several cores, so that the planner searches them in that order and skips those that cannot win.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.partition import DeviceMesh
+from primepar_fx.planning.parallel import run_forked
+from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.search import solve
+
+GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
+GROUPINGS = ("leading", "all")
+
+#: bytes of priced graphs that the groupings' bounds keep for their searches (past it, a grouping is priced again)
+KEEP_PRICED = 2 * 2**30
+
+
+def search_mesh(mesh: DeviceMesh, grouped: bool | str | None) -> DeviceMesh:
+    """The first mesh :func:`search_meshes` gives: ``mesh`` itself, or with its leading (inter-node) digits merged."""
+    if grouped is None or grouped is True or grouped in GROUPINGS:
+        grouped = len(mesh.digits) > GROUPED_DIGITS
+    return mesh.grouped(GROUPED_DIGITS) if grouped else mesh
+
+
+def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: ClusterSpec) -> list[DeviceMesh]:
+    """The meshes the free search runs on, the plan kept being the cheapest of theirs.
+
+    With at most :data:`GROUPED_DIGITS` digits, or ``grouped=False``: ``mesh`` itself (the full space). Past that
+    the full space grows past what the DP tables hold, so the search runs on *groupings*: ``mesh`` with runs of
+    consecutive digits merged into one each, :data:`GROUPED_DIGITS` digits left. A plan on a grouping is a plan on
+    ``mesh`` whose merged digits split one dim together. ``"leading"`` (or ``True``) is the one grouping that merges
+    the leading (inter-node) digits (:meth:`~primepar_fx.partition.DeviceMesh.grouped`): every split across nodes
+    is of one dim. ``"all"`` (the default, ``None``) is every grouping, which also has mixed splits across nodes
+    (K across two groups of nodes, B across four) and P(S x S) across nodes; two groupings whose digits have the
+    same radices made of the same network levels relabel devices of each other, so one of them is searched. The
+    leading grouping comes first, so a tie keeps it.
+    """
+    if grouped is False or len(mesh.digits) <= GROUPED_DIGITS:
+        return [mesh]
+    if grouped is True or grouped == "leading":
+        return [mesh.grouped(GROUPED_DIGITS)]
+    if grouped is not None and grouped != "all":
+        raise ValueError(f"grouped must be None, True, False or one of {list(GROUPINGS)}, got {grouped!r}")
+    levels = [cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))]
+    n = len(mesh.digits)
+    leading = tuple(range(n - GROUPED_DIGITS + 1, n))  # the cuts between runs of mesh.grouped(GROUPED_DIGITS)
+    cuts = [leading, *(c for c in itertools.combinations(range(1, n), GROUPED_DIGITS - 1) if c != leading)]
+    out, seen = [], set()
+    for cut in cuts:
+        runs = list(zip((0, *cut), (*cut, n)))
+        key = tuple(sorted((math.prod(mesh.digits[a:b]), _level_parts(mesh, levels, a, b)) for a, b in runs))
+        if key not in seen:
+            seen.add(key)
+            out.append(DeviceMesh(tuple(math.prod(mesh.digits[a:b]) for a, b in runs)))
+    return out
+
+
+def _level_parts(mesh: DeviceMesh, levels: list[int], a: int, b: int) -> tuple[tuple[int, int], ...]:
+    """``(level, product of the radices of that level)`` of the run of digits ``a:b``."""
+    parts: dict[int, int] = {}
+    for p in range(a, b):
+        parts[levels[p]] = parts.get(levels[p], 1) * mesh.digits[p]
+    return tuple(sorted(parts.items()))
+
+
+def grouping_bounds(
+    meshes: list[DeviceMesh],
+    price: Callable[[DeviceMesh, bool], PricedGraph],
+    *,
+    method: str,
+    workers: int,
+    progress: bool,
+) -> tuple[list[float | None], dict[int, tuple[PricedGraph, float]]]:
+    """Each mesh's fastest plan's cost (per micro-batch, no budget), found on ``workers`` processes (this one
+    included: :func:`~primepar_fx.planning.parallel.run_forked`), and the pricings kept for the searches that
+    follow: ``{mesh index: (pricing, seconds it took)}``, as long as they stay under :data:`KEEP_PRICED` bytes.
+
+    ``price(mesh, progress)`` prices one mesh. A worker keeps only its cheapest mesh's pricing and sends it back
+    with its bounds (that mesh is the likeliest to be searched), so the winner is not priced twice. A worker's
+    error is raised here, as this process meets it when it prices that mesh again itself.
+    """
+    kept: dict[int, tuple[PricedGraph, float]] = {}
+    held, planner = 0, os.getpid()
+    own: list[tuple[float, int, PricedGraph, float]] = []  # in a worker: its cheapest mesh so far
+
+    def bound(i: int) -> float:
+        nonlocal held
+        start = time.perf_counter()
+        priced = price(meshes[i], progress and workers == 1)
+        priced_s = time.perf_counter() - start
+        cost = solve(priced.search_graph, method=method).cost  # type: ignore[arg-type]
+        size = priced.array_nbytes()
+        if os.getpid() != planner:  # a worker keeps only its cheapest, for send_own
+            if size <= KEEP_PRICED and (not own or cost < own[0][0]):
+                own[:] = [(cost, i, priced, priced_s)]
+        elif held + size <= KEEP_PRICED:
+            kept[i], held = (priced, priced_s), held + size
+        return cost
+
+    def send_own(done: list[tuple[int, bool, Any]]) -> list[tuple[int, bool, Any]]:
+        if not own:
+            return done
+        cost, j, priced, priced_s = own[0]
+        return [(i, ok, (cost, priced, priced_s) if ok and i == j else value) for i, ok, value in done]
+
+    bounds: list[float | None] = [None] * len(meshes)
+    found = run_forked(bound, range(len(meshes)), workers, finish=send_own)
+    for i, ok, value in tqdm(found, "groupings' bounds", len(meshes), disable=not progress, leave=False):
+        if ok and isinstance(value, tuple):  # a worker's cheapest, with its pricing
+            value, priced, priced_s = value
+            if held + priced.array_nbytes() <= KEEP_PRICED:
+                kept[i], held = (priced, priced_s), held + priced.array_nbytes()
+        bounds[i] = value if ok else bound(i)
+    return bounds, kept
