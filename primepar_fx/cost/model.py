@@ -403,6 +403,11 @@ def direction_key(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, it
     return (pairs.digest(), mesh, cluster, item)
 
 
+#: (held layout, needed layout, device) entries of all the directions to price below which threads do not pay
+#: (measured: docs/benchmarks/measured_in_code.md)
+THREADED_WORK = 2**25
+
+
 def price_directions(
     jobs: Mapping[tuple, LayoutPairs],
     mesh: DeviceMesh,
@@ -414,12 +419,16 @@ def price_directions(
     to ``workers`` threads; ``alongside()`` runs on the calling thread meanwhile (it must number no new index set).
 
     The work is numpy on arrays of (held layout, needed layout, device), which runs without the GIL, so two
-    threads use two cores. Each key's price is computed by one thread from the same inputs as alone, so the
-    result does not depend on the threads. What the threads share: the overlap memo of
+    threads use two cores where the arrays are large; below :data:`THREADED_WORK` entries in all, the Python
+    around them dominates and everything runs on the calling thread, ``alongside()`` first. Each key's price is
+    computed by one thread from the same inputs as alone, so the result does not depend on the threads. What the
+    threads share: the overlap memo of
     :data:`~primepar_fx.partition.layouts.SETS`, where a lost write is recomputed later (no set is numbered while they
     run), and ``lru_cache``d sender tables, which a race at worst computes twice.
     """
     todo = [(key, pairs) for key, pairs in jobs.items() if key not in DIRECTIONS]
+    if sum(len(pairs.held) * len(pairs.needed) for _, pairs in todo) * mesh.size < THREADED_WORK:
+        workers = 1  # little numpy work: the threads would mostly wait on each other for the GIL
     if workers <= 1 or not todo:
         if alongside is not None:
             alongside()

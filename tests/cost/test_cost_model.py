@@ -460,22 +460,43 @@ def test_edges_with_the_same_distinct_layouts_share_one_priced_direction():
 
 
 @pytest.mark.parametrize("world", [8, 32])
-def test_pricing_on_two_threads_gives_the_costs_of_one(world):
+def test_pricing_on_two_threads_gives_the_costs_of_one(world, monkeypatch):
     """``price_graph(workers=2)`` prices the re-layouts on two threads; every cost and byte count is bit-identical
     to one thread, each priced from empty caches."""
-    from primepar_fx.cost.model import clear_caches
+    from primepar_fx.cost import model
     from primepar_fx.frontend.symbols import B, S
-    from primepar_fx.planning.planner import search_mesh
+    from primepar_fx.planning.groupings import search_mesh
     from primepar_fx.planning.pricing import price_graph
 
     graph = _tiny_llama_graph()
     cluster = load_cluster("v100-paper")
     mesh = search_mesh(cluster.mesh(world), None)
+    monkeypatch.setattr(model, "THREADED_WORK", 0)  # a tiny model's re-layouts are too small to be threaded
+    pools = []
+    real_pool = model.ThreadPoolExecutor
+    monkeypatch.setattr(model, "ThreadPoolExecutor", lambda **kw: pools.append(kw) or real_pool(**kw))
     priced = []
     for workers in (1, 2):
-        clear_caches()
+        model.clear_caches()
         priced.append(price_graph(graph, mesh, cluster, {B: 16, S: 64}, CostOptions(), workers=workers))
+    assert [kw["max_workers"] for kw in pools] == [2]
     assert_same_pricing(*priced)
+
+
+def test_little_relayout_work_is_priced_on_the_calling_thread(monkeypatch):
+    """Below ``THREADED_WORK`` entries in all, ``workers=2`` starts no thread (they would wait on the GIL)."""
+    from primepar_fx.cost import model
+    from primepar_fx.frontend.symbols import B, S
+    from primepar_fx.planning.pricing import price_graph
+
+    def no_pool(**_):
+        raise AssertionError("a thread pool was started")
+
+    cluster = load_cluster("v100-paper")
+    monkeypatch.setattr(model, "ThreadPoolExecutor", no_pool)
+    model.clear_caches()
+    priced = price_graph(_tiny_llama_graph(), cluster.mesh(8), cluster, {B: 16, S: 64}, CostOptions(), workers=2)
+    assert priced.cost_graph.edge_cost
 
 
 def _tiny_llama_graph():
