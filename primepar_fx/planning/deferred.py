@@ -47,7 +47,7 @@ def producer_qualifies(graph: OpGraph, u: str, v: str, readers: Counter) -> bool
     fx_node = graph.fx_node(u)
     if not flat_arguments(fx_node):
         return False
-    params = graph.captured.program.graph_signature.inputs_to_parameters
+    params = graph.captured.params
     found = False
     for name, a in zip(graph.input_names(u), fx_node.all_input_nodes):
         if a.name in params:
