@@ -99,12 +99,15 @@ class Forked:
 
     :meth:`result` waits for it: ``(True, value)``, or ``(False, message)`` where it raised or the process died
     (the caller runs the job here then, to raise or get it as one process would); :meth:`stop` ends the process
-    early, where the caller no longer needs it (e.g. it raised first). One or the other must be called."""
+    early, where the caller no longer needs it (e.g. it raised first). One or the other must be called.
 
-    def __init__(self, job: Callable[[], Any]) -> None:
+    ``nice``: added to the process's niceness, so that a job the caller needs only at the end takes the cores
+    the caller's own workers leave idle rather than slowing them down."""
+
+    def __init__(self, job: Callable[[], Any], *, nice: int = 0) -> None:
         ctx = multiprocessing.get_context("fork")
         self._recv, send = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_send_result, args=(job, send), daemon=True)
+        self._process = ctx.Process(target=_send_result, args=(job, send, nice), daemon=True)
         self._process.start()
         send.close()  # the child holds its own end: a child that dies closes the pipe, and recv says so
 
@@ -125,7 +128,9 @@ class Forked:
         self._recv.close()
 
 
-def _send_result(job: Callable[[], Any], send: Connection) -> None:
+def _send_result(job: Callable[[], Any], send: Connection, nice: int = 0) -> None:
+    if nice:
+        os.nice(nice)
     try:
         out: tuple[bool, Any] = (True, job())
     except Exception as exc:  # noqa: BLE001 -- reported to the caller, which runs the job again to raise it

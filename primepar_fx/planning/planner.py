@@ -127,13 +127,22 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     full = opts.mesh()
     if opts.memory_budget is not None:
         check_state_floor(graph, opts)
-    # with workers, Megatron's, data parallelism's and FSDP's plans are priced in a fork while the search runs
-    early = Forked(functools.partial(fixed_baselines, graph, full, opts)) if opts.baselines and _forks(opts) else None
+    # with workers, Megatron's, data parallelism's and FSDP's plans are priced in a fork while the search runs, at a
+    # lower priority: it runs on the cores the search's own workers leave idle (the last grouping's, the levers')
+    early = (
+        Forked(functools.partial(fixed_baselines, graph, full, opts), nice=BASELINES_NICE)
+        if opts.baselines and _forks(opts)
+        else None
+    )
     try:
         return _plan_graph(graph, opts, full, early)
     finally:
         if early is not None:
             early.stop()
+
+
+#: niceness added to the process that prices the baselines beside the search
+BASELINES_NICE = 10
 
 
 def _forks(opts: PlanOptions) -> bool:

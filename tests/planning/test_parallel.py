@@ -126,6 +126,12 @@ def test_a_forked_job_returns_its_value_or_its_error():
 
 
 @forking
+def test_a_forked_job_can_run_at_a_lower_priority():
+    assert Forked(lambda: os.nice(0), nice=5).result() == (True, os.nice(0) + 5)
+    assert Forked(lambda: os.nice(0)).result() == (True, os.nice(0))
+
+
+@forking
 def test_a_forked_job_no_longer_needed_is_stopped():
     job = Forked(lambda: time.sleep(60))
     start = time.perf_counter()
