@@ -74,8 +74,17 @@ class TableTooLarge(SearchError):
         self.nodes = nodes
 
 
+def _float64(value: object) -> np.ndarray:
+    """``value`` as a float64 array: itself when it is one. ``np.asarray(dtype=float64)`` returns a new view of an
+    array whose dtype is equal but not numpy's own instance (as after unpickling), and the search and the share
+    nodes tell shared arrays apart by identity."""
+    if isinstance(value, np.ndarray) and value.dtype == np.float64:
+        return value
+    return np.asarray(value, dtype=np.float64)
+
+
 def _as_vector(name: str, what: str, value: object) -> np.ndarray:
-    arr = np.asarray(value, dtype=np.float64)
+    arr = _float64(value)
     if arr.ndim != 1 or arr.size == 0:
         raise ValueError(f"{what} of node {name!r} must be a non-empty 1-D array, got shape {arr.shape}")
     return arr
@@ -169,7 +178,7 @@ class CostGraph:
                 raise ValueError(f"edge ({u!r}, {v!r}) names a node that is not in the graph")
             if index[u] >= index[v]:
                 raise ValueError(f"edge ({u!r}, {v!r}) goes backwards: nodes must be in topological order")
-            arr = np.asarray(value, dtype=np.float64)
+            arr = _float64(value)
             want = (costs[u].size, costs[v].size)
             if arr.shape != want:
                 raise ValueError(f"edge_cost[({u!r}, {v!r})] has shape {arr.shape}, expected {want}")

@@ -551,3 +551,32 @@ def test_the_split_only_subset_of_a_pricing_is_the_pricing_without_prime():
     assert len(arrays) == len({id(full.cost_graph.node_cost[n]) for n in graph.nodes}) < len(graph.nodes)
     with pytest.raises(ValueError, match="no strategy is kept"):
         full.subset(lambda seq: False)
+
+
+def test_a_pricing_sent_from_another_process_searches_like_the_one_made_here():
+    """A worker sends its pricing back pickled (``planning.groupings``). Its search graph, and the split-only one read
+    off it, keep the share nodes and the arrays identical layers share: the same graphs and optima as here. (After
+    unpickling, an array's float64 dtype is not numpy's own instance; converting it made a new view of every edge,
+    which lost the share nodes' identity checks: the split-only baseline came out slower than the plan.)"""
+    import pickle
+
+    from primepar_fx.cost.model import clear_caches
+    from primepar_fx.frontend.symbols import B, S
+    from primepar_fx.partition import Prime
+    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.search import solve
+
+    cluster = load_cluster("v100-paper")
+    clear_caches()
+    here = price_graph(_tiny_llama_graph(), cluster.mesh(8), cluster, {B: 16, S: 64}, CostOptions())
+    sent = pickle.loads(pickle.dumps(here))
+    no_prime = lambda seq: not any(isinstance(e, Prime) for e in seq.elements)  # noqa: E731
+    for a, b in ((here, sent), (here.subset(no_prime), sent.subset(no_prime))):
+        ga, gb = a.search_graph, b.search_graph
+        assert ga.nodes == gb.nodes and any(n.endswith("@share") for n in ga.nodes)
+        for n in ga.nodes:
+            np.testing.assert_array_equal(ga.node_cost[n], gb.node_cost[n], err_msg=n)
+        assert ga.edge_cost.keys() == gb.edge_cost.keys()
+        shared = lambda g: len({id(m) for m in g.edge_cost.values()})  # noqa: E731
+        assert shared(ga) == shared(gb) < len(ga.edge_cost)
+        assert solve(ga).cost == solve(gb).cost
