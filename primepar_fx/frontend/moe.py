@@ -177,12 +177,25 @@ def _activation(module: nn.Module) -> str | None:
     from transformers.integrations.moe import _default_apply_gate
 
     name = getattr(getattr(module, "config", None), "hidden_act", None)
+    if name is None:  # a config without hidden_act (LFM2-MoE): the module's own act_fn
+        name = _activation_name(getattr(module, "act_fn", None))
     gate = getattr(type(module), "_apply_gate", _default_apply_gate)
     if not module.has_gate or gate is _default_apply_gate:
         return str(name)
     if gate.__qualname__ == "GptOssExperts._apply_gate" and not module.is_concatenated:
         return f"clamped_swiglu:{float(module.alpha)!r}:{float(module.limit)!r}"
     return None
+
+
+def _activation_name(fn: object) -> str | None:
+    """The :data:`ACTIVATIONS` name of an activation function or module (``F.silu``, ``nn.SiLU()``, ...)."""
+    for name, known in ACTIVATIONS.items():
+        if fn is known:
+            return name
+    modules = {nn.SiLU: "silu", nn.ReLU: "relu"}
+    if isinstance(fn, nn.GELU):
+        return "gelu" if fn.approximate == "none" else "gelu_pytorch_tanh"
+    return next((name for cls, name in modules.items() if type(fn) is cls), None)
 
 
 def _one_op_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:

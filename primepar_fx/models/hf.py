@@ -116,6 +116,7 @@ TINY_MOE = {
     "shared_expert_intermediate_size": 2 * TINY_HIDDEN,
     "n_group": 1,
     "topk_group": 1,
+    "num_dense_layers": 1,  # LFM2-MoE, AFMoE: dense layers before the first mixture-of-experts one
 }
 #: for mixture-of-experts families whose config leaves these unset (``None``) by default though their model needs
 #: them (dots.llm1's shared experts)
@@ -133,7 +134,7 @@ COVERED_FAMILIES = (
     "doge", "exaone", "exaone4", "ernie4_5", "glm4", "gpt_bigcode", "granite_swa", "hunyuan_v1_dense", "internlm3",
     "lfm2", "llama4_text", "ministral", "ministral3", "nanochat", "olmo3", "seed_oss", "bitnet", "openai-gpt",
     "vaultgemma", "solar_open", "cwm", "mellum", "jais2", "minicpm3", "youtu", "minimax_m2", "sarvam_moe",
-    "glm4_moe_lite", "deepseek_v32", "longcat_flash", "dots1",
+    "glm4_moe_lite", "deepseek_v32", "longcat_flash", "dots1", "lfm2_moe",
 )  # fmt: skip
 
 
@@ -181,6 +182,8 @@ def build_hf_tiny(family: str, *, seed: int = 0, layers: int = TINY_LAYERS) -> n
         for name, value in TINY_MOE_UNSET.items():
             if hasattr(config, name) and getattr(config, name) is None:
                 setattr(config, name, value)
+        if hasattr(config, "layer_types") and config.layer_types is None:  # left unset (LFM2-MoE): all attention
+            config.layer_types = ["full_attention"] * layers
         for name, value in list(vars(config).items()):  # every dropout (functional ones too) and layer drop off
             if isinstance(value, float) and any(k in name for k in ("dropout", "pdrop", "layerdrop")):
                 setattr(config, name, 0.0)

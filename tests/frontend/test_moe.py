@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -171,6 +172,27 @@ def test_an_expert_it_cannot_run_is_left_to_transformers_with_a_warning():
         warnings.simplefilter("always")
         assert "model.layers.0.mlp.experts" not in taken and "model.layers.1.mlp.experts" in taken
     assert any("the activation 'tanh'" in str(w.message) and "layers.0" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(
+    ("act_fn", "name"),
+    [(F.silu, "silu"), (torch.nn.SiLU(), "silu"), (torch.nn.GELU(approximate="tanh"), "gelu_pytorch_tanh"),
+     (torch.nn.Tanh(), None)],
+)  # fmt: skip
+def test_experts_without_a_hidden_act_in_their_config_are_named_by_their_act_fn(act_fn, name):
+    """LFM2-MoE's config has no ``hidden_act``: its experts are run with the activation their ``act_fn`` is, and
+    one that has no name here leaves them to transformers."""
+    from primepar_fx.frontend.moe import _activation
+
+    model = _tiny_mixtral()
+    experts = next(m for m in model.modules() if type(m).__name__ == "MixtralExperts")
+    experts.config = types.SimpleNamespace()  # as LFM2-MoE's: no hidden_act
+    del experts.act_fn  # a child module here; LFM2-MoE's is a function
+    experts.act_fn = act_fn
+    assert _activation(experts) == str(name)
+    with warnings.catch_warnings(record=True), experts_as_one_op(model) as taken:
+        warnings.simplefilter("always")
+        assert ("model.layers.0.mlp.experts" in taken) == (name is not None)
 
 
 def test_the_rule_splits_tokens_choices_experts_and_intermediate_not_hidden():
