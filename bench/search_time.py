@@ -52,34 +52,41 @@ ILP_TIME_LIMIT = 120.0
 
 READING = """## Reading the results
 
-* **This run's machine was about 2.5x slower than the last one's.** Capture, whose code did not change, took
-  1.4-1.7 s here against 0.5-0.7 s then, and full capture 15-33 s against 6-14 s. Read the times below as
-  relative to each other; each was measured once, from empty caches, after a garbage collection.
-* **Past 8 GPUs every grouping of the digits into three is searched (the planner's new default), and that is
-  what costs the time.** 3 meshes at 16 GPUs, 5 at 32, 8 at 64 and 11 at 128, each priced afresh (2-8 s each
-  here) and searched (0.2-1 s each). llama2-70b's whole plan takes 15 s at 16 GPUs, 29 s at 32, 52 s at 64 and
-  96 s at 128; OPT-175B 8-41 s and BLOOM-176B 11-72 s. What it buys is in
+* **This run's machine was faster than the last one's.** Capture, whose code did not change, took 0.7-1.0 s here
+  against 1.4-1.7 s then, and full capture 10-22 s against 15-33 s: about 1.5-2x. Compare rows within this run,
+  not with the last one; each was measured once, from empty caches, after a garbage collection. What changed in
+  the code since (each measured alone in one session, docs/planning.md and measured_in_code.md): a parameter map
+  torch rebuilt on every access was read per edge (0.6 s of a 3.2 s grouping at 32 GPUs), and small re-layout
+  pricings run on one thread (two were slower: 4.1-4.8 s against 3.5-3.7 s).
+* **Past 8 GPUs every grouping of the digits into three is searched (the planner's default), and that is
+  what costs the time.** 3 meshes at 16 GPUs, 5 at 32, 8 at 64 and 11 at 128, each priced afresh (1-6 s each
+  here) and searched (0.1-0.2 s each). llama2-70b's whole plan takes 7.8 s at 16 GPUs, 16.1 s at 32, 32.5 s at 64
+  and 71.2 s at 128; OPT-175B 4.0-34.1 s and BLOOM-176B 5.0-55.5 s. What it buys is in
   [paper_fig7.md](paper_fig7.md): the kept mesh is `2x4x4` at 32 GPUs for all three (K across two groups of
   nodes, B across four), a plan the single leading grouping (`8x2x2`) cannot express, predicted 20% faster for
   llama2-70b on `v100-edr`. `--grouped` (the leading grouping only) is the fast answer, as before.
-* **These are one process's times, the groupings one after another.** The planner can price them side by side
+* **These are one process's times, the groupings one after another.** The planner prices them side by side
   in forked processes (`--workers`, the `plan` command's default: one per core; docs/planning.md); measured
-  apart from this run, on 2 cores, llama2-70b's whole plan without a budget went from 30.3 s to 16.1-20.5 s at 32
-  GPUs and from 49.4 s to 37.4 s at 64, the same plans.
-* **The issue's targets are not met:** the whole llama2-70b plan at 32 GPUs in 6 s (29 s here), at 64 and 128
-  in 20 s (52 and 96 s). Nor is the space the paper's whole space: P full, the per-node count of the ungrouped
-  mesh, is 1,294 at 16 GPUs and 7,723 at 32, against 130-214 on a grouping.
+  apart from this run, in the same session on 2 cores, llama2-70b's whole plan without a budget takes 13.2-13.8 s
+  at 32 GPUs, 21.5 s at 64 and 41.3 s at 128 with two workers, the same plans as one process.
+* **The issue's targets are not met:** the whole llama2-70b plan at 32 GPUs in 6 s (16 s here, 13-14 s with two
+  workers), at 64 and 128 in 20 s (32.5 and 71 s here; 21.5 and 41 s with two workers). Nor is the space the
+  paper's whole space: P full, the per-node count of the ungrouped mesh, is 1,294 at 16 GPUs and 7,723 at 32,
+  against 130-214 on a grouping.
   * The exact DP on the full mesh fails at 16 GPUs already: the rotary embedding makes triangles of 624-sequence
-    nodes, whose elimination needs 2.4x10^8 entries (624^3); at 32 GPUs they have 3,124 (3x10^10). Pricing the
+    nodes, whose elimination needs 2.4x10^8 entries (624^3); at 32 GPUs they have 3,124 (3x10^10). Where the ILP
+    is too large too, `--no-grouped` now narrows the failing tables' nodes to their locally cheapest strategies
+    (`dp-narrowed`, not proven optimal; docs/planning.md); BLOOM-176B's full 16-GPU space then plans in about 4
+    minutes, nearly all of it one DP with tables near the limit. Pricing the
     16-GPU full space of two llama2 layers took 19 s (1294 x 1294 edge matrices).
   * Folding a node through per-layout minima does not shrink these: their edge matrices have as many distinct
     rows and columns as strategies (measured on every edge of two llama2 layers at 16 GPUs: 20.76 million
     entries, 21.39 million as layout tables), and identical rows (exact dominance) cover 341 of 31,766 strategies.
-* **DP time is the search graph's.** The DP column now times what the planner solves, the priced graph with the
-  virtual nodes that share a fan-out re-layout (`planning/sharing.py`), where the last run timed the graph
-  without them: 0.1-1.0 s at 4-8 GPUs (last run 0.05-0.2 s). A tied embedding (OPT, BLOOM) had made it 2-3 s:
-  its edge to the LM head had 64 distinct rows, past the 32 states a proxy could have, so the DP held the whole
-  model in one segment; proxies now have up to 128 states (`search/dp.py`), 0.2-0.3 s.
+* **DP time is the search graph's**: what the planner solves, the priced graph with the virtual nodes that share
+  a fan-out re-layout (`planning/sharing.py`): 0.05-0.19 s at 4-8 GPUs, summed over the groupings 0.35-1.6 s past
+  that. A tied embedding (OPT, BLOOM) had once made it 2-3 s: its edge to the LM head had 64 distinct rows, past
+  the 32 states a proxy could have, so the DP held the whole model in one segment; proxies have up to 128 states
+  (`search/dp.py`).
 * **DP vs ILP.** On two-layer models of the same shapes, the ILP (PuLP/CBC) reaches the DP's optimum exactly where
   it fits (4 GPUs, gap 0 for all three models). Elsewhere the edge matrices make the ILP half a million to two
   million variables, and it is not run.
@@ -175,7 +182,7 @@ def main() -> None:
     lines = [
         "# Planning time: segmented DP against the paper's Table 2",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (one process; the re-layouts priced on two threads). "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (one process; large re-layouts on two threads). "
         f"Cluster `{CLUSTER}` (4 GPUs per "
         "node), B = 16, S = 2048, fp16. *Capture* is `torch.export` on the meta device of two layers, replicated to "
         "the whole model (`primepar_fx.graph.replicate`, the planner's default; the same nodes, names and edges as a "
