@@ -5,7 +5,7 @@ on two shared cores takes milliseconds), so a plan searched on it can be the wro
 is given no cluster (and ``PRIMEPAR_CLUSTER`` names none), it prices on :func:`machine_spec` instead:
 
 * **measured where it runs.** Every rank of the default process group takes part. Each collective kind of
-  :data:`~primepar_fx.cost.cluster.COLLECTIVES` is timed at :data:`SIZES` bytes per device as a step pays for it:
+  :data:`~primepar_fx.cost.latency.COLLECTIVES` is timed at :data:`SIZES` bytes per device as a step pays for it:
   a burst of back-to-back calls after one barrier, the mean per call, the median over reps, the *slowest* rank's
   (a rank waits for its last peer; with ranks sharing cores, that wait is most of a message's cost). Group
   collectives are timed over the world and over groups of every smaller size that divides it (all such groups

@@ -16,7 +16,7 @@
   a barrier before each call, sizes interleaved within a rep, the minimum over ranks per call (the last rank out
   of the barrier sees no skew), the median over reps after warm-up. Rank 0 sends the samples back through a
   queue; the parent enforces the timeout and names the step each rank was in if one hangs or dies.
-  :func:`~primepar_fx.cost.cluster.fit_collective` turns them into per-bus-byte, per-ring-step coefficients of
+  :func:`~primepar_fx.cost.latency.fit_collective` turns them into per-bus-byte, per-ring-step coefficients of
   level 0 (all ranks share one node).
 """
 
@@ -162,7 +162,7 @@ def with_efficiency(model: ComputeModel, samples: Iterable[tuple[float, float, f
     The FLOP rate becomes the fastest sample's (its seconds less the model's byte and fixed terms, per FLOP), and
     each size's factor is how close its own rate comes to that (several shapes of one size: the fastest). A model
     fitted this way gives every sample's time back at its size and interpolates between sizes
-    (:class:`~primepar_fx.cost.cluster.ComputeModel`)."""
+    (:class:`~primepar_fx.cost.latency.ComputeModel`)."""
     rows = [(float(f), float(t) - model.bytes_coeff * float(n) - model.fixed) for f, n, t in samples if f > 0]
     rows = [(f, t) for f, t in rows if t > 0]
     if len(rows) < 2:

@@ -6,7 +6,7 @@ Intra-operator cost (Eq. 7), per training step, for node ``n`` under partition `
                    + collectives(n, P) + alpha * memory(n, P)
 
 * ``compute``: one sub-operator per step: ``flops_phase / prod_X parts_X`` FLOPs and the bytes of the local
-  blocks of the phase's tensors, priced by the cluster's per-family :class:`~primepar_fx.cost.cluster.ComputeModel`.
+  blocks of the phase's tensors, priced by the cluster's per-family :class:`~primepar_fx.cost.latency.ComputeModel`.
   Forward FLOPs are the rule's; a matrix product's Backward (dI) and Gradient (dW) each cost the same again when
   they exist; attention's backward costs twice its forward; other ops are priced by the bytes they move.
 * ``ring``: the transfers :func:`~primepar_fx.partition.transfers` derives for step ``t`` (the blocks that move
