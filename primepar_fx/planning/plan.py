@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -39,7 +37,9 @@ from typing import Any, NoReturn
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.partition.seq import PartitionSeq
+from primepar_fx.planning import plan_fields as fieldcheck
 from primepar_fx.planning.levers import Recompute
+from primepar_fx.planning.plan_fields import PlanError
 
 PLAN_FORMAT = "primepar-plan/2"
 #: formats this version reads no more, and why
@@ -53,130 +53,6 @@ KNOWN_BASELINES = ("megatron", "data_parallel", "split_only")  # others are allo
 MiB = 1 << 20
 _FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
 _REL_TOL = 1e-9
-
-
-class PlanError(ValueError):
-    """A ValueError whose message starts with the path of the offending field, e.g. ``plan.nodes[3].partition``."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
-
-
-# ---------------------------------------------------------------------------------------------------- validation
-def _fail(where: str, reason: str) -> NoReturn:
-    raise PlanError(where, reason)
-
-
-def _set(obj: object, name: str, value: Any) -> None:
-    object.__setattr__(obj, name, value)
-
-
-def _seconds(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(where, f"must be a finite number of seconds, got {value!r}")
-    if value < 0:
-        _fail(where, f"must be >= 0 seconds, got {value!r}")
-    return float(value) + 0.0  # + 0.0 folds -0.0 into 0.0
-
-
-def _nbytes(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(where, f"must be an integer number of bytes, got {value!r}")
-    if value < 0:
-        _fail(where, f"must be >= 0 bytes, got {value}")
-    return value
-
-
-def _count(where: str, value: Any, unit: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(where, f"must be an integer ({unit}), got {value!r}")
-    if value < 1:
-        _fail(where, f"must be >= 1 ({unit}), got {value}")
-    return value
-
-
-def _text(where: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        _fail(where, f"must be a non-empty string, got {value!r}")
-    return value
-
-
-def _mapping(where: str, value: Any, what: str) -> Mapping[Any, Any]:
-    if not isinstance(value, Mapping):
-        _fail(where, f"must be a JSON object ({what}), got {type(value).__name__}")
-    return value
-
-
-def _json_plain(where: str, value: Any) -> Any:
-    """A copy of ``value`` as plain JSON data (str keys; tuples become lists); raises on anything else."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            _fail(where, f"must be finite to be written as JSON, got {value!r}")
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_json_plain(f"{where}[{i}]", v) for i, v in enumerate(value)]
-    if isinstance(value, Mapping):
-        for k in value:
-            if not isinstance(k, str):
-                _fail(where, f"keys must be strings, got {k!r}")
-        return {k: _json_plain(f"{where}[{k!r}]", v) for k, v in value.items()}
-    _fail(where, f"must be plain JSON data (null, bool, number, string, list, object), got {type(value).__name__}")
-
-
-def _fields(where: str, data: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Check a parsed JSON object: every required field present, no unknown one."""
-    if not isinstance(data, Mapping):
-        _fail(where, f"must be a JSON object, got {type(data).__name__}")
-    allowed = required + optional
-    for k in data:
-        if k not in allowed:
-            _fail(f"{where}.{k}", f"unknown field; expected one of {list(allowed)}")
-    for k in required:
-        if k not in data:
-            _fail(f"{where}.{k}", "required field is missing")
-    return dict(data)
-
-
-@contextmanager
-def _rebase(where: str, label: str) -> Iterator[None]:
-    """Re-root errors raised under ``label`` (an object's own name for itself) at ``where`` (its path here)."""
-    try:
-        yield
-    except PlanError as e:
-        if e.path == label or e.path.startswith((f"{label}.", f"{label}[")):
-            raise PlanError(where + e.path[len(label) :], e.reason) from None
-        raise PlanError(f"{where}.{e.path}", e.reason) from None
-
-
-def _partition(where: str, text: Any) -> str:
-    """The canonical text of a partition sequence (``"B, P2x2"`` -> ``"B,P2x2"``)."""
-    if not isinstance(text, str):
-        _fail(where, f"must be a partition string like 'B,P2x2,N', got {text!r}")
-    try:
-        return str(PartitionSeq.parse(text))
-    except ValueError as e:
-        _fail(where, str(e))
-
-
-def _check_prime(where: str, text: str, world_size: int) -> None:
-    prime = PartitionSeq.parse(text).prime
-    if prime is not None and world_size % (prime.size * prime.size):
-        s = prime.size
-        _fail(
-            where, f"{prime} in {text!r} needs {s}*{s}={s * s} devices, which does not divide world_size {world_size}"
-        )
-
-
-def _json_hash(self: Any) -> int:
-    return hash(json.dumps(self.to_dict(), sort_keys=True))
-
-
-def _ratio(theirs: float, ours: float) -> str:
-    return f"{theirs / ours:.2f}x" if ours > 0 else ("1.00x" if theirs == 0 else "inf")
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -200,33 +76,43 @@ class CostBreakdown:
 
     def __post_init__(self) -> None:
         for name in ("compute_s", "ring_s", "collective_s", "redistribution_s", "step_s"):
-            _set(self, name, _seconds(f"cost.{name}", getattr(self, name)))
-        _set(self, "memory_bytes", _nbytes("cost.memory_bytes", self.memory_bytes))
-        comm = _mapping("cost.comm_bytes", self.comm_bytes, f"kind -> bytes, kinds {list(COMM_KINDS)}")
+            fieldcheck.set_attr(self, name, fieldcheck.seconds(f"cost.{name}", getattr(self, name)))
+        fieldcheck.set_attr(self, "memory_bytes", fieldcheck.nbytes("cost.memory_bytes", self.memory_bytes))
+        comm = fieldcheck.mapping("cost.comm_bytes", self.comm_bytes, f"kind -> bytes, kinds {list(COMM_KINDS)}")
         for k in comm:
             if k not in COMM_KINDS:
-                _fail(f"cost.comm_bytes[{k!r}]", f"unknown communication kind; expected one of {list(COMM_KINDS)}")
-        _set(self, "comm_bytes", {k: _nbytes(f"cost.comm_bytes[{k!r}]", comm[k]) for k in COMM_KINDS if k in comm})
-        phases = _mapping("cost.phase_s", self.phase_s, f"phase -> seconds, phases {list(PHASES)}")
+                fieldcheck.fail(
+                    f"cost.comm_bytes[{k!r}]", f"unknown communication kind; expected one of {list(COMM_KINDS)}"
+                )
+        fieldcheck.set_attr(
+            self,
+            "comm_bytes",
+            {k: fieldcheck.nbytes(f"cost.comm_bytes[{k!r}]", comm[k]) for k in COMM_KINDS if k in comm},
+        )
+        phases = fieldcheck.mapping("cost.phase_s", self.phase_s, f"phase -> seconds, phases {list(PHASES)}")
         for k in phases:
             if k not in PHASES:
-                _fail(f"cost.phase_s[{k!r}]", f"unknown phase; expected one of {list(PHASES)}")
+                fieldcheck.fail(f"cost.phase_s[{k!r}]", f"unknown phase; expected one of {list(PHASES)}")
         missing = [k for k in PHASES if k not in phases]
         if phases and missing:
-            _fail("cost.phase_s", f"missing phase(s) {missing}; give all of {list(PHASES)} or none")
-        _set(self, "phase_s", {k: _seconds(f"cost.phase_s[{k!r}]", phases[k]) for k in PHASES if k in phases})
+            fieldcheck.fail("cost.phase_s", f"missing phase(s) {missing}; give all of {list(PHASES)} or none")
+        fieldcheck.set_attr(
+            self, "phase_s", {k: fieldcheck.seconds(f"cost.phase_s[{k!r}]", phases[k]) for k in PHASES if k in phases}
+        )
         rest = self.collective_s + self.redistribution_s
         low, high = max(self.compute_s, self.ring_s) + rest, self.compute_s + self.ring_s + rest
         if not low * (1 - _REL_TOL) <= self.step_s <= high * (1 + _REL_TOL):
-            _fail(
+            fieldcheck.fail(
                 "cost.step_s",
                 f"{self.step_s!r} s is outside [{low!r}, {high!r}], the range that sum_t max(compute_t, ring_t) + "
                 "collective_s + redistribution_s can take for these compute_s, ring_s, collective_s, redistribution_s",
             )
         if sum(self.phase_s.values()) > self.step_s * (1 + _REL_TOL):
-            _fail("cost.phase_s", f"sums to {sum(self.phase_s.values())!r} s, more than step_s {self.step_s!r} s")
+            fieldcheck.fail(
+                "cost.phase_s", f"sums to {sum(self.phase_s.values())!r} s, more than step_s {self.step_s!r} s"
+            )
 
-    __hash__ = _json_hash
+    __hash__ = fieldcheck.json_hash
 
     @property
     def time_s(self) -> float:
@@ -244,8 +130,8 @@ class CostBreakdown:
     @classmethod
     def from_dict(cls, data: Any, where: str = "cost") -> CostBreakdown:
         required = ("compute_s", "ring_s", "collective_s", "redistribution_s", "step_s", "memory_bytes")
-        d = _fields(where, data, required, ("comm_bytes", "phase_s"))
-        with _rebase(where, "cost"):
+        d = fieldcheck.fields(where, data, required, ("comm_bytes", "phase_s"))
+        with fieldcheck.rebase(where, "cost"):
             return cls(**{"comm_bytes": {}, **d})
 
 
@@ -259,11 +145,11 @@ class NodePlan:
     cost: CostBreakdown | None = None
 
     def __post_init__(self) -> None:
-        _text("node.name", self.name)
-        _text("node.op", self.op)
-        _set(self, "partition", _partition("node.partition", self.partition))
+        fieldcheck.text("node.name", self.name)
+        fieldcheck.text("node.op", self.op)
+        fieldcheck.set_attr(self, "partition", fieldcheck.partition("node.partition", self.partition))
         if self.cost is not None and not isinstance(self.cost, CostBreakdown):
-            _fail("node.cost", f"must be a CostBreakdown or null, got {type(self.cost).__name__}")
+            fieldcheck.fail("node.cost", f"must be a CostBreakdown or null, got {type(self.cost).__name__}")
 
     @property
     def seq(self) -> PartitionSeq:
@@ -277,10 +163,10 @@ class NodePlan:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "node") -> NodePlan:
-        d = _fields(where, data, ("name", "op", "partition"), ("cost",))
+        d = fieldcheck.fields(where, data, ("name", "op", "partition"), ("cost",))
         if d.get("cost") is not None:
             d["cost"] = CostBreakdown.from_dict(d["cost"], f"{where}.cost")
-        with _rebase(where, "node"):
+        with fieldcheck.rebase(where, "node"):
             return cls(**d)
 
 
@@ -293,9 +179,9 @@ class Predicted:
     comm_bytes: int
 
     def __post_init__(self) -> None:
-        _set(self, "step_time_s", _seconds("predicted.step_time_s", self.step_time_s))
-        _nbytes("predicted.peak_memory_bytes", self.peak_memory_bytes)
-        _nbytes("predicted.comm_bytes", self.comm_bytes)
+        fieldcheck.set_attr(self, "step_time_s", fieldcheck.seconds("predicted.step_time_s", self.step_time_s))
+        fieldcheck.nbytes("predicted.peak_memory_bytes", self.peak_memory_bytes)
+        fieldcheck.nbytes("predicted.comm_bytes", self.comm_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -306,8 +192,8 @@ class Predicted:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "predicted") -> Predicted:
-        d = _fields(where, data, ("step_time_s", "peak_memory_bytes", "comm_bytes"))
-        with _rebase(where, "predicted"):
+        d = fieldcheck.fields(where, data, ("step_time_s", "peak_memory_bytes", "comm_bytes"))
+        with fieldcheck.rebase(where, "predicted"):
             return cls(**d)
 
 
@@ -325,30 +211,41 @@ class Baseline:
     partitions: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
-        _text("baseline.name", self.name)
-        _set(self, "config", _json_plain("baseline.config", _mapping("baseline.config", self.config, "settings")))
+        fieldcheck.text("baseline.name", self.name)
+        fieldcheck.set_attr(
+            self,
+            "config",
+            fieldcheck.json_plain("baseline.config", fieldcheck.mapping("baseline.config", self.config, "settings")),
+        )
         if not isinstance(self.predicted, Predicted):
-            _fail("baseline.predicted", f"must be a Predicted, got {type(self.predicted).__name__}")
+            fieldcheck.fail("baseline.predicted", f"must be a Predicted, got {type(self.predicted).__name__}")
         if self.partitions is not None:
-            parts = _mapping("baseline.partitions", self.partitions, "node name -> partition")
+            parts = fieldcheck.mapping("baseline.partitions", self.partitions, "node name -> partition")
             for k in parts:
-                _text(f"baseline.partitions[{k!r}]", k)
-            _set(self, "partitions", {k: _partition(f"baseline.partitions[{k!r}]", v) for k, v in parts.items()})
+                fieldcheck.text(f"baseline.partitions[{k!r}]", k)
+            fieldcheck.set_attr(
+                self,
+                "partitions",
+                {k: fieldcheck.partition(f"baseline.partitions[{k!r}]", v) for k, v in parts.items()},
+            )
 
-    __hash__ = _json_hash
+    __hash__ = fieldcheck.json_hash
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON value under ``baselines[name]`` (the name is the key, not repeated)."""
-        d: dict[str, Any] = {"config": _json_plain("config", self.config), "predicted": self.predicted.to_dict()}
+        d: dict[str, Any] = {
+            "config": fieldcheck.json_plain("config", self.config),
+            "predicted": self.predicted.to_dict(),
+        }
         if self.partitions is not None:
             d["partitions"] = dict(self.partitions)
         return d
 
     @classmethod
     def from_dict(cls, name: str, data: Any, where: str = "baseline") -> Baseline:
-        d = _fields(where, data, ("config", "predicted"), ("partitions",))
+        d = fieldcheck.fields(where, data, ("config", "predicted"), ("partitions",))
         d["predicted"] = Predicted.from_dict(d["predicted"], f"{where}.predicted")
-        with _rebase(where, "baseline"):
+        with fieldcheck.rebase(where, "baseline"):
             return cls(name=name, **d)
 
 
@@ -386,29 +283,31 @@ class Plan:
     def __post_init__(self) -> None:
         _check_format(self.format)
         if self.recompute is not None and not isinstance(self.recompute, Recompute):
-            _fail("plan.recompute", f"must be a Recompute or None, got {type(self.recompute).__name__}")
-        _text("plan.model", self.model)
+            fieldcheck.fail("plan.recompute", f"must be a Recompute or None, got {type(self.recompute).__name__}")
+        fieldcheck.text("plan.model", self.model)
         if not isinstance(self.model_fingerprint, str) or not (
             self.model_fingerprint == "" or _FINGERPRINT_RE.fullmatch(self.model_fingerprint)
         ):
-            _fail("plan.model_fingerprint", f"must be '' or 16 lowercase hex digits, got {self.model_fingerprint!r}")
-        _count("plan.world_size", self.world_size, "devices")
+            fieldcheck.fail(
+                "plan.model_fingerprint", f"must be '' or 16 lowercase hex digits, got {self.model_fingerprint!r}"
+            )
+        fieldcheck.count("plan.world_size", self.world_size, "devices")
         self._check_digits()
-        _text("plan.cluster", self.cluster)
-        _count("plan.batch", self.batch, "samples")
-        _count("plan.seq", self.seq, "tokens")
+        fieldcheck.text("plan.cluster", self.cluster)
+        fieldcheck.count("plan.batch", self.batch, "samples")
+        fieldcheck.count("plan.seq", self.seq, "tokens")
         if self.dtype not in PLAN_DTYPES:
-            _fail("plan.dtype", f"must be one of {list(PLAN_DTYPES)}, got {self.dtype!r}")
+            fieldcheck.fail("plan.dtype", f"must be one of {list(PLAN_DTYPES)}, got {self.dtype!r}")
         self._check_nodes()
         if not isinstance(self.predicted, Predicted):
-            _fail("plan.predicted", f"must be a Predicted, got {type(self.predicted).__name__}")
+            fieldcheck.fail("plan.predicted", f"must be a Predicted, got {type(self.predicted).__name__}")
         self._check_baselines()
-        _mapping("plan.search", self.search, "search settings and results")
-        _set(self, "search", _json_plain("plan.search", self.search))
+        fieldcheck.mapping("plan.search", self.search, "search settings and results")
+        fieldcheck.set_attr(self, "search", fieldcheck.json_plain("plan.search", self.search))
         try:
             self.cost_options()
         except ValueError as e:
-            _fail("plan.search", str(e).removeprefix("plan.search."))
+            fieldcheck.fail("plan.search", str(e).removeprefix("plan.search."))
 
     def cost_options(self) -> CostOptions:
         """What the plan was priced with: its dtype, ``search["alpha"]`` and ``search["training_state"]`` (what a
@@ -430,44 +329,44 @@ class Plan:
 
     def _check_digits(self) -> None:
         if not isinstance(self.digits, (tuple, list)):
-            _fail("plan.digits", f"must be a list of device-ID radices, got {type(self.digits).__name__}")
+            fieldcheck.fail("plan.digits", f"must be a list of device-ID radices, got {type(self.digits).__name__}")
         for i, d in enumerate(self.digits):
             if isinstance(d, bool) or not isinstance(d, int) or d < 2:
-                _fail(f"plan.digits[{i}]", f"must be an integer radix >= 2, got {d!r}")
-        _set(self, "digits", tuple(self.digits))
+                fieldcheck.fail(f"plan.digits[{i}]", f"must be an integer radix >= 2, got {d!r}")
+        fieldcheck.set_attr(self, "digits", tuple(self.digits))
         if prod(self.digits) != self.world_size:
-            _fail(
+            fieldcheck.fail(
                 "plan.digits", f"{list(self.digits)} multiply to {prod(self.digits)}, not world_size {self.world_size}"
             )
 
     def _check_nodes(self) -> None:
         if not isinstance(self.nodes, (tuple, list)):
-            _fail("plan.nodes", f"must be a list of NodePlan, got {type(self.nodes).__name__}")
-        _set(self, "nodes", tuple(self.nodes))
+            fieldcheck.fail("plan.nodes", f"must be a list of NodePlan, got {type(self.nodes).__name__}")
+        fieldcheck.set_attr(self, "nodes", tuple(self.nodes))
         seen: dict[str, int] = {}
         for i, node in enumerate(self.nodes):
             if not isinstance(node, NodePlan):
-                _fail(f"plan.nodes[{i}]", f"must be a NodePlan, got {type(node).__name__}")
+                fieldcheck.fail(f"plan.nodes[{i}]", f"must be a NodePlan, got {type(node).__name__}")
             if node.name in seen:
-                _fail(
+                fieldcheck.fail(
                     f"plan.nodes[{i}].name", f"duplicate node name {node.name!r} (also plan.nodes[{seen[node.name]}])"
                 )
             seen[node.name] = i
-            _check_prime(f"plan.nodes[{i}].partition", node.partition, self.world_size)
+            fieldcheck.check_prime(f"plan.nodes[{i}].partition", node.partition, self.world_size)
 
     def _check_baselines(self) -> None:
-        _mapping("plan.baselines", self.baselines, "name -> baseline")
-        _set(self, "baselines", dict(self.baselines))
+        fieldcheck.mapping("plan.baselines", self.baselines, "name -> baseline")
+        fieldcheck.set_attr(self, "baselines", dict(self.baselines))
         for key, b in self.baselines.items():
             where = f"plan.baselines[{key!r}]"
             if not isinstance(b, Baseline):
-                _fail(where, f"must be a Baseline, got {type(b).__name__}")
+                fieldcheck.fail(where, f"must be a Baseline, got {type(b).__name__}")
             if b.name != key:
-                _fail(f"{where}.name", f"is {b.name!r} but the baseline is stored under {key!r}")
+                fieldcheck.fail(f"{where}.name", f"is {b.name!r} but the baseline is stored under {key!r}")
             for node, text in (b.partitions or {}).items():
-                _check_prime(f"{where}.partitions[{node!r}]", text, self.world_size)
+                fieldcheck.check_prime(f"{where}.partitions[{node!r}]", text, self.world_size)
 
-    __hash__ = _json_hash
+    __hash__ = fieldcheck.json_hash
 
     # ------------------------------------------------------------------------------------------------ queries
     def partitions(self) -> dict[str, PartitionSeq]:
@@ -497,16 +396,16 @@ class Plan:
         for i, node in enumerate(self.nodes):
             if node.name not in ops:
                 there = f"; the model's node at that position is {graph[i][0]!r}" if i < len(graph) else ""
-                _fail(
+                fieldcheck.fail(
                     f"plan.nodes[{i}].name", f"node {node.name!r} is not in the model{there}: plan is for another model"
                 )
             if ops[node.name] != node.op:
                 reason = f"node {node.name!r} is {node.op!r} in the plan but {ops[node.name]!r} in the model"
-                _fail(f"plan.nodes[{i}].op", f"{reason}: plan is for another model")
+                fieldcheck.fail(f"plan.nodes[{i}].op", f"{reason}: plan is for another model")
         planned = {n.name for n in self.nodes}
         missing = [name for name, _ in graph if name not in planned]
         if missing:
-            _fail(
+            fieldcheck.fail(
                 "plan.nodes",
                 f"model node {missing[0]!r} has no partition in the plan ({len(missing)} of {len(graph)} nodes have "
                 "none): plan is for another model, or was edited",
@@ -516,7 +415,9 @@ class Plan:
             planned = {n.name for n in self.nodes}
             extra = next((name for name, _ in graph if name not in planned), None)
             what = f"model node {extra!r} has no partition in the plan" if extra else "the model's node order differs"
-            _fail("plan.model_fingerprint", f"{self.model_fingerprint} but the model fingerprints to {actual}: {what}")
+            fieldcheck.fail(
+                "plan.model_fingerprint", f"{self.model_fingerprint} but the model fingerprints to {actual}: {what}"
+            )
 
     def summary_table(self, tablefmt: str = "simple", fold: bool = False) -> str:
         """Per-node partitions and costs, then predicted totals with one comparison row per baseline.
@@ -557,8 +458,8 @@ class Plan:
             for k, b in self.baselines.items()
         ]
         for name, p in rows:
-            time_ratio = _ratio(p.step_time_s, ours.step_time_s)
-            memory_ratio = _ratio(p.peak_memory_bytes, ours.peak_memory_bytes)
+            time_ratio = fieldcheck.ratio(p.step_time_s, ours.step_time_s)
+            memory_ratio = fieldcheck.ratio(p.peak_memory_bytes, ours.peak_memory_bytes)
             totals.append(
                 [name, p.step_time_s * 1e3, time_ratio, p.peak_memory_bytes / MiB, memory_ratio, p.comm_bytes]
             )
@@ -583,7 +484,7 @@ class Plan:
         d["nodes"] = [n.to_dict() for n in self.nodes]
         d["predicted"] = self.predicted.to_dict()
         d["baselines"] = {k: b.to_dict() for k, b in self.baselines.items()}
-        d["search"] = _json_plain("plan.search", self.search)
+        d["search"] = fieldcheck.json_plain("plan.search", self.search)
         if self.recompute is not None:
             d["recompute"] = self.recompute.to_dict()
         return d
@@ -592,20 +493,20 @@ class Plan:
     def from_dict(cls, data: Any) -> Plan:
         if isinstance(data, Mapping):  # before any other field
             _check_format(data.get("format", PLAN_FORMAT))
-        d = _fields("plan", data, _PLAN_REQUIRED, ("model_fingerprint", "baselines", "search", "recompute"))
+        d = fieldcheck.fields("plan", data, _PLAN_REQUIRED, ("model_fingerprint", "baselines", "search", "recompute"))
         if d.get("recompute") is not None:
             try:
                 d["recompute"] = Recompute.from_dict(d["recompute"])
             except ValueError as e:
-                _fail("plan.recompute", str(e).removeprefix("plan.recompute").lstrip(". "))
+                fieldcheck.fail("plan.recompute", str(e).removeprefix("plan.recompute").lstrip(". "))
         if not isinstance(d["nodes"], list):
-            _fail("plan.nodes", f"must be a list of nodes, got {type(d['nodes']).__name__}")
+            fieldcheck.fail("plan.nodes", f"must be a list of nodes, got {type(d['nodes']).__name__}")
         d["nodes"] = tuple(NodePlan.from_dict(n, f"plan.nodes[{i}]") for i, n in enumerate(d["nodes"]))
         d["predicted"] = Predicted.from_dict(d["predicted"], "plan.predicted")
-        baselines = _mapping("plan.baselines", d.get("baselines", {}), "name -> baseline")
+        baselines = fieldcheck.mapping("plan.baselines", d.get("baselines", {}), "name -> baseline")
         d["baselines"] = {k: Baseline.from_dict(k, v, f"plan.baselines[{k!r}]") for k, v in baselines.items()}
         if not isinstance(d["digits"], list):
-            _fail("plan.digits", f"must be a list of device-ID radices, got {type(d['digits']).__name__}")
+            fieldcheck.fail("plan.digits", f"must be a list of device-ID radices, got {type(d['digits']).__name__}")
         return cls(**d)
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -616,7 +517,7 @@ class Plan:
         try:
             data = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as e:
-            _fail("plan", f"not valid JSON: {e}")
+            fieldcheck.fail("plan", f"not valid JSON: {e}")
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -651,10 +552,10 @@ class Plan:
 
 def _check_format(fmt: object) -> None:
     if fmt in _OLD_FORMATS:
-        _fail("plan.format", f"{fmt!r} is no longer read ({PLAN_FORMAT!r} is): {_OLD_FORMATS[fmt]}")  # type: ignore[index]
+        fieldcheck.fail("plan.format", f"{fmt!r} is no longer read ({PLAN_FORMAT!r} is): {_OLD_FORMATS[fmt]}")  # type: ignore[index]
     if fmt != PLAN_FORMAT:
-        _fail("plan.format", f"unsupported plan format {fmt!r}; expected {PLAN_FORMAT!r}")
+        fieldcheck.fail("plan.format", f"unsupported plan format {fmt!r}; expected {PLAN_FORMAT!r}")
 
 
 def _reject_constant(name: str) -> NoReturn:
-    _fail("plan", f"not valid JSON: {name} is not a number a plan may hold")
+    fieldcheck.fail("plan", f"not valid JSON: {name} is not a number a plan may hold")
