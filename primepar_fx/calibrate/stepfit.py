@@ -17,7 +17,7 @@ see. This module fits the measured step times of a few plans instead, one :class
   ``2 (g-1)/g`` of the block, a transfer's bytes exact.
 
 :func:`fit_steps` solves for the coefficients by non-negative least squares on relative residuals
-(:func:`~primepar_fx.calibrate.measure.nnls`; every plan weighs alike). :func:`step_fitted_spec` writes them into the
+(:func:`~primepar_fx.calibrate.fitting.nnls`; every plan weighs alike). :func:`step_fitted_spec` writes them into the
 *existing* fields of a :class:`~primepar_fx.cost.cluster.ClusterSpec`, so that the cost model prices a plan as
 the fit does, with ``g`` the ranks of the measured steps (``world_size``) and ``f`` every op family that costs
 anything (not ``view`` or ``meta``)::
