@@ -29,6 +29,14 @@ from primepar_fx.planning.options import DEVICE_MEMORY_RESERVE, PlanOptions, par
 from primepar_fx.planning.parallel import default_workers
 from primepar_fx.planning.plan import Plan
 from primepar_fx.search import InfeasibleBudget
+from primepar_fx.utils.cliargs import (  # noqa: F401  (re-exported: the command line's names)
+    digit_list,
+    non_negative_float,
+    parse_budget,
+    parse_bytes,
+    positive_int,
+    table_format,
+)
 from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger("primepar_fx")
@@ -39,48 +47,6 @@ MODEL_HELP = "zoo name, hf:FAMILY, a Hugging Face config.json, or package.module
 
 class CliError(Exception):
     """A bad argument or input the command line found itself: ``error: ...`` on stderr, exit status 2."""
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def digit_list(text: str) -> tuple[int, ...]:
-    """An argparse type: device-ID digit radices such as ``3,2,2`` (each >= 2)."""
-    try:
-        digits = tuple(int(d) for d in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected radices separated by commas, such as 3,2,2; got {text!r}") from None
-    if any(d < 2 for d in digits):
-        raise argparse.ArgumentTypeError(f"every radix must be >= 2, got {text!r}")
-    return digits
-
-
-def table_format(text: str) -> str:
-    """An argparse type: one of tabulate's table formats."""
-    from tabulate import tabulate_formats
-
-    if text not in tabulate_formats:
-        raise argparse.ArgumentTypeError(f"unknown table format {text!r}; choose one of {', '.join(tabulate_formats)}")
-    return text
 
 
 def _example_inputs(
@@ -198,23 +164,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     )
     print(f"\nanalysed in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
-
-
-def parse_bytes(text: str) -> int:
-    """An argparse type: ``"30GiB"``, ``"512MB"``, ``"1e9"`` -> bytes (:func:`primepar_fx.utils.units.parse_bytes`)."""
-    from primepar_fx.utils.units import parse_bytes as parse
-
-    try:
-        return parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def parse_budget(text: str) -> int | str:
-    """An argparse type: :func:`parse_bytes`, or ``"none"`` (no budget) and ``"device"`` (the default) as such."""
-    if text.strip().lower() in ("none", "device"):
-        return text.strip().lower()
-    return parse_bytes(text)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
