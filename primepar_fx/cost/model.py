@@ -454,11 +454,10 @@ def _direction(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, item:
     elems = received.sum(axis=-1)
     time = np.zeros(elems.shape)
     if mesh.size > 1 and elems.any():
-        time = _p2p_distinct(pairs, received, mesh, cluster, item)
+        count, cross, local = pairs.exchange(mesh, cluster.devices_per_node)
+        time = _p2p_distinct(count, cross, received, cluster, item)
         inside, across = all_to_all_levels(received.max(axis=-1), mesh, cluster, item)
         if (time > np.minimum(inside, across)).any():  # else no all-to-all is cheaper, wherever it runs
-            per_node = min(mesh.size, cluster.devices_per_node)
-            local = pairs.node_local_distinct([k // per_node for k in range(mesh.size)])
             time = np.minimum(time, np.where(local, inside, across))
     return time, elems
 
@@ -495,13 +494,14 @@ def p2p_seconds(
     (:meth:`~primepar_fx.cost.cluster.LinkLevel.p2p_coefficients`, the messages taken as equal). Every message is
     posted at once, so the exchange takes the time of the busiest receiver: ``max_k``.
     """
-    return _p2p_distinct(pairs, received, mesh, cluster, itemsize)[pairs.held_of][:, pairs.needed_of]
+    count, cross = pairs.messages(mesh, cluster.devices_per_node)
+    return _p2p_distinct(count, cross, received, cluster, itemsize)[pairs.held_of][:, pairs.needed_of]
 
 
 def _p2p_distinct(
-    pairs: LayoutPairs, received: np.ndarray, mesh: DeviceMesh, cluster: ClusterSpec, itemsize: int
+    count: np.ndarray, cross: np.ndarray, received: np.ndarray, cluster: ClusterSpec, itemsize: int
 ) -> np.ndarray:
-    count, cross = pairs.messages(mesh, cluster.devices_per_node)
+    """:func:`p2p_seconds` per pair of distinct layouts, from the ``(count, cross)`` of ``LayoutPairs.messages``."""
     out = np.zeros(count.shape[:2])
     for level in range(len(cluster.levels)):
         mask = cross if level else ~cross

@@ -257,15 +257,23 @@ def redistribution(
 
 # ------------------------------------------------------------------------------------------- who sends
 @lru_cache(maxsize=1 << 12)
-def _class_messages(first: tuple[int, ...], mesh: DeviceMesh, devices_per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(other, far)`` for a held layout whose rank ``r`` holds the block of rank ``first[r]`` (the first rank
-    holding it): ``other[r, k]``, rank ``r`` stands for a class (it is its first rank) whose block is not ``k``'s;
-    ``far[r, k]``, moreover that class's sender to ``k`` is on another node."""
+def _class_messages(
+    first: tuple[int, ...], mesh: DeviceMesh, devices_per_node: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(other, far, absent)`` for a held layout whose rank ``r`` holds the block of rank ``first[r]`` (the first
+    rank holding it): ``other[r, k]``, rank ``r`` stands for a class (it is its first rank) whose block is not
+    ``k``'s; ``far[r, k]``, moreover that class's sender to ``k`` is on another node; ``absent[r, k]``, moreover no
+    rank of that class is on ``k``'s node."""
     cls = np.asarray(first)
-    other = (cls == np.arange(mesh.size))[:, None] & (cls[:, None] != cls[None, :])
-    node = np.arange(mesh.size) // devices_per_node
+    ranks = np.arange(mesh.size)
+    other = (cls == ranks)[:, None] & (cls[:, None] != cls[None, :])
+    node = ranks // devices_per_node
     far = other & (node[class_senders(first, mesh)] != node[None, :])
-    return other, far
+    # on[r, n]: a rank of r's class (as its first rank) is on node n
+    on = np.zeros((mesh.size, int(node.max()) + 1), dtype=bool)
+    on[cls, node] = True
+    absent = other & ~on[:, node]
+    return other, far, absent
 
 
 def _pack(flags: np.ndarray) -> np.ndarray:
@@ -332,26 +340,37 @@ class LayoutPairs:
     def messages(self, mesh: DeviceMesh, devices_per_node: int, budget: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
         """``(M, X)``, ``(distinct held, distinct needed, world)`` arrays: ``M[i, j, k]`` is the number of ranks that
         send device ``k`` part of its needed block by the runtime's rule (:func:`class_senders`), one message each,
-        and ``X[i, j, k]`` whether one of them sits on another node than ``k``.
+        and ``X[i, j, k]`` whether one of them sits on another node than ``k``. :meth:`exchange` says how."""
+        count, cross, _ = self.exchange(mesh, devices_per_node, budget)
+        return count, cross
+
+    def exchange(
+        self, mesh: DeviceMesh, devices_per_node: int, budget: int = 1 << 22
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(M, X, L)``: :meth:`messages` and, per pair of distinct layouts, ``L[i, j]``: every device finds its
+        needed block on its own node (:meth:`node_local_distinct` on nodes of ``devices_per_node`` ranks).
 
         The blocks of one layout are equal or disjoint, so its devices fall into classes that hold one block each.
         Device ``k`` receives one message from every other class whose block meets its needed block, sent by that
         class's :func:`nearest_holder`. The ranks ``r`` of a held layout are packed 64 to a word. Two blocks meet
         when they meet in every dim, and the AND of packed words is the packed AND, so each dim contributes a word
         per (held layout, needed set of that dim), from a small table of its distinct sets; the AND over dims says
-        which ranks' blocks meet a needed block, and a popcount counts the senders.
+        which ranks' blocks meet a needed block, and a popcount counts the senders. A needed block is on its node
+        when no other class whose block meets it is absent from the node (the classes' blocks are disjoint, so the
+        part of the needed block in such a class's block is held only by that class).
         """
         world, dims = self.held.shape[1:]
         _, hid = intern_rows(self.held.reshape(-1, dims))
         hid = hid.reshape(len(self.held), world)
         # other[i, r, k]: r is the first rank of a class that is not k's; far[i, r, k]: its sender is off k's node
         first = (hid[:, :, None] == hid[:, None, :]).argmax(axis=-1)
-        other, far = np.empty((2, len(self.held), world, world), dtype=bool)
+        other, far, absent = np.empty((3, len(self.held), world, world), dtype=bool)
         for i, row in enumerate(first):
-            other[i], far[i] = _class_messages(tuple(row.tolist()), mesh, devices_per_node)
+            other[i], far[i], absent[i] = _class_messages(tuple(row.tolist()), mesh, devices_per_node)
         needed_sets = [SETS.distinct(self.needed[..., d]) for d in range(dims)]
         count = np.zeros((len(self.held), len(self.needed), world), dtype=np.int64)
         cross = np.zeros(count.shape, dtype=bool)
+        elsewhere = np.zeros(count.shape[:2], dtype=bool)  # some device's needed block is not on its node
         chunk = max(1, budget // max(1, len(self.needed) * world))
         for lo in range(0, len(self.held), chunk):
             i = slice(lo, lo + chunk)
@@ -369,7 +388,8 @@ class LayoutPairs:
                     bits = np.full((len(self.held[i]), len(self.needed), world), ~np.uint64(0))
                 count[i] += _popcount(bits & _pack(other[i, ranks])[:, None])
                 cross[i] |= (bits & _pack(far[i, ranks])[:, None]) != 0
-        return count, cross
+                elsewhere[i] |= ((bits & _pack(absent[i, ranks])[:, None]) != 0).any(axis=-1)
+        return count, cross, ~elsewhere
 
     def node_local(self, node_of: Sequence[int]) -> np.ndarray:
         """:meth:`node_local_distinct` per strategy pair."""

@@ -404,6 +404,21 @@ def test_node_local_is_every_needed_element_held_on_the_node(digits, per_node) -
     assert seen == {True, False}
 
 
+@pytest.mark.parametrize(("digits", "per_node"), [((2, 2, 2), 2), ((2, 2, 2), 4), ((3, 2), 4), ((2, 4, 4), 4)])
+def test_exchange_finds_the_node_local_pairs_the_overlaps_find(digits, per_node) -> None:
+    """:meth:`LayoutPairs.exchange`'s locality, read off the packed senders, equals :meth:`node_local_distinct`'s
+    (checked element by element above), on meshes of one to eight nodes."""
+    mesh = DeviceMesh(digits)
+    size = {8: 8, 6: 12, 32: 32}[mesh.size]
+    _, _, pairs = every_forward_pair(linear(2, size, 4, 4), linear(2, size, 4, 2), mesh)
+    count, cross, local = pairs.exchange(mesh, per_node)
+    expected = pairs.node_local_distinct([k // per_node for k in range(mesh.size)])
+    assert np.array_equal(local, expected)
+    messages = pairs.messages(mesh, per_node)
+    assert np.array_equal(count, messages[0]) and np.array_equal(cross, messages[1])
+    assert local.any() and not local.all()
+
+
 def test_cannon_skew_is_one_message_per_receiving_device() -> None:
     producer, consumer = bind(linear(2, 4, 4, 4), "P2x2", (2, 2)), bind(linear(2, 4, 4, 6), "P2x2", (2, 2))
     vkey = values_key({})
