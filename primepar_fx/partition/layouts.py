@@ -279,19 +279,47 @@ def bound_partition(key: PartKey) -> OpPartition:
 @lru_cache(maxsize=1 << 14)
 def _layout_of_slices(world: int, groups: tuple[tuple[tuple[int, int, bytes], ...], ...]) -> np.ndarray:
     """:func:`layout_ids` from each tensor dim's ``(size, parts, DSI of every device as int64 bytes)`` per
-    iteration dim."""
+    iteration dim.
+
+    A device's slice of a tensor dim is its mixed-radix code over the parts of the dim's iteration dims, so the set
+    numbers of one ``(sizes, parts)`` are a table indexed by code (:func:`_code_sets`), filled as codes are met."""
     out = np.empty((world, len(groups)), dtype=np.int64)
     for k, group in enumerate(groups):
-        idx = [np.frombuffer(b, dtype=np.int64) for _, _, b in group]
         code = np.zeros(world, dtype=np.int64)
-        for (_, parts, _), i in zip(group, idx):
-            code = code * parts + i
-        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-        gs = tuple(size for size, _, _ in group)
-        numbers = [set_number(gs, tuple((int(i[dev]), parts) for (_, parts, _), i in zip(group, idx))) for dev in first]
-        out[:, k] = np.array(numbers, dtype=np.int64)[inverse.reshape(-1)]
+        for _, parts, dsi in group:
+            code = code * parts + np.frombuffer(dsi, dtype=np.int64)
+        sizes, parts = tuple(g[0] for g in group), tuple(g[1] for g in group)
+        table = _code_sets(sizes, parts)
+        numbers = table[code]
+        if (numbers < 0).any():
+            for c in np.unique(code[numbers < 0]).tolist():
+                table[c] = set_number(sizes, tuple(zip(_digits(c, parts), parts)))
+            numbers = table[code]
+        out[:, k] = numbers
     out.flags.writeable = False
     return out
+
+
+#: :func:`_code_sets` per ``(sizes, parts)``: the set number of every slice code met so far, -1 for the others
+_CODE_SETS: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
+
+
+def _code_sets(sizes: tuple[int, ...], parts: tuple[int, ...]) -> np.ndarray:
+    """The (mutable) table of :data:`SETS` numbers by mixed-radix slice code of a tensor dim whose iteration dims
+    have ``sizes`` and split into ``parts``."""
+    key = (sizes, parts)
+    if key not in _CODE_SETS:
+        _CODE_SETS[key] = np.full(prod(parts), -1, dtype=np.int64)
+    return _CODE_SETS[key]
+
+
+def _digits(code: int, parts: tuple[int, ...]) -> list[int]:
+    """The mixed-radix digits of ``code`` over ``parts``, the first (major) first."""
+    out = []
+    for p in reversed(parts):
+        code, i = divmod(code, p)
+        out.append(i)
+    return out[::-1]
 
 
 @lru_cache(maxsize=1 << 14)
@@ -362,6 +390,7 @@ def clear_layout_caches() -> None:
     _SPLIT_DSIS.clear()
     bound_partition.cache_clear()
     _layout_of_slices.cache_clear()
+    _CODE_SETS.clear()
     set_number.cache_clear()
     index_set.cache_clear()
     overlap.cache_clear()
