@@ -113,6 +113,7 @@ class LinkLevel(SpecData):
                 raise ValueError(f"LinkLevel.collectives[{k!r}] must be a LinearLatency, got {type(v).__name__}")
         set_field(self, "collectives", {k: self.collectives[k] for k in COLLECTIVES})
 
+    _hash: int | None = field(init=False, repr=False, compare=False, default=None)  # data_hash's, once computed
     __hash__ = data_hash  # dict fields: hash the canonical JSON (consistent with ==)
 
     @classmethod
@@ -206,6 +207,7 @@ class DeviceSpec(SpecData):
                 raise ValueError(f"DeviceSpec.compute[{key!r}] must be a ComputeModel, got {type(model).__name__}")
         set_field(self, "compute", dict(sorted(self.compute.items())))
 
+    _hash: int | None = field(init=False, repr=False, compare=False, default=None)  # data_hash's, once computed
     __hash__ = data_hash  # dict fields: hash the canonical JSON (consistent with ==)
 
     def peak(self, dtype: object) -> float:
@@ -309,6 +311,7 @@ class ClusterSpec(SpecData):
             raise ValueError(f"ClusterSpec.gradient_overlap must be a fraction from 0 to 1, got {overlap!r}")
         set_field(self, "gradient_overlap", overlap)
 
+    _hash: int | None = field(init=False, repr=False, compare=False, default=None)  # data_hash's, once computed
     __hash__ = data_hash  # dict fields: hash the canonical JSON (consistent with ==)
 
     @property

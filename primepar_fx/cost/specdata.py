@@ -8,6 +8,7 @@ data as TOML (the standard library reads TOML but does not write it).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -44,12 +45,12 @@ def set_field(obj: object, name: str, value: Any) -> None:
 
 
 def plain(obj: Any, top: bool = True) -> Any:
-    """Dataclasses, tuples and dicts as plain JSON data (field order kept); a nested spec object by its own
-    ``to_dict`` (which may leave out fields at their default)."""
+    """Dataclasses, tuples and dicts as plain JSON data (field order kept, private ``_`` fields left out); a nested
+    spec object by its own ``to_dict`` (which may leave out fields at their default)."""
     if not top and isinstance(obj, SpecData):
         return obj.to_dict()
     if dataclasses.is_dataclass(obj):
-        return {f.name: plain(getattr(obj, f.name), False) for f in dataclasses.fields(obj)}
+        return {f.name: plain(getattr(obj, f.name), False) for f in dataclasses.fields(obj) if f.name[0] != "_"}
     if isinstance(obj, (tuple, list)):
         return [plain(v, False) for v in obj]
     if isinstance(obj, dict):
@@ -75,8 +76,15 @@ def fields(where: str, data: Any, required: tuple[str, ...], optional: tuple[str
     return dict(data)
 
 
-def data_hash(self: SpecData) -> int:
-    return hash(json.dumps(self.to_dict(), sort_keys=True))
+def data_hash(self: Any) -> int:
+    """The hash of a spec with dict fields: a digest of its canonical JSON, computed once and kept in its ``_hash``
+    field (pricing looks specs up in its memos tens of thousands of times). A digest rather than ``hash(str)``, so
+    that a copy pickled into another process, with another ``PYTHONHASHSEED``, carries a valid one."""
+    if self._hash is None:
+        canonical = json.dumps(self.to_dict(), sort_keys=True).encode()
+        digest = hashlib.blake2b(canonical, digest_size=8).digest()
+        set_field(self, "_hash", int.from_bytes(digest, "little", signed=True))
+    return self._hash
 
 
 class SpecData:
