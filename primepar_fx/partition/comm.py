@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 
+import numpy as np
+
 from primepar_fx.partition.dsi import PHASES, OpPartition, Phase, TensorSlice
 from primepar_fx.partition.mesh import DeviceMesh, class_senders
 from primepar_fx.partition.seq import PartitionSeq
@@ -106,16 +108,29 @@ def _slices_at(part: OpPartition, tmap: TensorMap, use: Use) -> dict[int, Tensor
 
 
 def shift_senders(part: OpPartition, tmap: TensorMap, src: Use, dst: Use) -> tuple[int, ...]:
-    """For every rank, the rank it receives its ``dst`` slice of a tensor from, given the ``src`` layout."""
-    have, want = _slices_at(part, tmap, src), _slices_at(part, tmap, dst)
-    first: dict[TensorSlice, int] = {}  # each slice's first holder labels its class
-    senders = class_senders(tuple(first.setdefault(s, k) for k, s in have.items()), part.mesh)
-    out = []
-    for k in range(part.mesh.size):
-        if want[k] not in first:
-            raise AssertionError(f"no device holds slice {want[k]} of {part.seq}")
-        out.append(int(senders[first[want[k]], k]))  # k itself if it holds it, else the nearest holder
-    return tuple(out)
+    """For every rank, the rank it receives its ``dst`` slice of a tensor from, given the ``src`` layout.
+
+    A rank's slice is told by one mixed-radix code of its DSIs over the parts of the tensor's iteration dims (the
+    code of :meth:`~OpPartition.tensor_slice`'s ``(index, parts)`` pairs), so slices compare as ints."""
+    have, want = _slice_codes(part, tmap, src), _slice_codes(part, tmap, dst)
+    codes, first_at, cls = np.unique(have, return_index=True, return_inverse=True)
+    first = first_at[cls.reshape(-1)]  # each slice's first holder labels its class
+    senders = class_senders(tuple(first.tolist()), part.mesh)
+    at = np.minimum(np.searchsorted(codes, want), len(codes) - 1)
+    if (codes[at] != want).any():
+        k = int(np.flatnonzero(codes[at] != want)[0])
+        raise AssertionError(f"no device holds slice {_slices_at(part, tmap, dst)[k]} of {part.seq}")
+    return tuple(senders[first_at[at], np.arange(part.mesh.size)].tolist())  # k itself if it holds it
+
+
+def _slice_codes(part: OpPartition, tmap: TensorMap, use: Use) -> np.ndarray:
+    """Every rank's slice of a tensor at ``use`` as one mixed-radix code of its DSIs."""
+    idx = part.dsi_table(use[0], use[1])
+    code = np.zeros(part.mesh.size, dtype=np.int64)
+    for group in tmap:
+        for d in group:
+            code = code * part.parts[d] + idx[d]
+    return code
 
 
 def transfers(part: OpPartition) -> list[Transfer]:

@@ -390,3 +390,30 @@ def test_slices_of_every_rank_at_once_equal_the_per_device_slices(digits):
                 assert comm._slices_at(part, tmap, use) == slow, (seq, use)
                 checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize(("digits", "rings"), [((2, 2), True), ((2, 2, 2), True), ((3, 2), False), ((2, 4, 4), True)])
+def test_shift_senders_are_the_nearest_holders_of_each_ranks_slice(digits, rings):
+    """``comm.shift_senders`` (slices compared as codes) gives every rank the :func:`nearest_holder` of the slice it
+    wants among the ranks that hold it, read off :meth:`OpPartition.tensor_slice`, between every two uses of every
+    tensor of every partition of a linear (its ring steps included; ``3 x 2`` has no P(S x S), so nothing moves)."""
+    from primepar_fx.partition import comm
+    from primepar_fx.partition.mesh import nearest_holder
+
+    mesh = DeviceMesh(digits)
+    op = linear_dims(2, 24 * mesh.size, 48, 48)
+    checked = moved = 0
+    for seq in enumerate_sequences(op, mesh)[:: 1 if mesh.size < 32 else 9]:
+        part = OpPartition(op, seq, mesh)
+        for tmap, uses in comm.tensor_uses(part).values():
+            at = {use: [part.tensor_slice(use[0], tmap, c, use[1]) for c in mesh.devices()] for use in uses}
+            for src, dst in itertools.product(uses, uses):
+                expected = tuple(
+                    nearest_holder([r for r, held in enumerate(at[src]) if held == want], k, mesh)
+                    for k, want in enumerate(at[dst])
+                )
+                senders = comm.shift_senders(part, tmap, src, dst)
+                assert senders == expected, (seq, src, dst)
+                checked += 1
+                moved += any(s != k for k, s in enumerate(senders))
+    assert checked > 50 and (moved > 10) == rings
