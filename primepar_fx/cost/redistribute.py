@@ -288,8 +288,8 @@ def _pack(flags: np.ndarray) -> np.ndarray:
 def _popcount(words: np.ndarray) -> np.ndarray:
     """The set bits of each uint64."""
     if hasattr(np, "bitwise_count"):  # numpy >= 2.0
-        return np.bitwise_count(words).astype(np.int64)
-    return np.unpackbits(words[..., None].view(np.uint8), axis=-1).sum(axis=-1, dtype=np.int64)
+        return np.bitwise_count(words)
+    return np.unpackbits(words[..., None].view(np.uint8), axis=-1).sum(axis=-1, dtype=np.uint8)
 
 
 # ------------------------------------------------------------------------------------------- all pairs
@@ -367,8 +367,11 @@ class LayoutPairs:
         other, far, absent = np.empty((3, len(self.held), world, world), dtype=bool)
         for i, row in enumerate(first):
             other[i], far[i], absent[i] = _class_messages(tuple(row.tolist()), mesh, devices_per_node)
-        needed_sets = [SETS.distinct(self.needed[..., d]) for d in range(dims)]
-        count = np.zeros((len(self.held), len(self.needed), world), dtype=np.int64)
+        # the distinct needed blocks (far fewer than layouts times devices), and the sets of each dim among them
+        blocks, block_of = intern_rows(self.needed.reshape(-1, dims))
+        block_of = block_of.reshape(len(self.needed), world)
+        needed_sets = [SETS.distinct(blocks[:, d]) for d in range(dims)]
+        count = np.zeros((len(self.held), len(self.needed), world), dtype=np.int32)
         cross = np.zeros(count.shape, dtype=bool)
         elsewhere = np.zeros(count.shape[:2], dtype=bool)  # some device's needed block is not on its node
         chunk = max(1, budget // max(1, len(self.needed) * world))
@@ -376,19 +379,19 @@ class LayoutPairs:
             i = slice(lo, lo + chunk)
             for r in range(0, world, 64):
                 ranks = slice(r, r + 64)
-                bits = None
+                meet = None  # [held layout, needed block]: which of the word's ranks hold a block that meets it
                 for d, (ns, ni) in enumerate(needed_sets):
                     hs, hi = SETS.distinct(self.held[i, ranks, d])
                     meets = SETS.overlaps(hs, ns) > 0  # [held set, needed set] of dim d
-                    word = np.take(
-                        _pack(meets[hi.reshape(-1, min(64, world - r))]), ni.reshape(len(self.needed), world), axis=1
-                    )
-                    bits = word if bits is None else np.bitwise_and(bits, word, out=bits)
-                if bits is None:  # a scalar: every block meets every other
-                    bits = np.full((len(self.held[i]), len(self.needed), world), ~np.uint64(0))
-                count[i] += _popcount(bits & _pack(other[i, ranks])[:, None])
-                cross[i] |= (bits & _pack(far[i, ranks])[:, None]) != 0
-                elsewhere[i] |= ((bits & _pack(absent[i, ranks])[:, None]) != 0).any(axis=-1)
+                    word = np.take(_pack(meets[hi]), ni, axis=1)
+                    meet = word if meet is None else np.bitwise_and(meet, word, out=meet)
+                if meet is None:  # a scalar: every block meets every other
+                    meet = np.full((len(self.held[i]), len(blocks)), ~np.uint64(0))
+                bits = np.take(meet, block_of, axis=1)  # [held layout, needed layout, device]
+                senders = np.bitwise_and(bits, _pack(other[i, ranks])[:, None])
+                count[i] += _popcount(senders)
+                elsewhere[i] |= np.bitwise_and(bits, _pack(absent[i, ranks])[:, None], out=bits).any(axis=-1)
+                cross[i] |= np.bitwise_and(senders, _pack(far[i, ranks])[:, None], out=senders) != 0  # far: senders
         return count, cross, ~elsewhere
 
     def node_local(self, node_of: Sequence[int]) -> np.ndarray:
