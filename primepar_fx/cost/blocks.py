@@ -7,7 +7,6 @@ reduce-scatter saving) both price blocks through :func:`block_bytes`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import lru_cache
 from math import prod
 
@@ -187,7 +186,9 @@ class CostOptions:
 def block_elems(op: OpDims, parts: tuple[int, ...], tmap: TensorMap, vkey: ValuesKey) -> int:
     """Elements of one device's block of ``tmap`` when iteration dim ``op.dims[i]`` is cut into ``parts[i]``."""
     part_of, sizes = dict(zip(op.dims, parts)), concrete_sizes(op, vkey)
-    return int(round(float(prod((Fraction(sizes[d], part_of[d]) for group in tmap for d in group), start=1))))
+    dims = [d for group in tmap for d in group]
+    whole, cuts = prod(sizes[d] for d in dims), prod(part_of[d] for d in dims)
+    return whole // cuts if whole % cuts == 0 else round(whole / cuts)  # int / int is correctly rounded
 
 
 def block_bytes(part: OpPartition, tmap: TensorMap, vkey: ValuesKey, itemsize: int) -> int:

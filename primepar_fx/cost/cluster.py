@@ -230,11 +230,7 @@ class DeviceSpec(SpecData):
 
     def compute_model(self, family: str, dtype: object = "fp32") -> ComputeModel:
         """The calibrated model (``family:dtype``, then ``family``) or else :meth:`default_compute`."""
-        key = dtype_key(dtype)
-        for k in (f"{family}:{key}", family):
-            if k in self.compute:
-                return self.compute[k]
-        return self.default_compute(family, key)
+        return _compute_model(self, family, dtype_key(dtype))
 
     def compute_time(self, family: str, flops: float, nbytes: float, dtype: object = "fp32") -> float:
         """Seconds for one op of ``family`` doing ``flops`` and moving ``nbytes`` of memory traffic."""
@@ -249,6 +245,15 @@ class DeviceSpec(SpecData):
             raise ValueError(f"DeviceSpec.compute must be an object/table, got {type(compute).__name__}")
         models = {k: within(f"compute[{k!r}]", ComputeModel.from_dict, v) for k, v in compute.items()}
         return cls(**{**d, "compute": models})
+
+
+@functools.lru_cache(maxsize=1024)
+def _compute_model(device: DeviceSpec, family: str, key: str) -> ComputeModel:
+    """:meth:`DeviceSpec.compute_model`, once per device, family and dtype (pricing asks once per strategy)."""
+    for k in (f"{family}:{key}", family):
+        if k in device.compute:
+            return device.compute[k]
+    return device.default_compute(family, key)
 
 
 # ---------------------------------------------------------------------------------------------------- clusters

@@ -141,6 +141,7 @@ class NodeCost:
 
 
 @lru_cache(maxsize=1 << 14)
+@lru_cache(maxsize=1 << 14)
 def _num(expr: sympy.Expr, vkey: ValuesKey) -> float:
     return float(sympy.sympify(expr).xreplace({k: sympy.Integer(v) for k, v in vkey}))
 

@@ -205,12 +205,20 @@ def collectives(part: OpPartition) -> list[Collective]:
     also reduced over the P digits that do not change its final slice, i.e. over the devices that hold the same
     slice of it at the phase's last step. Memoised per ``(op, seq, mesh)``.
     """
-    return list(_collectives(part.op, part.seq, part.mesh))
+    key = (part.op, part.seq, part.mesh)
+    if key not in _COLLECTIVES:
+        if len(_COLLECTIVES) >= _COLLECTIVES_KEPT:
+            _COLLECTIVES.clear()
+        _COLLECTIVES[key] = _collectives(part)
+    return list(_COLLECTIVES[key])
 
 
-@lru_cache(maxsize=1 << 16)
-def _collectives(op: OpDims, seq: PartitionSeq, mesh: DeviceMesh) -> tuple[Collective, ...]:
-    part = OpPartition(op, seq, mesh)
+#: :func:`collectives` per ``(op, seq, mesh)``, up to :data:`_COLLECTIVES_KEPT` of them (then started again)
+_COLLECTIVES: dict[tuple[OpDims, PartitionSeq, DeviceMesh], tuple[Collective, ...]] = {}
+_COLLECTIVES_KEPT = 1 << 16
+
+
+def _collectives(part: OpPartition) -> tuple[Collective, ...]:
     out = []
     canonical = _canonical_results(part.op)
     last = part.steps - 1

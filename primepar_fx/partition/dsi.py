@@ -130,10 +130,20 @@ class OpPartition:
         return self._indices(phase, coords, t)
 
     def dsi_table(self, phase: Phase, t: int = 0) -> dict[str, np.ndarray]:
-        """:meth:`dsis` of every device at once: ``I_X`` of each device in rank order, as an int64 array."""
-        world, grid = self.mesh.size, device_grid(self.mesh)
-        idx = self._indices(phase, tuple(grid.T), t)
-        return {d: np.broadcast_to(np.asarray(i, dtype=np.int64), (world,)) for d, i in idx.items()}
+        """:meth:`dsis` of every device at once: ``I_X`` of each device in rank order, as a read-only int64 array;
+        computed once per ``(phase, t)`` (the layouts, ring senders and replica counts of one partition read each
+        table several times), so the dict is shared: read it only."""
+        tables = self.__dict__.setdefault("_dsi_tables", {})
+        if (phase, t) not in tables:
+            world, grid = self.mesh.size, device_grid(self.mesh)
+            idx = self._indices(phase, tuple(grid.T), t)
+            table = {d: np.broadcast_to(np.asarray(i, dtype=np.int64), (world,)) for d, i in idx.items()}
+            tables[phase, t] = table
+        return tables[phase, t]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the memo of :meth:`dsi_table`."""
+        return {k: v for k, v in self.__dict__.items() if k != "_dsi_tables"}
 
     def _indices(self, phase: Phase, coords: Sequence[Any], t: int) -> dict[str, Any]:
         """Algorithm 1 on ``coords``, one entry per digit: an int (one device) or an int array (many devices)."""
