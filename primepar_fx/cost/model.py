@@ -502,19 +502,27 @@ def p2p_seconds(
 def _p2p_distinct(
     count: np.ndarray, cross: np.ndarray, received: np.ndarray, cluster: ClusterSpec, itemsize: int
 ) -> np.ndarray:
-    """:func:`p2p_seconds` per pair of distinct layouts, from the ``(count, cross)`` of ``LayoutPairs.messages``."""
-    out = np.zeros(count.shape[:2])
-    for level in range(len(cluster.levels)):
-        mask = cross if level else ~cross
-        if not mask.any():
-            continue
-        link = cluster.levels[level]
+    """:func:`p2p_seconds` per pair of distinct layouts, from the ``(count, cross)`` of ``LayoutPairs.messages``.
+
+    A device's time is ``count * fixed + received * per_element`` at its level (the inner one, or an outer one when
+    a message crosses nodes), where both coefficients depend on the count only: they are looked up in tables
+    indexed by it, computed with the same float operations, so that each element is priced as if alone."""
+    counts = np.arange(int(count.max(initial=0)) + 1)
+    inner = outer = None
+    for level, link in enumerate(cluster.levels):
         p2p = link.collectives["p2p"]
         fixed, unit = p2p.fixed + p2p.call, p2p.bytes_coeff
         if link.peer_factor > 1:  # few messages: the busiest peer's links bind (LinkLevel.p2p_coefficients)
-            unit = unit * np.maximum(1.0, link.peer_factor / np.maximum(count, 1))
-        out = np.maximum(out, np.where(mask, count * fixed + received * (itemsize * unit), 0.0).max(axis=-1))
-    return out
+            unit = unit * np.maximum(1.0, link.peer_factor / np.maximum(counts, 1))
+        per_message, per_element = counts * fixed, np.broadcast_to(itemsize * unit, counts.shape)
+        seconds = per_message[count] + received * per_element[count]
+        if level == 0:
+            inner = seconds
+        else:
+            outer = seconds if outer is None else np.maximum(outer, seconds)
+    if outer is None:
+        return np.where(cross, 0.0, inner).max(axis=-1)
+    return np.where(cross, outer, inner).max(axis=-1)
 
 
 def clear_caches() -> None:
