@@ -19,9 +19,10 @@ emit as a node of its own, whose result goes only to the re-layout (a single use
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import numpy as np
 import sympy
@@ -91,28 +92,33 @@ def scatters(held: Layout, needed: Layout, groups: Sequence[Sequence[int]]) -> b
 
 
 def scatters_many(held: np.ndarray, needed: np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
-    """:func:`scatters` of one held layout to many needed ones at once, on :data:`~primepar_fx.partition.layouts.SETS`
-    numbers: ``held`` is a ``(world, tensor dims)`` array, ``needed`` an ``(n, world, tensor dims)`` one; the answer
-    is a boolean array of ``n``. Equal index sets have equal numbers, so layouts and blocks compare as ints."""
+    """:func:`scatters` of held layouts to many needed ones at once, on :data:`~primepar_fx.partition.layouts.SETS`
+    numbers: ``held`` is a ``(world, tensor dims)`` array (or a stack of them, ``(h, world, tensor dims)``),
+    ``needed`` an ``(n, world, tensor dims)`` one; the answer is a boolean array of ``n`` (``(h, n)`` for a stack).
+    Equal index sets have equal numbers, so layouts and blocks compare as ints. The cheap tests run on every pair,
+    the containment of parts in blocks only on the pairs that pass them."""
+    if held.ndim == 2:
+        return scatters_many(held[None], needed, groups)[0]
+    out = np.zeros((len(held), len(needed)), dtype=bool)
     ranks = np.asarray(groups, dtype=np.int64)  # (groups, group size): a mesh's groups have one size
-    if ranks.ndim != 2 or ranks.shape[1] < 2 or (held[ranks] != held[ranks[:, :1]]).any():
-        return np.zeros(len(needed), dtype=bool)  # one-rank groups, or a group's ranks hold different blocks
+    if ranks.ndim != 2 or ranks.shape[1] < 2 or not len(held) or not len(needed):
+        return out  # one-rank groups
     sizes = np.array(SETS.sizes, dtype=np.int64)
-    block = held[ranks[:, 0]]  # (groups, dims)
-    ok = ~(needed == held[None]).all(axis=(1, 2))
-    # the cheap test first: a group's parts are of one size, group size times that is the block's
-    parts = needed[ok][:, ranks]  # (candidates, groups, group size, dims)
+    whole = (held[:, ranks] == held[:, ranks[:, :1]]).all(axis=(1, 2, 3))  # a group's ranks hold one block
+    block = held[:, ranks[:, 0]]  # (h, groups, dims)
+    parts = needed[:, ranks]  # (n, groups, group size, dims)
     part_size = sizes[parts].prod(axis=-1)
-    equal = (part_size == part_size[..., :1]).all(axis=-1) & (
-        part_size[..., 0] * ranks.shape[1] == sizes[block].prod(-1)
-    )
-    ok[ok] = keep = equal.all(axis=-1)
-    parts = parts[keep]
-    ok[ok] = keep = (SETS.pairwise(block[None, :, None], parts) == sizes[parts]).all(
-        axis=(1, 2, 3)
-    )  # every part inside its group's block, dim by dim
-    ok[ok] = _distinct_parts(parts[keep])
-    return ok
+    equal = (part_size == part_size[..., :1]).all(axis=(1, 2))  # a group's parts are of one size
+    ok = whole[:, None] & equal[None, :]
+    # group size times that size is the block's, and the layouts differ
+    ok &= (part_size[None, :, :, 0] * ranks.shape[1] == sizes[block].prod(axis=-1)[:, None]).all(axis=-1)
+    ok &= ~(needed[None] == held[:, None]).all(axis=(2, 3))
+    ok[:, ok.any(axis=0)] &= _distinct_parts(parts[ok.any(axis=0)])[None]
+    h, n = np.nonzero(ok)
+    if len(h):  # every part inside its group's block, dim by dim
+        inside = (SETS.pairwise(block[h][:, :, None], parts[n]) == sizes[parts[n]]).all(axis=(1, 2, 3))
+        out[h[inside], n[inside]] = True
+    return out
 
 
 def _distinct_parts(parts: np.ndarray) -> np.ndarray:
@@ -131,12 +137,15 @@ def _distinct_parts(parts: np.ndarray) -> np.ndarray:
 
 
 def broadcasts_many(op: OpDims, bias: int, held: np.ndarray, needed: np.ndarray) -> np.ndarray:
-    """:func:`bias_broadcasts` for many needed layouts (arrays as in :func:`scatters_many`)."""
+    """:func:`bias_broadcasts` for many needed layouts (arrays as in :func:`scatters_many`, ``held`` one layout or a
+    stack of them)."""
+    if held.ndim == 2:
+        return broadcasts_many(op, bias, held[None], needed)[0]
     bias_map = op.inputs[bias]
     assert bias_map is not None
     spanned = {d for group in bias_map for d in group}
     out_dims = [dim for dim, group in enumerate(op.outputs[0]) if spanned & set(group)]
-    return (needed[:, :, out_dims] == held[None, :, out_dims]).all(axis=(1, 2))
+    return (needed[None][..., out_dims] == held[:, None][..., out_dims]).all(axis=(2, 3))
 
 
 def has_bias(node: fx.Node) -> bool:
@@ -287,30 +296,31 @@ def scatter_saving(
     grad_needed = None
     if any(backward):
         grad_needed = _Distinct([source_grad_needed(p, out_index, shared) for p in producers], vkey)
-    for i, (p, f) in enumerate(zip(producers, forward)):
-        if f is None or needed is None:
-            continue
-        held = forward_held(p, out_index).layout_ids(vkey)
-        bias = None if f.bias is None else (p.op, f.bias)
-        hits = needed.hits(held, mesh, f.collective.digits, bias)
+    op = producers[0].op
+
+    def biased(f: Fusable) -> tuple[OpDims, int] | None:
+        return None if f.bias is None else (op, f.bias)
+
+    rows = [i for i, f in enumerate(forward) if f is not None] if needed is not None else []
+    tests = [(forward_held(producers[i], out_index).layout_ids(vkey), forward[i]) for i in rows]
+    for i, hits in zip(rows, needed.hits_many(tests, mesh, biased) if needed is not None else []):
         if len(hits):
-            found = True
-            saving = _saving(cluster, p, f.collective, f"out{out_index}", vkey, item, f.bias)
+            found, f = True, forward[i]
+            saving = _saving(cluster, producers[i], f.collective, f"out{out_index}", vkey, item, f.bias)
             out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving[:3]
             out.forward_bias_s[i, hits], out.forward_bias_bytes[i, hits] = saving[3:]
-    for j, (q, f) in enumerate(zip(consumers, backward)):
-        use = backward_held(q, in_index) if f is not None else None
-        if use is None or grad_needed is None:
-            continue
-        hits = grad_needed.hits(use.layout_ids(vkey), mesh, f.collective.digits, None)  # type: ignore[union-attr]
+    uses = {j: backward_held(q, in_index) for j, q in enumerate(consumers) if backward[j] is not None}
+    cols = [j for j, use in uses.items() if use is not None] if grad_needed is not None else []
+    tests = [(uses[j].layout_ids(vkey), backward[j]) for j in cols]  # type: ignore[union-attr]
+    for j, hits in zip(cols, grad_needed.hits_many(tests, mesh, lambda _: None) if grad_needed is not None else []):
         if len(hits):
-            found = True
-            saving = _saving(cluster, q, f.collective, f"d_in{in_index}", vkey, item)  # type: ignore[union-attr]
+            found, f = True, backward[j]
+            saving = _saving(cluster, consumers[j], f.collective, f"d_in{in_index}", vkey, item)  # type: ignore[union-attr]
             out.backward_s[hits, j], out.backward_bytes[hits, j], out.backward_scattered[hits, j] = saving[:3]
     return out if found else None
 
 
-#: :meth:`_Distinct.hits` per distinct needed layout, keyed by the held layout, the distinct needed layouts, the
+#: :meth:`_Distinct.hits_many` per distinct needed layout, keyed by the held layout, the distinct needed layouts, the
 #: groups and the bias: edges whose layouts agree (q, k and v; the layers) test each pair once
 SCATTERS: dict[tuple, np.ndarray] = {}
 
@@ -322,14 +332,23 @@ class _Distinct:
         self.needed, self.of = intern_rows(np.stack([u.layout_ids(vkey) for u in uses]))
         self.digest = array_digest(self.needed)
 
-    def hits(self, held: np.ndarray, mesh: DeviceMesh, digits: tuple[int, ...], bias: tuple[OpDims, int] | None):
-        """The strategies whose needed layout ``held`` (all-reduced over the ``digits`` groups of ``mesh``)
-        reduce-scatters to (:func:`scatters_many`), and that keep ``bias = (op, input)`` broadcasting over the
-        piece."""
-        key = (held.tobytes(), self.digest, mesh, digits, bias)
-        if key not in SCATTERS:
-            ok = scatters_many(held, self.needed, mesh.groups(digits))
+    def hits_many(
+        self, tests: Sequence[tuple[np.ndarray, Fusable]], mesh: DeviceMesh, bias_of: Callable[[Fusable], Any]
+    ) -> list[np.ndarray]:
+        """Per ``(held, fusable)`` of ``tests``: the strategies whose needed layout ``held`` (all-reduced over the
+        groups of the fusable's digits on ``mesh``) reduce-scatters to (:func:`scatters_many`), and that keep
+        ``bias_of(fusable) = (op, input)`` (or ``None``) broadcasting over the piece. The distinct held layouts of
+        one (digits, bias) are tested together, each once (:data:`SCATTERS`)."""
+        keys = [(held.tobytes(), self.digest, mesh, f.collective.digits, bias_of(f)) for held, f in tests]
+        todo: dict[tuple, dict[bytes, np.ndarray]] = {}
+        for key, (held, _) in zip(keys, tests):
+            if key not in SCATTERS:
+                todo.setdefault(key[3:], {})[key[0]] = held
+        for (digits, bias), helds in todo.items():
+            stack = np.stack(list(helds.values()))
+            ok = scatters_many(stack, self.needed, mesh.groups(digits))
             if bias is not None:
-                ok &= broadcasts_many(bias[0], bias[1], held, self.needed)
-            SCATTERS[key] = ok
-        return np.flatnonzero(SCATTERS[key][self.of])
+                ok &= broadcasts_many(bias[0], bias[1], stack, self.needed)
+            for raw, row in zip(helds, ok):
+                SCATTERS[raw, self.digest, mesh, digits, bias] = row
+        return [np.flatnonzero(SCATTERS[key][self.of]) for key in keys]

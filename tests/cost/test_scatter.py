@@ -111,4 +111,12 @@ def test_the_vectorised_tests_agree_on_every_linear_pair_of_a_2x2x2_mesh():
             if bias is not None:
                 assert bias.tolist() == [bias_broadcasts(op, 2, held, n) for n in needed]
             found += int(got.sum())
+        for digits in [(0,), (1, 2), (0, 1, 2)]:  # a stack of held layouts: one row per held layout
+            groups = mesh.groups(digits)
+            helds = np.stack([h.layout_ids(vkey) for h, _ in side])
+            rows = [[scatters(h.layout(vkey), n, groups) for n in needed] for h, _ in side]
+            assert scatters_many(helds, needed_ids, groups).tolist() == rows
+            if side is forward:
+                broadcast = [[bias_broadcasts(op, 2, h.layout(vkey), n) for n in needed] for h, _ in side]
+                assert broadcasts_many(op, 2, helds, needed_ids).tolist() == broadcast
     assert found > 0
