@@ -8,6 +8,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,24 @@ def test_specs_are_hashable_and_equal_by_value():
     a, b = load_cluster("a100-dgx"), load_cluster("a100-dgx")
     assert a == b and {a: 1}[b] == 1
     assert a != load_cluster("h100-dgx")
+
+
+def test_a_specs_hash_is_its_contents_in_every_process():
+    """The hash is a digest of the canonical JSON, kept once computed: a changed copy hashes anew, and another
+    interpreter with another ``PYTHONHASHSEED`` (where ``hash(str)`` differs) finds the same one, so a spec
+    pickled to a worker still finds its entries in the memos it carries."""
+    import subprocess
+    import sys
+
+    spec = load_cluster("a100-dgx")
+    assert "_hash" not in spec.to_dict() and hash(spec) == hash(copy.copy(spec))
+    changed = dataclasses.replace(spec, gradient_overlap=0.5)
+    assert hash(changed) != hash(spec) and hash(changed) == hash(dataclasses.replace(spec, gradient_overlap=0.5))
+    code = "from primepar_fx.cost.cluster import load_cluster; print(hash(load_cluster('a100-dgx')))"
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert int(out.stdout) == hash(spec), out.stderr
 
 
 # ---------------------------------------------------------------------------------------------------- validation
