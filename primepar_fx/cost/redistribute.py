@@ -55,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
+from typing import NamedTuple
 
 import numpy as np
 import sympy
@@ -116,9 +117,9 @@ class Redistribution:
 
 
 # ------------------------------------------------------------------------------------------------ the edge
-@dataclass(frozen=True, slots=True)
-class EdgeUse:
-    """Where one side of an edge holds or needs the tensor: the partition, its map and ``(phase, t)``."""
+class EdgeUse(NamedTuple):
+    """Where one side of an edge holds or needs the tensor: the partition, its map and ``(phase, t)`` (a named tuple:
+    pricing makes one per strategy and use, tens of thousands a grouping)."""
 
     key: PartKey
     tmap: TensorMap

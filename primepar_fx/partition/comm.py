@@ -21,7 +21,7 @@ import numpy as np
 
 from primepar_fx.partition.dsi import PHASES, OpPartition, Phase, TensorSlice
 from primepar_fx.partition.mesh import DeviceMesh, class_senders
-from primepar_fx.partition.seq import PartitionSeq
+from primepar_fx.partition.seq import PartitionSeq, Split
 from primepar_fx.rules.spec import OpDims, TensorMap
 
 Use = tuple[Phase, int]
@@ -218,35 +218,44 @@ _COLLECTIVES: dict[tuple[OpDims, PartitionSeq, DeviceMesh], tuple[Collective, ..
 _COLLECTIVES_KEPT = 1 << 16
 
 
-def _collectives(part: OpPartition) -> tuple[Collective, ...]:
+@lru_cache(maxsize=1 << 12)
+def _summed_results(op: OpDims) -> tuple[tuple[Phase, str, TensorMap, frozenset[str], frozenset[str], bool], ...]:
+    """Per result tensor of ``op``: ``(phase, name, map, dims summed into it, those of them a P(S x S) would sum,
+    whether P(S x S) accumulates it temporally)``, which depend on the op only (:func:`_collectives` asks per
+    partition)."""
+    canonical = _canonical_results(op)
     out = []
-    canonical = _canonical_results(part.op)
-    last = part.steps - 1
-    for phase, tensors in phase_tensors(part.op).items():
+    for phase, tensors in phase_tensors(op).items():
         for pt in tensors:
             if not pt.result:
                 continue
-            summed = set(part.op.summed_dims(pt.tmap)) - set(part.op.stats)
-            if _is_bias(part.op, pt.name):  # added once per output element: summed only over the output's dims
-                summed = set(part.op.dims_of(part.op.outputs[0])) - set(part.op.dims_of(pt.tmap))
-            hits = [
-                (e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if getattr(e, "dim", None) in summed
-            ]
-            split = set(d for d, _ in hits)
-            digits = [p for _, p in hits]
-            prime_summed = summed & set(part.op.matmul or ())
-            if part.prime_digits and prime_summed and (phase, pt.name) not in canonical:
-                extra = [p for p in part.prime_digits if not _digit_changes_slice(part, phase, pt.tmap, p, last)]
-                if extra:
-                    digits += extra
-                    split |= prime_summed
-            if digits:
-                # a mean over split rows also all-reduces the count of rows it divides by, unless every rank counts
-                # them whole (their targets come from the inputs: ``graph.build.input_chain``)
-                op = part.op
-                count = 2 if op.kind == "loss" and op.extra.get("reduction") == "mean" else 1
-                count = 1 if op.extra.get("count_local") else count
-                out.append(Collective(phase, pt.name, frozenset(split), tuple(sorted(digits)), count=count))
+            summed = set(op.summed_dims(pt.tmap)) - set(op.stats)
+            if _is_bias(op, pt.name):  # added once per output element: summed only over the output's dims
+                summed = set(op.dims_of(op.outputs[0])) - set(op.dims_of(pt.tmap))
+            prime_summed = frozenset(summed & set(op.matmul or ()))
+            out.append((phase, pt.name, pt.tmap, frozenset(summed), prime_summed, (phase, pt.name) in canonical))
+    return tuple(out)
+
+
+def _collectives(part: OpPartition) -> tuple[Collective, ...]:
+    out = []
+    op, last = part.op, part.steps - 1
+    # a mean over split rows also all-reduces the count of rows it divides by, unless every rank counts them whole
+    # (their targets come from the inputs: ``graph.build.input_chain``)
+    count = 2 if op.kind == "loss" and op.extra.get("reduction") == "mean" else 1
+    count = 1 if op.extra.get("count_local") else count
+    cuts = [(e.dim, p[0]) for e, p in zip(part.seq.elements, part.positions) if isinstance(e, Split)]
+    for phase, name, tmap, summed, prime_summed, canonical in _summed_results(op):
+        hits = [(d, p) for d, p in cuts if d in summed]
+        split = set(d for d, _ in hits)
+        digits = [p for _, p in hits]
+        if part.prime_digits and prime_summed and not canonical:
+            extra = [p for p in part.prime_digits if not _digit_changes_slice(part, phase, tmap, p, last)]
+            if extra:
+                digits += extra
+                split |= prime_summed
+        if digits:
+            out.append(Collective(phase, name, frozenset(split), tuple(sorted(digits)), count=count))
     return tuple(out + statistics_collectives(part))
 
 
