@@ -505,17 +505,18 @@ def _p2p_distinct(
     """:func:`p2p_seconds` per pair of distinct layouts, from the ``(count, cross)`` of ``LayoutPairs.messages``.
 
     A device's time is ``count * fixed + received * per_element`` at its level (the inner one, or an outer one when
-    a message crosses nodes), where both coefficients depend on the count only: they are looked up in tables
-    indexed by it, computed with the same float operations, so that each element is priced as if alone."""
+    a message crosses nodes), where the per-element one depends on the count only where one peer's links bind: it
+    is looked up in a table indexed by the count, computed with the same float operations, so that each element is
+    priced as if alone."""
     counts = np.arange(int(count.max(initial=0)) + 1)
     inner = outer = None
     for level, link in enumerate(cluster.levels):
         p2p = link.collectives["p2p"]
         fixed, unit = p2p.fixed + p2p.call, p2p.bytes_coeff
+        per_element = itemsize * unit
         if link.peer_factor > 1:  # few messages: the busiest peer's links bind (LinkLevel.p2p_coefficients)
-            unit = unit * np.maximum(1.0, link.peer_factor / np.maximum(counts, 1))
-        per_message, per_element = counts * fixed, np.broadcast_to(itemsize * unit, counts.shape)
-        seconds = per_message[count] + received * per_element[count]
+            per_element = np.take(itemsize * (unit * np.maximum(1.0, link.peer_factor / np.maximum(counts, 1))), count)
+        seconds = count * fixed + received * per_element
         if level == 0:
             inner = seconds
         else:
