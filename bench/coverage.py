@@ -140,8 +140,10 @@ def main() -> None:
             "cannot keep S symbolic; they are captured at the example's S with a warning (docs/troubleshooting.md) "
             "and train equal to one device there. DeepSeek-V2's complex rotary embedding is captured on real "
             "pairs (docs/rules.md). gpt-oss's experts run as the one op with their interleaved gate rows and "
-            "clamped gate; their down bias keeps `I` whole. PhiMoE's router samples (`exponential_`) in "
-            "training, which no rule can make equal to one device; Jamba's Mamba layers need a causal `conv1d` "
+            "clamped gate; their down bias keeps `I` whole. PhiMoE captures, plans and trains, but its router "
+            "samples its experts with Gumbel noise in training (`exponential_`, `rand_like`), which, like dropout, "
+            "each device draws for its own slice, so a step differs from one device's single draw; Jamba's Mamba "
+            "layers need a causal `conv1d` "
             "and a selective scan, which have no rules.",
             "",
         ]

@@ -124,6 +124,8 @@ POINTWISE: dict[str, tuple[str, ...]] = {
     "feature_dropout": _UNARY,
     "alpha_dropout": _UNARY,
     "bernoulli": ("default", "p"),
+    "exponential": ("default",),  # Gumbel noise (PhiMoE's router samples its experts with it)
+    "uniform": ("default",),
     # copies and casts
     "clone": _UNARY,
     "contiguous": _UNARY,

@@ -315,6 +315,14 @@ def test_native_dropout_maps_output_and_mask_alike():
     assert op.outputs[0] == op.outputs[1] == op.inputs[0]
 
 
+def test_random_fills_are_elementwise_like_dropout():
+    """``exponential`` and ``uniform`` (what ``exponential_()`` and ``rand_like`` capture as: PhiMoE's Gumbel
+    routing) fill their input's shape element by element: a split draws each slice on its own device."""
+    for target in (aten.exponential.default, aten.uniform.default):
+        _, op = describe(target, T(B, S, 4), out=(B, S, 4))
+        assert op.kind == "pointwise" and op.outputs[0] == op.inputs[0] == (("B",), ("S",), ("d2",))
+
+
 def test_sdpa_dims_flops_and_mask():
     _, op = describe(
         aten.scaled_dot_product_attention.default,
