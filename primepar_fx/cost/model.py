@@ -406,7 +406,7 @@ def direction_key(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, it
 
 #: (held layout, needed layout, device) entries of all the directions to price below which threads do not pay
 #: (measured: docs/benchmarks/measured_in_code.md)
-THREADED_WORK = 2**25
+THREADED_WORK = 2**22
 
 
 def price_directions(

@@ -304,7 +304,9 @@ def _search_at(
     values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
     costs = dataclasses.replace(opts.cost_options(), micro_batches=m)
 
-    def price(mesh: DeviceMesh, at: CostOptions = costs, progress: bool = opts.progress) -> PricedGraph:
+    def price(
+        mesh: DeviceMesh, at: CostOptions = costs, progress: bool = opts.progress, threads: int | None = None
+    ) -> PricedGraph:
         clear_caches()  # each mesh numbers its own index sets, so the table of their overlaps holds this one's
         return price_graph(
             graph,
@@ -315,6 +317,7 @@ def _search_at(
             allow_prime=opts.allow_prime,
             canonical=opts.canonical,
             progress=progress,
+            workers=threads,
         )
 
     # Under a budget each mesh weighs recomputation, ZeRO and budget caps: many DP runs. A mesh's fastest plan
@@ -330,7 +333,8 @@ def _search_at(
     if len(meshes) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
         bounds, kept = grouping_bounds(
             meshes,
-            lambda mesh, shown: price(mesh, progress=shown),
+            # side by side in processes, each on one thread: threads beside them would compete for the cores
+            lambda mesh, shown: price(mesh, progress=shown, threads=1 if workers > 1 else None),
             method=opts.method,
             workers=workers,
             progress=opts.progress,
