@@ -52,29 +52,33 @@ ILP_TIME_LIMIT = 120.0
 
 READING = """## Reading the results
 
-* **Pricing is 1.5-1.8x faster than on the last page, on the same machine state** (capture, whose code did not
+* **Pricing is 1.7-2.2x faster than on the last page, on the same machine state** (capture, whose code did not
   change, took 0.7-1.0 s in both runs). llama2-70b's pricing at 16 / 32 / 64 / 128 GPUs: 6.3 / 14.2 / 30.1 / 68.6 s
-  then, 4.2 / 8.5 / 17.6 / 40.7 s now. The plans are byte-identical (checked on llama2-70b at 32 GPUs, OPT-175B
-  and BLOOM-176B at 16, llama2-7b on the three presets). What changed (2026-12-05, docs/planning.md): a re-layout's
-  node locality is read off the packed senders instead of intersecting every node's blocks again; the set number
-  of a slice is looked up by its code; a cluster spec's hash is kept (it was a JSON dump per memo lookup: 5% of
-  pricing); the ring senders compare slices as codes; block sizes are integers, not Fractions; DSI tables,
-  collectives, compute models and FLOP counts are computed once; the reduce-scatter tests of an edge run on all its
-  held layouts at once; the p2p time reads its per-count coefficients from tables. Each row was measured once,
-  from empty caches, after a garbage collection.
+  then, 3.6 / 7.2 / 14.6 / 31.9 s now (4.2 / 8.5 / 17.6 / 40.7 s before the re-layouts of every grouping from
+  16 devices on went on two threads, `THREADED_WORK` 2^22). The plans are byte-identical (checked on llama2-70b
+  at 32 GPUs, OPT-175B and BLOOM-176B at 16, llama2-7b on the three presets). What changed (2026-12-05,
+  docs/planning.md): a re-layout's node locality is read off the packed senders instead of intersecting every
+  node's blocks again; the set number of a slice is looked up by its code; a cluster spec's hash is kept (it was a
+  JSON dump per memo lookup: 5% of pricing); the ring senders compare slices as codes; block sizes are integers,
+  not Fractions; DSI tables, collectives, compute models and FLOP counts are computed once; the reduce-scatter
+  tests of an edge run on all its held layouts at once; the p2p time reads its per-count coefficients from
+  tables. Each row was measured once, from empty caches, after a garbage collection.
 * **Past 8 GPUs every grouping of the digits into three is searched (the planner's default), and that is
   what costs the time.** 3 meshes at 16 GPUs, 5 at 32, 8 at 64 and 11 at 128, each priced afresh (0.6-4 s each
-  here) and searched (0.1-0.2 s each). llama2-70b's whole plan takes 5.7 s at 16 GPUs, 10.3 s at 32, 19.7 s at 64
-  and 43.0 s at 128; OPT-175B 2.9-21.0 s and BLOOM-176B 3.7-38 s. What it buys is in
+  here) and searched (0.1-0.2 s each). llama2-70b's whole plan takes 5.0 s at 16 GPUs, 8.9 s at 32, 16.7 s at 64
+  and 34.3 s at 128; OPT-175B 2.8-18.2 s and BLOOM-176B 3.4-31.0 s. What it buys is in
   [paper_fig7.md](paper_fig7.md): the kept mesh is `2x4x4` at 32 GPUs for all three (K across two groups of
   nodes, B across four), a plan the single leading grouping (`8x2x2`) cannot express, predicted 20% faster for
   llama2-70b on `v100-edr`. `--grouped` (the leading grouping only) is the fast answer, as before.
 * **These are one process's times, the groupings one after another.** The planner prices them side by side
   in forked processes (`--workers`, the `plan` command's default: one per core; docs/planning.md); measured
-  apart from this run, in the same session on 2 cores, llama2-70b's whole plan without a budget takes 9.4-9.5 s
-  at 32 GPUs (one worker: 14.1 s), 14.4 s at 64 and 28.0 s at 128 with two workers, the same plans as one process.
-* **The issue's targets are met at 64 GPUs only:** the whole llama2-70b plan at 32 GPUs in 6 s (10.3 s here,
-  9.4 s with two workers), at 64 and 128 in 20 s (19.7 and 43 s here; 14.4 and 28 s with two workers). A grouping
+  apart from this run, in the same session on 2 cores, llama2-70b's whole plan without a budget takes 9.1-9.8 s
+  at 32 GPUs (one worker: 13.3 s), 13.5-14.8 s at 64 and 27.8-29.9 s at 128 with two workers (one worker: 39.5 s),
+  the same plans as one process. The `plan` command's times include the baselines and the plan's report, which
+  this table does not.
+* **The issue's targets are met at 64 GPUs only:** the whole llama2-70b plan at 32 GPUs in 6 s (8.9 s here,
+  9.1-9.8 s with two workers), at 64 and 128 in 20 s (16.7 and 34.3 s here; 13.5-14.8 and 28-30 s with two
+  workers). A grouping
   at 32 GPUs now prices in 1.9 s from cold caches (3.05 s before; 4x8x4 at 128: 3.7 s, 6.1 s before), spread
   over the per-strategy Python (node costs 20%, layouts of the edges' sides 20%) and the numpy of the re-layouts
   (40%, each pass over (held layout, needed layout, device) arrays near memory speed); five groupings on two cores
