@@ -343,15 +343,23 @@ def plan_baselines(
     opts: PlanOptions,
     costs: CostOptions,
     early: Forked | None = None,
+    fastest: tuple[Mapping[str, int], Summary] | None = None,
 ) -> dict[str, Baseline]:
     """Megatron-LM, data parallelism and FSDP (:func:`fixed_baselines`, from ``early`` where it was priced in a
-    fork) and, when the plan's space has P(S x S), split-only."""
+    fork) and, when the plan's space has P(S x S), split-only.
+
+    ``fastest``: our plan, when it is the fastest of ``priced`` (no budget, no memory weight, no recomputation), as
+    its choice and per-step summary. Where it uses no P(S x S) it is a split-only plan that no split-only plan
+    beats, so it is the split-only baseline, not searched again."""
     ok, base = early.result() if early is not None else (False, None)
     if not ok:
         if early is not None:
             log.debug("the baselines' fork gave no result (%s): priced here", base)
         base = fixed_baselines(graph, full, opts)
-    if opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
+    if opts.allow_prime and fastest is not None and not _uses_prime(priced, fastest[0]):
+        split = fastest[1]
+        base["split_only"] = Baseline("split_only", {"search": "no P(S x S)"}, split.predicted, _partitions(split))
+    elif opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
         split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
         budget, alpha, method = opts.memory_budget, opts.alpha, opts.method
         config: dict[str, Any] = {"search": "no P(S x S)"}
@@ -362,5 +370,13 @@ def plan_baselines(
         split = per_step(summarize(graph, split_priced, split_sol.choice, costs), costs.micro_batches)
         if budget is not None:
             config["fits_budget"] = split.predicted.peak_memory_bytes <= budget
-        base["split_only"] = Baseline("split_only", config, split.predicted, {n.name: n.partition for n in split.nodes})
+        base["split_only"] = Baseline("split_only", config, split.predicted, _partitions(split))
     return base
+
+
+def _uses_prime(priced: PricedGraph, choice: Mapping[str, int]) -> bool:
+    return any(isinstance(e, Prime) for name, seqs in priced.strategies.items() for e in seqs[choice[name]].elements)
+
+
+def _partitions(summary: Summary) -> dict[str, str]:
+    return {n.name: n.partition for n in summary.nodes}

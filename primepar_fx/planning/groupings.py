@@ -22,7 +22,6 @@ from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.planning.parallel import run_forked
 from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.search import solve
 
 GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
 GROUPINGS = ("leading", "all")
@@ -104,7 +103,7 @@ def grouping_bounds(
         start = time.perf_counter()
         priced = price(meshes[i], progress and workers == 1)
         priced_s = time.perf_counter() - start
-        cost = solve(priced.search_graph, method=method).cost  # type: ignore[arg-type]
+        cost = priced.fastest(method).cost
         size = priced.array_nbytes()
         if os.getpid() != planner:  # a worker keeps only its cheapest, for send_own
             if size <= KEEP_PRICED and (not own or cost < own[0][0]):

@@ -39,6 +39,8 @@ def solve_for_peak(
     plan, when it fits, is returned whatever its cost).
     """
     graph = priced.search_graph
+    if memory_budget is None and alpha == 0:
+        return priced.fastest(method)
     if memory_budget is None or alpha > 0:
         return solve(graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
     start = time.perf_counter()
@@ -56,7 +58,7 @@ def solve_for_peak(
 
     best: tuple[float, dict[str, int], Solution] | None = None
     smallest = math.inf
-    free = solve(graph, method=method)  # type: ignore[arg-type]
+    free = priced.fastest(method)
     if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
         return free
     least = least_peak(graph, buffers, memory_budget)

@@ -207,7 +207,9 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     costs = found.costs
     ours = per_step(summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak), m)
     t2 = time.perf_counter()
-    base = plan_baselines(graph, priced, full, opts, costs, early) if opts.baselines else {}
+    free = opts.memory_budget is None and opts.alpha == 0 and chosen.recompute is None  # ours: the fastest plan
+    fastest = (sol.choice, ours) if free else None
+    base = plan_baselines(graph, priced, full, opts, costs, early, fastest) if opts.baselines else {}
     search = {
         "method": sol.method,
         "proven_optimal": sol.proven_optimal,
@@ -358,9 +360,9 @@ def _search_at(
             entry["seconds"] = 0.0  # its fastest plan is no faster than the best found: not searched
             kept.pop(i, None)
             continue
-        if i in kept:  # priced for its bound, before this search started
+        if i in kept:  # priced and searched for its bound, before this search started (its fastest plan is kept)
             priced, priced_s = kept.pop(i)
-            start -= priced_s
+            start -= priced_s + priced.fastest(opts.method).seconds
         else:
             priced = price(mesh)
             priced_s = time.perf_counter() - start

@@ -18,7 +18,7 @@ from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.deferred import DeferredSaving
 from primepar_fx.planning.sharing import add_share_nodes
-from primepar_fx.search import CostGraph
+from primepar_fx.search import CostGraph, Solution, solve
 
 
 @dataclass
@@ -57,6 +57,16 @@ class PricedGraph:
         time. A solution's choice names these nodes too; :func:`~primepar_fx.planning.summary.summarize` ignores
         them."""
         return add_share_nodes(self.cost_graph, self.flows, self.fanout)
+
+    def fastest(self, method: str = "auto") -> Solution:
+        """The fastest plan of :attr:`search_graph`: :func:`~primepar_fx.search.solve` without a budget or a memory
+        weight, solved once per ``method`` and kept with this pricing (a grouping's bound and the search that reads
+        its pricing ask for the same one; a worker's pricing comes back with it). Not copied by
+        :meth:`with_memory` or :meth:`subset`, whose search graphs differ."""
+        memo = self.__dict__.setdefault("_fastest", {})
+        if method not in memo:
+            memo[method] = solve(self.search_graph, method=method)  # type: ignore[arg-type]
+        return memo[method]
 
     def array_nbytes(self) -> int:
         """The bytes of this pricing's arrays (an array that identical layers share counted once): node vectors,

@@ -9,6 +9,8 @@ import pytest
 import primepar_fx
 from primepar_fx import analyze
 from primepar_fx.models import build, example_inputs
+from primepar_fx.partition import Prime
+from primepar_fx.planning import compare
 from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import plan_graph
 from primepar_fx.search import InfeasibleBudget
@@ -218,3 +220,71 @@ def test_bad_options_fail_before_the_capture_and_good_spellings_are_accepted(mon
         Plan.from_json(primepar_fx.plan(model, inputs, world_size=2, dtype="tf32", baselines=False).to_json()).dtype
         == "tf32"
     )
+
+
+def test_the_fastest_plan_of_a_pricing_is_solved_once_and_only_for_its_own_search_graph(monkeypatch) -> None:
+    """A grouping's bound and the search that reads its pricing ask for one solution, kept with the pricing (and
+    pickled with it, as a worker sends it back); a pricing narrowed or with other memory solves its own."""
+    import pickle
+
+    from primepar_fx.cost.cluster import load_cluster
+    from primepar_fx.cost.model import CostOptions
+    from primepar_fx.frontend.symbols import B, S
+    from primepar_fx.partition import DeviceMesh
+    from primepar_fx.planning import priced as priced_module
+    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.search import solve
+
+    cluster = load_cluster("v100-paper")
+    priced = price_graph(graph("gpt2-tiny"), DeviceMesh((2, 2)), cluster, {B: 8, S: 64}, CostOptions())
+    solved = []
+    monkeypatch.setattr(priced_module, "solve", lambda g, **kw: solved.append(g) or solve(g, **kw))
+    first = priced.fastest("dp")
+    assert priced.fastest("dp") is first and solved == [priced.search_graph]
+    expected = solve(priced.search_graph, method="dp")
+    assert (first.choice, first.cost) == (expected.choice, expected.cost)
+    assert pickle.loads(pickle.dumps(priced)).fastest("dp").choice == first.choice and len(solved) == 1
+    narrowed = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
+    narrowed.fastest("dp")
+    priced.with_memory(CostOptions(zero=2)).fastest("dp")
+    assert len(solved) == 3 and solved[1] is narrowed.search_graph
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_a_fastest_plan_without_prime_is_the_split_only_baseline(world: int) -> None:
+    """Without a budget, our fastest plan is the split-only baseline when it uses no P(S x S): the fastest plan of
+    a superset, found in the subset. The split-only search finds a plan as fast (a tie may hold other memory)."""
+    g = graph("llama-tiny")
+    plan = plan_graph(g, world_size=world, batch=8, seq=64)
+    assert not any(isinstance(e, Prime) for n in plan.nodes for e in n.seq.elements)
+    split = plan.baselines["split_only"]
+    assert split.predicted == plan.predicted and split.partitions == {n.name: n.partition for n in plan.nodes}
+    searched = _split_only(g, world)
+    assert searched.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-12)
+    assert searched.comm_bytes == plan.predicted.comm_bytes
+
+
+def test_a_fastest_plan_with_prime_leaves_the_split_only_baseline_to_its_search() -> None:
+    g = graph("llama-tiny")
+    opts, priced = _priced(g, 4)
+    choice = dict(priced.fastest(opts.method).choice)
+    name = next(n for n, seqs in priced.strategies.items() if any(s.prime is not None for s in seqs))
+    choice[name] = next(i for i, s in enumerate(priced.strategies[name]) if s.prime is not None)
+    given = compare.plan_baselines(g, priced, opts.mesh(), opts, opts.cost_options(), None, (choice, None))
+    assert given["split_only"].predicted == _split_only(g, 4)
+
+
+def _priced(g, world: int):
+    from primepar_fx.frontend.symbols import B, S
+    from primepar_fx.planning.planner import _options, search_mesh
+    from primepar_fx.planning.pricing import price_graph
+
+    opts = _options(g, None, {"world_size": world, "batch": 8, "seq": 64})
+    mesh = search_mesh(opts.mesh(), None)
+    return opts, price_graph(g, mesh, opts.cluster, {B: opts.batch, S: opts.seq}, opts.cost_options())
+
+
+def _split_only(g, world: int):
+    """The split-only baseline searched (no plan of ours given)."""
+    opts, priced = _priced(g, world)
+    return compare.plan_baselines(g, priced, opts.mesh(), opts, opts.cost_options())["split_only"].predicted
