@@ -14,7 +14,17 @@ import time
 import numpy as np
 
 from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.search import CostGraph, CutOff, InfeasibleBudget, Search, Solution, least_memory, restrict, solve
+from primepar_fx.search import (
+    CostGraph,
+    CutOff,
+    InfeasibleBudget,
+    Search,
+    Solution,
+    budget_bound,
+    least_memory,
+    restrict,
+    solve,
+)
 
 
 def solve_for_peak(
@@ -61,9 +71,14 @@ def solve_for_peak(
     free = priced.fastest(method)
     if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
         return free
-    least = least_peak(graph, buffers, memory_budget)
+    static = static_part(graph, buffers)
+    floor = least_memory(static)
+    least = least_peak(graph, buffers, memory_budget, floor)
     if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
         raise InfeasibleBudget(memory_budget, least)
+    if cutoff < math.inf and len(caps) > 1:
+        if _every_cap_bound(static, buffers, memory_budget, cutoff, free.choice, floor) >= cutoff:
+            raise CutOff(cutoff)
     hints: tuple[float, ...] = ()
     cut = False
     for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
@@ -101,6 +116,27 @@ def solve_for_peak(
     cost, choice, sol = best
     proven = sol.proven_optimal and exhaustive
     return Solution(choice, cost, peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
+
+
+def _every_cap_bound(
+    static: CostGraph,
+    buffers: dict[str, np.ndarray],
+    budget: float,
+    cutoff: float,
+    fastest: dict[str, int],
+    floor: tuple[dict[str, int], float],
+) -> float:
+    """A lower bound on the cost of every plan whose reported peak fits ``budget``, reaching ``cutoff`` when it can.
+
+    Every plan's largest buffer is at least the smallest any plan can have (each node's smallest, the largest of
+    those), so its static part fits ``budget`` less that: one budget over every strategy, a relaxation of every cap's
+    problem at once. Its Lagrangian bound takes a few DP runs; where it reaches ``cutoff``, none of the caps' searches
+    (a few runs each, for each of up to 24 caps) could return a plan that beats the caller's, and they are not run.
+    A margin of 1e-12 keeps rounding on the safe side. ``static``: :func:`static_part` of the search graph, whose
+    ``fastest`` plan and least static memory (``floor``: a plan and its memory) the caller has."""
+    lowest = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
+    bound = budget_bound(static, budget - lowest, cutoff * (1 + 1e-12) + 1e-300, first=fastest, least=floor)
+    return bound - 1e-12 * abs(bound) if math.isfinite(bound) else bound
 
 
 def plan_peak(priced: PricedGraph, choice: dict[str, int]) -> float:
@@ -145,7 +181,12 @@ def static_part(
     return restrict(graph, keep or {}, memory)
 
 
-def least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], budget: float = math.inf) -> float:
+def least_peak(
+    graph: CostGraph,
+    buffers: dict[str, np.ndarray],
+    budget: float = math.inf,
+    floor: tuple[dict[str, int], float] | None = None,
+) -> float:
     """The least reported peak (static memory + the largest ring buffer) of any plan, or a lower bound of it when
     that bound fits ``budget`` (then the budgeted search decides).
 
@@ -154,15 +195,19 @@ def least_peak(graph: CostGraph, buffers: dict[str, np.ndarray], budget: float =
     upwards as caps, each a memory-only DP on the strategies whose buffer fits it, until the bound with the cap
     reaches the best peak found: a few DP runs where the budgeted search would run several per cap.
     """
-    return least_plan(graph, buffers, budget)[0]
+    return least_plan(graph, buffers, budget, floor)[0]
 
 
 def least_plan(
-    graph: CostGraph, buffers: dict[str, np.ndarray], budget: float = -math.inf
+    graph: CostGraph,
+    buffers: dict[str, np.ndarray],
+    budget: float = -math.inf,
+    floor: tuple[dict[str, int], float] | None = None,
 ) -> tuple[float, dict[str, int] | None]:
     """:func:`least_peak` with a plan that has it (``None`` when only the lower bound was needed: it fits
-    ``budget``); with the default ``budget`` the exact least peak and its plan."""
-    floor_choice, floor = least_memory(static_part(graph, buffers))
+    ``budget``); with the default ``budget`` the exact least peak and its plan. ``floor``: :func:`least_memory` of
+    :func:`static_part` of ``graph`` and ``buffers``, when the caller has it."""
+    _, floor = least_memory(static_part(graph, buffers)) if floor is None else floor
     lowest_cap = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
     if floor + lowest_cap <= budget:
         return floor + lowest_cap, None

@@ -84,6 +84,7 @@ class LayerPricing:
         self._how: dict[tuple[str, int], dict[str, tuple[str, list[tuple[str, int]]]]] = {}
         self._memo: dict[tuple, list[NodeCost]] = {}
         self._edges: dict[tuple, tuple] = {}  # _edge_again's, by the ids of its arrays
+        self._applied: tuple[Recompute, PricedGraph] | None = None  # apply's last
 
     @property
     def selective_differs(self) -> bool:
@@ -186,9 +187,16 @@ class LayerPricing:
         return seconds, nbytes, saving, new
 
     def apply(self, policy: Recompute) -> PricedGraph:
-        """The priced graph with ``policy``'s layers recomputed (the same object when nothing is)."""
+        """The priced graph with ``policy``'s layers recomputed (the same object when nothing is). The last policy's
+        is kept: a policy's fastest plan and then its budgeted search read the same one (and so its search graph
+        and :meth:`~primepar_fx.planning.priced.PricedGraph.fastest`), and only one is held at a time."""
         if not policy.active:
             return self.priced
+        if self._applied is None or self._applied[0] != policy:
+            self._applied = (policy, self._apply(policy))
+        return self._applied[1]
+
+    def _apply(self, policy: Recompute) -> PricedGraph:
         priced, cg = self.priced, self.priced.cost_graph
         node_costs = dict(priced.node_costs)
         node_cost, node_memory = dict(cg.node_cost), dict(cg.node_memory or {})

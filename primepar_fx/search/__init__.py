@@ -5,7 +5,7 @@ program (:mod:`~primepar_fx.search.dp`, Eq. 11-14) or the ILP (:mod:`~primepar_f
 :class:`Solution`. :mod:`~primepar_fx.search.problem` states the objective and the constraints.
 """
 
-from primepar_fx.search.budget import least_memory, solve_budget_dp
+from primepar_fx.search.budget import budget_bound, least_memory, solve_budget_dp
 from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
 from primepar_fx.search.ilp import IlpResult, solve_ilp
 from primepar_fx.search.problem import (
@@ -36,6 +36,7 @@ __all__ = [
     "SearchError",
     "Solution",
     "TableTooLarge",
+    "budget_bound",
     "evaluate",
     "least_memory",
     "plan_memory",

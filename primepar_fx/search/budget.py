@@ -39,7 +39,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
-from primepar_fx.search.problem import CostGraph, InfeasibleBudget, evaluate, plan_memory
+from primepar_fx.search.problem import (
+    CostGraph,
+    InfeasibleBudget,
+    InfeasibleGraph,
+    TableTooLarge,
+    evaluate,
+    plan_memory,
+    reduce_graph,
+)
 from primepar_fx.search.structure import Structure
 
 log = logging.getLogger(__name__)
@@ -96,6 +104,44 @@ def memory_graph(graph: CostGraph) -> CostGraph:
     return CostGraph(graph.nodes, nodes, edges, None, graph.node_key)
 
 
+def budget_bound(
+    graph: CostGraph,
+    budget: float,
+    cutoff: float = math.inf,
+    *,
+    alpha: float = 0.0,
+    options: DPOptions | None = None,
+    hints: Sequence[float] = (),
+    first: dict[str, int] | None = None,
+    least: tuple[dict[str, int], float] | None = None,
+) -> float:
+    """A proven lower bound on the cheapest plan of ``graph`` within ``budget`` (forbidden strategies allowed): the
+    Lagrangian search of :func:`solve_budget_dp` without its primal heuristics, stopped as soon as the bound reaches
+    ``cutoff``. ``inf`` where no plan fits the budget (or none is finite); ``-inf`` (no bound) where the DP's tables
+    are too large. ``first``: a plan of least objective at weight ``alpha``; ``least``: :func:`least_memory`'s
+    answer; when the caller has them (read where no strategy is forbidden, so that their indices hold)."""
+    try:
+        reduced = reduce_graph(graph).graph
+        if reduced is not graph:
+            first = least = None
+        found = solve_budget_dp(
+            reduced,
+            budget,
+            alpha=alpha,
+            options=options,
+            cutoff=cutoff,
+            hints=hints,
+            primal=False,
+            first=None if first is None else DPResult(first, evaluate(graph, first, alpha)),
+            least=least,
+        )
+        return found.bound
+    except (InfeasibleBudget, InfeasibleGraph):
+        return math.inf
+    except TableTooLarge:
+        return -math.inf
+
+
 def least_memory(graph: CostGraph, options: DPOptions | None = None) -> tuple[dict[str, int], float]:
     """The least memory per device of any finite-cost plan, and such a plan (exact, by the DP)."""
     choice = DPSolver(memory_graph(graph), options).minimise().choice
@@ -113,6 +159,8 @@ def solve_budget_dp(
     solver: DPSolver | None = None,
     first: DPResult | None = None,
     hints: Sequence[float] = (),
+    primal: bool = True,
+    least: tuple[dict[str, int], float] | None = None,
 ) -> BudgetResult:
     """The cheapest plan within ``budget`` the Lagrangian search finds, with a proven lower bound.
 
@@ -123,7 +171,9 @@ def solve_budget_dp(
     (:attr:`BudgetResult.multipliers` of a search of a similar budget); a hint whose plan fits replaces the
     least-memory plan as the first plan within budget, so a good hint saves that run and most of the bisection.
     The guarantees (within budget, a proven bound) hold with any hints; where a duality gap remains, the plan the
-    crossover makes from fewer plans seen may differ (by no more than the gap)."""
+    crossover makes from fewer plans seen may differ (by no more than the gap). ``primal=False``: where a gap
+    remains, the plans seen are not crossed over and polished (:func:`budget_bound` wants the bound only).
+    ``least``: :func:`least_memory` of ``graph``, when the caller has it."""
     solver = solver or DPSolver(graph, options)
     seen: list[_Plan] = []
 
@@ -149,10 +199,10 @@ def solve_budget_dp(
         elif plan.cost > lo.cost:  # a costlier plan over the budget: the crossing moves closer
             lo, lam_lo = plan, lam
     if hi is None:
-        choice, least = least_memory(graph, options)
-        if least > budget:
-            raise InfeasibleBudget(budget, least)
-        hi = _Plan(choice, evaluate(graph, choice, alpha), least)
+        choice, smallest = least_memory(graph, options) if least is None else least
+        if smallest > budget:
+            raise InfeasibleBudget(budget, smallest)
+        hi = _Plan(choice, evaluate(graph, choice, alpha), smallest)
         seen.append(hi)
         runs += 1
     best = hi
@@ -172,7 +222,7 @@ def solve_budget_dp(
             lo, lam_lo = plan, lam
     multipliers = tuple(x for x in (lam_lo, lam_hi) if x > 0)
     result = BudgetResult(best.choice, best.cost, best.memory, bound, runs, multipliers)
-    if result.proven_optimal or bound >= cutoff:
+    if result.proven_optimal or bound >= cutoff or not primal:
         return result
     px = solver.proxied  # the crossover cuts where the DP does, on the graph with its proxies
     mixed = _crossover(
@@ -253,7 +303,8 @@ def _crossover(graph: CostGraph, structure: Structure, plans: list[_Plan], budge
     plans = [p for k, p in enumerate(plans) if all(p.choice != q.choice for q in plans[:k])]
     if not order or len(plans) < 2:
         return None
-    cuts = [-1] + [k for k, n in enumerate(order) if n in {s.nodes[0] for s in structure.segments}]
+    starts = {s.nodes[0] for s in structure.segments}
+    cuts = [-1] + [k for k, n in enumerate(order) if n in starts]
     cuts.append(len(order) - 1)
     idx = np.array(cuts) + 1  # into the prefix arrays
     best, prefixes = None, {}

@@ -28,6 +28,7 @@ when ``prob.sol_status == 1``; a time limit may stop it with a feasible plan (``
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -59,10 +60,18 @@ class IlpInfeasible(SearchError):
     """The ILP has no feasible point (for a budget: no plan fits)."""
 
 
-def ilp_size(graph: CostGraph) -> int:
-    """Number of variables the ILP would have (to decide whether it is affordable)."""
+def ilp_size(graph: CostGraph, past: float = math.inf) -> int:
+    """Number of variables the ILP would have (to decide whether it is affordable); counting stops once it is above
+    ``past`` (the count returned is then some number above ``past``, not the whole)."""
     n = sum(graph.strategies(v) for v in graph.nodes)
-    return n + sum(a.size for a in graph.edge_cost.values() if not _constant(a))
+    constant: dict[int, bool] = {}  # identical layers share their arrays: each is checked once
+    for a in graph.edge_cost.values():
+        if n > past:
+            break
+        if id(a) not in constant:
+            constant[id(a)] = _constant(a)
+        n += 0 if constant[id(a)] else a.size
+    return n
 
 
 def _constant(a: np.ndarray) -> bool:

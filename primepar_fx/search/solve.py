@@ -171,7 +171,7 @@ class Search:
                     "neither solver can take this graph: use a smaller world size, canonical=True, or raise the limits"
                 ) from None
             return (*narrowed, -math.inf, "dp-narrowed")
-        if proven or bound >= cutoff or ilp_size(red.graph) > self.ilp_max_variables:
+        if proven or bound >= cutoff or ilp_size(red.graph, past=self.ilp_max_variables) > self.ilp_max_variables:
             return choice, proven, bound, "dp"
         ilp_choice, ilp_proven = _ilp(red, budget, alpha, self.time_limit)
         if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
