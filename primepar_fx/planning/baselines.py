@@ -373,6 +373,7 @@ def _analyse(graph: OpGraph) -> _Analysis:
 
 
 # ------------------------------------------------------------------------------------------------ sequences
+@lru_cache(maxsize=1 << 14)
 def _batch_dim(op: OpDims) -> tuple[str | None, str | None]:
     """(the dim DP splits, why none) — a splittable multiple of ``B``, preferring the dim named ``B``."""
     cands = [d for d in op.dims if _is_batch(op, d)]
@@ -382,6 +383,7 @@ def _batch_dim(op: OpDims) -> tuple[str | None, str | None]:
     return None, (f"batch dims {cands} may not be split" if cands else None)
 
 
+@lru_cache(maxsize=1 << 14)
 def _seq_dim(op: OpDims) -> tuple[str | None, str | None]:
     """(the dim SP splits, why none) — a splittable dim of size ``S``, else a splittable multiple of ``S``."""
     cands = [d for d in op.dims if _multiple_of(op.size(d), SEQ)]

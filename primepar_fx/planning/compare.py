@@ -55,14 +55,13 @@ def price_assignments(
     assignment as a choice of strategies in it. Costs are per sequence and per pair of sequences, so
     :func:`summarize` of a choice gives what pricing its assignment alone gives, and the graph is walked once
     instead of once per assignment."""
-    union: dict[str, list[PartitionSeq]] = {}
+    union: dict[str, dict[PartitionSeq, int]] = {}  # per node, its distinct sequences in order of first use
     for assignment in assignments:
         for name in graph.nodes:
-            seqs = union.setdefault(name, [])
-            if assignment[name] not in seqs:
-                seqs.append(assignment[name])
-    priced = price_graph(graph, mesh, cluster, values, opts, fixed=union)
-    return priced, [{n: union[n].index(a[n]) for n in graph.nodes} for a in assignments]
+            seqs = union.setdefault(name, {})
+            seqs.setdefault(assignment[name], len(seqs))
+    priced = price_graph(graph, mesh, cluster, values, opts, fixed={n: list(s) for n, s in union.items()})
+    return priced, [{n: union[n][a[n]] for n in graph.nodes} for a in assignments]
 
 
 def best_megatron(
