@@ -72,12 +72,12 @@ def solve_for_peak(
     if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
         return free
     static = static_part(graph, buffers)
-    floor = least_memory(static)
-    least = least_peak(graph, buffers, memory_budget, floor)
+    leanest = least_memory(static)  # the plan of least static memory, and that memory
+    least = least_peak(graph, buffers, memory_budget, leanest)
     if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
         raise InfeasibleBudget(memory_budget, least)
     if cutoff < math.inf and len(caps) > 1:
-        if _every_cap_bound(static, buffers, memory_budget, cutoff, free.choice, floor) >= cutoff:
+        if _every_cap_bound(static, buffers, memory_budget, cutoff, free.choice, leanest) >= cutoff:
             raise CutOff(cutoff)
     hints: tuple[float, ...] = ()
     cut = False
@@ -124,7 +124,7 @@ def _every_cap_bound(
     budget: float,
     cutoff: float,
     fastest: dict[str, int],
-    floor: tuple[dict[str, int], float],
+    leanest: tuple[dict[str, int], float],
 ) -> float:
     """A lower bound on the cost of every plan whose reported peak fits ``budget``, reaching ``cutoff`` when it can.
 
@@ -133,9 +133,10 @@ def _every_cap_bound(
     problem at once. Its Lagrangian bound takes a few DP runs; where it reaches ``cutoff``, none of the caps' searches
     (a few runs each, for each of up to 24 caps) could return a plan that beats the caller's, and they are not run.
     A margin of 1e-12 keeps rounding on the safe side. ``static``: :func:`static_part` of the search graph, whose
-    ``fastest`` plan and least static memory (``floor``: a plan and its memory) the caller has."""
+    ``fastest`` plan and plan of least static memory (``leanest``: the plan and its memory) the caller has."""
     lowest = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
-    bound = budget_bound(static, budget - lowest, cutoff * (1 + 1e-12) + 1e-300, first=fastest, least=floor)
+    stop = cutoff + 2e-12 * abs(cutoff)  # searched a little past the cutoff, for the margin below
+    bound = budget_bound(static, budget - lowest, stop, first=fastest, least=leanest)
     return bound - 1e-12 * abs(bound) if math.isfinite(bound) else bound
 
 
@@ -185,7 +186,7 @@ def least_peak(
     graph: CostGraph,
     buffers: dict[str, np.ndarray],
     budget: float = math.inf,
-    floor: tuple[dict[str, int], float] | None = None,
+    leanest: tuple[dict[str, int], float] | None = None,
 ) -> float:
     """The least reported peak (static memory + the largest ring buffer) of any plan, or a lower bound of it when
     that bound fits ``budget`` (then the budgeted search decides).
@@ -195,19 +196,19 @@ def least_peak(
     upwards as caps, each a memory-only DP on the strategies whose buffer fits it, until the bound with the cap
     reaches the best peak found: a few DP runs where the budgeted search would run several per cap.
     """
-    return least_plan(graph, buffers, budget, floor)[0]
+    return least_plan(graph, buffers, budget, leanest)[0]
 
 
 def least_plan(
     graph: CostGraph,
     buffers: dict[str, np.ndarray],
     budget: float = -math.inf,
-    floor: tuple[dict[str, int], float] | None = None,
+    leanest: tuple[dict[str, int], float] | None = None,
 ) -> tuple[float, dict[str, int] | None]:
     """:func:`least_peak` with a plan that has it (``None`` when only the lower bound was needed: it fits
-    ``budget``); with the default ``budget`` the exact least peak and its plan. ``floor``: :func:`least_memory` of
-    :func:`static_part` of ``graph`` and ``buffers``, when the caller has it."""
-    _, floor = least_memory(static_part(graph, buffers)) if floor is None else floor
+    ``budget``); with the default ``budget`` the exact least peak and its plan. ``leanest``: :func:`least_memory`
+    of :func:`static_part` of ``graph`` and ``buffers``, when the caller has it."""
+    _, floor = least_memory(static_part(graph, buffers)) if leanest is None else leanest
     lowest_cap = max((float(b.min()) for b in buffers.values() if len(b)), default=0.0)
     if floor + lowest_cap <= budget:
         return floor + lowest_cap, None

@@ -439,6 +439,8 @@ def _choose_levers(
     if opts.memory_budget is None and opts.alpha == 0:  # nothing to weigh stage 2's memory against
         return choose(priced, costs), 0
     whole = dataclasses.replace(costs, zero=0)
+    if opts.alpha == 0:
+        priced.fastest(opts.method)  # found once: the pricing at stage 0 below keeps it, and its search graph
     unsharded = priced.with_memory(whole)
     free = solve_for_peak(unsharded, memory_budget=None, alpha=opts.alpha, method=opts.method)
     if opts.alpha == 0:  # the fastest plan fits as it is, or with its replicas' state split

@@ -18,7 +18,7 @@ from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.deferred import DeferredSaving
 from primepar_fx.planning.sharing import add_share_nodes
-from primepar_fx.search import CostGraph, Solution, solve
+from primepar_fx.search import CostGraph, Solution, plan_memory, solve
 
 
 @dataclass
@@ -61,8 +61,8 @@ class PricedGraph:
     def fastest(self, method: str = "auto") -> Solution:
         """The fastest plan of :attr:`search_graph`: :func:`~primepar_fx.search.solve` without a budget or a memory
         weight, solved once per ``method`` and kept with this pricing (a grouping's bound and the search that reads
-        its pricing ask for the same one; a worker's pricing comes back with it). Not copied by
-        :meth:`with_memory` or :meth:`subset`, whose search graphs differ."""
+        its pricing ask for the same one; a worker's pricing comes back with it). :meth:`with_memory` keeps it (it does
+        not read memory; its memory is read again), :meth:`subset` does not (another space)."""
         memo = self.__dict__.setdefault("_fastest", {})
         if method not in memo:
             memo[method] = solve(self.search_graph, method=method)  # type: ignore[arg-type]
@@ -93,7 +93,18 @@ class PricedGraph:
                 vectors[id(costs)] = frozen([float(c.memory_bytes(opts)) for c in costs])
             memory[name] = vectors[id(costs)]
         graph = dataclasses.replace(self.cost_graph, node_memory=memory)
-        return dataclasses.replace(self, cost_graph=graph)
+        out = dataclasses.replace(self, cost_graph=graph)
+        built = self.__dict__.get("search_graph")
+        if built is not None and built.node_memory is not None:  # the same but for its memory (virtual nodes: none)
+            held = {**built.node_memory, **memory}
+            searched = dataclasses.replace(built, node_memory={n: held[n] for n in built.nodes})
+            out.__dict__["search_graph"] = searched
+            # the fastest plan (no budget, no memory weight) does not read memory: kept, its memory read again
+            out.__dict__["_fastest"] = {
+                m: dataclasses.replace(sol, memory=plan_memory(searched, sol.choice))
+                for m, sol in self.__dict__.get("_fastest", {}).items()
+            }
+        return out
 
     def subset(self, keep: Callable[[PartitionSeq], bool]) -> PricedGraph:
         """This pricing with every node's strategies narrowed to those ``keep`` accepts, in their order.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 
 import primepar_fx
@@ -233,7 +234,8 @@ def test_the_fastest_plan_of_a_pricing_is_solved_once_and_only_for_its_own_searc
     from primepar_fx.partition import DeviceMesh
     from primepar_fx.planning import priced as priced_module
     from primepar_fx.planning.pricing import price_graph
-    from primepar_fx.search import solve
+    from primepar_fx.planning.sharing import add_share_nodes
+    from primepar_fx.search import plan_memory, solve
 
     cluster = load_cluster("v100-paper")
     priced = price_graph(graph("gpt2-tiny"), DeviceMesh((2, 2)), cluster, {B: 8, S: 64}, CostOptions())
@@ -246,8 +248,19 @@ def test_the_fastest_plan_of_a_pricing_is_solved_once_and_only_for_its_own_searc
     assert pickle.loads(pickle.dumps(priced)).fastest("dp").choice == first.choice and len(solved) == 1
     narrowed = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
     narrowed.fastest("dp")
-    priced.with_memory(CostOptions(zero=2)).fastest("dp")
-    assert len(solved) == 3 and solved[1] is narrowed.search_graph
+    assert len(solved) == 2 and solved[1] is narrowed.search_graph
+    # another ZeRO stage's memory: the same search graph but for memory, and the same fastest plan, not solved again
+    sharded = priced.with_memory(CostOptions(zero=2))
+    kept = sharded.fastest("dp")
+    assert len(solved) == 2 and kept.choice == first.choice
+    fresh = add_share_nodes(sharded.cost_graph, sharded.flows, sharded.fanout)
+    assert sharded.search_graph.nodes == fresh.nodes
+    for n in fresh.nodes:
+        assert np.array_equal(sharded.search_graph.node_memory[n], fresh.node_memory[n])
+    assert sharded.search_graph.edge_cost.keys() == fresh.edge_cost.keys()
+    assert all(np.array_equal(sharded.search_graph.edge_cost[e], a) for e, a in fresh.edge_cost.items())
+    assert kept.memory == plan_memory(fresh, first.choice) != first.memory
+    assert (kept.choice, kept.cost) == (solve(fresh, method="dp").choice, solve(fresh, method="dp").cost)
 
 
 @pytest.mark.parametrize("world", [4, 8])
