@@ -41,6 +41,7 @@ from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
+from primepar_fx.planning import groupings
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     FSDP_GATHERED_LAYERS,
@@ -149,20 +150,47 @@ def _forks(opts: PlanOptions) -> bool:
     return opts.workers > 1 and can_fork()
 
 
+class _Pricings:
+    """The pricings one plan makes, by (micro-batch count, mesh, cost options), read again instead of priced again
+    (pricing is deterministic, so a pricing read again is the pricing made again): a count's probe and then its
+    search price the same meshes, as do a count's search and the probe that found its plan. The oldest are dropped
+    past :data:`~primepar_fx.planning.groupings.KEEP_PRICED` bytes of arrays (read when one is added: the one knob
+    for the pricings a plan keeps) or ``entries`` pricings."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries, self.held = entries, 0
+        self._items: dict[tuple, PricedGraph] = {}
+
+    def get(self, key: tuple) -> PricedGraph | None:
+        return self._items.get(key)
+
+    def put(self, key: tuple, priced: PricedGraph) -> None:
+        size, limit = priced.array_nbytes(), groupings.KEEP_PRICED
+        if size > limit:
+            return
+        if key in self._items:
+            self.held -= self._items.pop(key).array_nbytes()
+        while self._items and (self.held + size > limit or len(self._items) >= self.entries):
+            oldest = next(iter(self._items))
+            self.held -= self._items.pop(oldest).array_nbytes()
+        self._items[key], self.held = priced, self.held + size
+
+
 def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Forked | None) -> Plan:
     meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
     found, infeasible = None, []
     tries = micro_batch_tries(opts)
     probing = len(tries) > 1 and opts.zero == opts.recompute == "auto"
-    # a count's fastest plan's per-step objective where it fits as it is, else None; only the number is kept (a
-    # large model's priced graphs take gigabytes), and the plan is found again if that count is reached
+    # a count's fastest plan's per-step objective where it fits as it is, else None; only the number is kept, and
+    # the plan is found again if that count is reached (from the pricings kept meanwhile, where they still are)
     probes: dict[int, float | None] = {}
+    pricings = _Pricings(2 * len(meshes))
 
     def probe(m: int) -> float | None:
         if m not in probes:
             try:
-                probes[m] = _search_at(graph, opts, meshes, m, free_only=True).step_objective
+                probes[m] = _search_at(graph, opts, meshes, m, free_only=True, pricings=pricings).step_objective
             except (CutOff, InfeasibleBudget):
                 probes[m] = None
         return probes[m]
@@ -184,10 +212,11 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
             return math.inf
 
         if probes.get(m) is not None:
-            got = _search_at(graph, opts, meshes, m, free_only=True)  # its fastest plan fits: the best at this count
+            # its fastest plan fits: the best at this count
+            got = _search_at(graph, opts, meshes, m, free_only=True, pricings=pricings)
         else:
             try:
-                got = _search_at(graph, opts, meshes, m, upper)
+                got = _search_at(graph, opts, meshes, m, upper, pricings=pricings)
             except InfeasibleBudget as exc:
                 infeasible.append(exc)
                 got = None
@@ -294,13 +323,15 @@ def _search_at(
     upper: Callable[[], float] | None = None,
     *,
     free_only: bool = False,
+    pricings: _Pricings | None = None,
 ) -> _Found:
     """The search on every mesh of ``meshes`` with ``m`` micro-batches of ``opts.batch / m`` (priced at that
     batch), the cheapest kept; raises :class:`InfeasibleBudget` with the least any mesh needs.
 
     ``upper()``: the per-step objective of a plan the caller has (called only when a mesh needs the memory
     levers); a mesh whose plans cannot beat it is not searched, and :class:`~primepar_fx.search.CutOff` is raised
-    when none can. ``free_only``: keep only meshes whose fastest plan fits as it is (no levers searched)."""
+    when none can. ``free_only``: keep only meshes whose fastest plan fits as it is (no levers searched).
+    ``pricings``: the pricings made so far, read where this search would make one again, and added to."""
     if opts.batch % m:  # type: ignore[operator]
         raise ValueError(f"micro_batches={m} does not divide the batch of {opts.batch}")
     values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
@@ -309,8 +340,12 @@ def _search_at(
     def price(
         mesh: DeviceMesh, at: CostOptions = costs, progress: bool = opts.progress, threads: int | None = None
     ) -> PricedGraph:
+        key = (m, mesh, at)
+        made = None if pricings is None else pricings.get(key)
+        if made is not None:
+            return made
         clear_caches()  # each mesh numbers its own index sets, so the table of their overlaps holds this one's
-        return price_graph(
+        made = price_graph(
             graph,
             mesh,
             opts.cluster,
@@ -321,6 +356,9 @@ def _search_at(
             progress=progress,
             workers=threads,
         )
+        if pricings is not None:
+            pricings.put(key, made)
+        return made
 
     # Under a budget each mesh weighs recomputation, ZeRO and budget caps: many DP runs. A mesh's fastest plan
     # without a budget bounds all of that from below (recomputation only adds time, ZeRO-2 none), so the meshes are
@@ -365,7 +403,8 @@ def _search_at(
             start -= priced_s + priced.fastest(opts.method).seconds
         else:
             priced = price(mesh)
-            priced_s = time.perf_counter() - start
+            priced_s = priced.seconds  # the time it took, also where it was made before (a probe's, read again)
+            start = time.perf_counter() - priced_s
         try:
             chosen, stage = _choose_levers(
                 graph, priced, values, costs, opts, limit, free_only=free_only, reprice=functools.partial(price, mesh)

@@ -287,6 +287,52 @@ def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_boun
     assert probe.search["micro_batches_tried"] == [2]
 
 
+@pytest.mark.parametrize("budget", [5_000_000, 4_440_000])
+def test_a_count_probed_and_then_searched_is_priced_once(budget, monkeypatch) -> None:
+    """Two micro-batches' probe and then their search price the same mesh at the same sizes: the second reads the
+    first's pricing (the plan is the one a fresh pricing gives: test above)."""
+    import primepar_fx.planning.planner as planner
+
+    priced = []
+    original = planner.price_graph
+
+    def spy(graph, mesh, cluster, values, opts, **kwargs):
+        priced.append((mesh, tuple(sorted(values.items(), key=str)), opts))
+        return original(graph, mesh, cluster, values, opts, **kwargs)
+
+    monkeypatch.setattr(planner, "price_graph", spy)
+    auto = plan_graph(graph(), **{**SIZES, "memory_budget": budget})
+    assert 2 in auto.search["micro_batches_tried"] and len(priced) == len(set(priced))
+    assert {values[0][1] for _, values, _ in priced} >= {8, 4}  # B of one and of two micro-batches
+
+
+def test_the_pricings_kept_for_reading_again_stay_within_their_bounds() -> None:
+    from primepar_fx.planning.planner import _Pricings
+
+    priced = layers().priced
+    size = priced.array_nbytes()
+    kept = _Pricings(2)
+    for key in ("a", "b", "c"):
+        kept.put((key,), priced)
+    assert kept.get(("a",)) is None and kept.get(("b",)) is priced is kept.get(("c",)) and kept.held == 2 * size
+    kept.put(("b",), priced)  # again: replaced, not counted twice
+    assert kept.held == 2 * size
+    small = _Pricings(10)
+    import primepar_fx.planning.groupings as groupings
+
+    limit = groupings.KEEP_PRICED
+    try:
+        groupings.KEEP_PRICED = size  # one fits, two do not
+        small.put(("a",), priced)
+        small.put(("b",), priced)
+        assert small.get(("a",)) is None and small.get(("b",)) is priced and small.held == size
+        groupings.KEEP_PRICED = size - 1  # none fits: not kept
+        small.put(("c",), priced)
+        assert small.get(("c",)) is None
+    finally:
+        groupings.KEEP_PRICED = limit
+
+
 def test_the_fewest_layers_that_fit_are_bisected_not_stepped() -> None:
     """After a number of layers recomputed in full with which nothing fits, the lever search finds the fewest
     with which a plan fits by bisection (a budgeted search per probe, a few probes) instead of trying every
