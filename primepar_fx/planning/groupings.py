@@ -70,6 +70,32 @@ def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: Cluster
     return out
 
 
+class KeptPricings:
+    """The pricings one plan makes, by (micro-batch count, mesh, cost options), read again instead of priced again
+    (pricing is deterministic, so a pricing read again is the pricing made again): a count's probe and then its
+    search price the same meshes, as do a count's search and the probe that found its plan. The oldest are dropped
+    past :data:`KEEP_PRICED` bytes of arrays (read when one is added: the one knob
+    for the pricings a plan keeps) or ``entries`` pricings."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries, self.held = entries, 0
+        self._items: dict[tuple, PricedGraph] = {}
+
+    def get(self, key: tuple) -> PricedGraph | None:
+        return self._items.get(key)
+
+    def put(self, key: tuple, priced: PricedGraph) -> None:
+        size, limit = priced.array_nbytes(), KEEP_PRICED
+        if size > limit:
+            return
+        if key in self._items:
+            self.held -= self._items.pop(key).array_nbytes()
+        while self._items and (self.held + size > limit or len(self._items) >= self.entries):
+            oldest = next(iter(self._items))
+            self.held -= self._items.pop(oldest).array_nbytes()
+        self._items[key], self.held = priced, self.held + size
+
+
 def _level_parts(mesh: DeviceMesh, levels: list[int], a: int, b: int) -> tuple[tuple[int, int], ...]:
     """``(level, product of the radices of that level)`` of the run of digits ``a:b``."""
     parts: dict[int, int] = {}

@@ -41,7 +41,6 @@ from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
-from primepar_fx.planning import groupings
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     FSDP_GATHERED_LAYERS,
@@ -57,6 +56,7 @@ from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
 from primepar_fx.planning.groupings import (  # noqa: F401  (re-exported)
     GROUPED_DIGITS,
     GROUPINGS,
+    KeptPricings,
     grouping_bounds,
     search_mesh,
     search_meshes,
@@ -150,32 +150,6 @@ def _forks(opts: PlanOptions) -> bool:
     return opts.workers > 1 and can_fork()
 
 
-class _Pricings:
-    """The pricings one plan makes, by (micro-batch count, mesh, cost options), read again instead of priced again
-    (pricing is deterministic, so a pricing read again is the pricing made again): a count's probe and then its
-    search price the same meshes, as do a count's search and the probe that found its plan. The oldest are dropped
-    past :data:`~primepar_fx.planning.groupings.KEEP_PRICED` bytes of arrays (read when one is added: the one knob
-    for the pricings a plan keeps) or ``entries`` pricings."""
-
-    def __init__(self, entries: int) -> None:
-        self.entries, self.held = entries, 0
-        self._items: dict[tuple, PricedGraph] = {}
-
-    def get(self, key: tuple) -> PricedGraph | None:
-        return self._items.get(key)
-
-    def put(self, key: tuple, priced: PricedGraph) -> None:
-        size, limit = priced.array_nbytes(), groupings.KEEP_PRICED
-        if size > limit:
-            return
-        if key in self._items:
-            self.held -= self._items.pop(key).array_nbytes()
-        while self._items and (self.held + size > limit or len(self._items) >= self.entries):
-            oldest = next(iter(self._items))
-            self.held -= self._items.pop(oldest).array_nbytes()
-        self._items[key], self.held = priced, self.held + size
-
-
 def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Forked | None) -> Plan:
     meshes = search_meshes(full, opts.grouped, opts.cluster)
     t0 = time.perf_counter()
@@ -185,7 +159,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     # a count's fastest plan's per-step objective where it fits as it is, else None; only the number is kept, and
     # the plan is found again if that count is reached (from the pricings kept meanwhile, where they still are)
     probes: dict[int, float | None] = {}
-    pricings = _Pricings(2 * len(meshes))
+    pricings = KeptPricings(2 * len(meshes))
 
     def probe(m: int) -> float | None:
         if m not in probes:
@@ -323,7 +297,7 @@ def _search_at(
     upper: Callable[[], float] | None = None,
     *,
     free_only: bool = False,
-    pricings: _Pricings | None = None,
+    pricings: KeptPricings | None = None,
 ) -> _Found:
     """The search on every mesh of ``meshes`` with ``m`` micro-batches of ``opts.batch / m`` (priced at that
     batch), the cheapest kept; raises :class:`InfeasibleBudget` with the least any mesh needs.

@@ -307,17 +307,17 @@ def test_a_count_probed_and_then_searched_is_priced_once(budget, monkeypatch) ->
 
 
 def test_the_pricings_kept_for_reading_again_stay_within_their_bounds() -> None:
-    from primepar_fx.planning.planner import _Pricings
+    from primepar_fx.planning.groupings import KeptPricings
 
     priced = layers().priced
     size = priced.array_nbytes()
-    kept = _Pricings(2)
+    kept = KeptPricings(2)
     for key in ("a", "b", "c"):
         kept.put((key,), priced)
     assert kept.get(("a",)) is None and kept.get(("b",)) is priced is kept.get(("c",)) and kept.held == 2 * size
     kept.put(("b",), priced)  # again: replaced, not counted twice
     assert kept.held == 2 * size
-    small = _Pricings(10)
+    small = KeptPricings(10)
     import primepar_fx.planning.groupings as groupings
 
     limit = groupings.KEEP_PRICED
