@@ -44,22 +44,17 @@ def virtual(name: str) -> bool:
 def _shared_states(u: str, group: tuple[str, ...], flows: Mapping) -> list[tuple[int, np.ndarray]]:
     """``(signature, u -> virtual column)`` of every signature all consumers can take and sharing saves on."""
     first = flows[(u, group[0])]
-    common = set(first.signature.tolist())
+    sigs, at, of = np.unique(first.signature, return_index=True, return_inverse=True)
+    # a signature whose columns of the first consumer's edge differ between its strategies is not pairwise
+    differs = np.bincount(of, (first.seconds != first.seconds[:, at[of]]).any(axis=0), len(sigs)) > 0
+    keep, saves = ~differs, np.zeros(len(sigs), dtype=bool)
     for v in group[1:]:
-        common &= set(flows[(u, v)].signature.tolist())
-    out = []
-    for sig in sorted(common):
-        cols = first.seconds[:, first.signature == sig]
-        if not (cols == cols[:, :1]).all():
-            continue  # the first consumer's edge differs between strategies of one signature: not pairwise
-        saves = False
-        for v in group[1:]:
-            f = flows[(u, v)]
-            mask = f.signature == sig
-            saves = saves or bool(f.seconds[:, mask].any()) or bool(f.reduce_s[mask].any())
-        if saves:
-            out.append((sig, cols[:, 0]))
-    return out
+        f = flows[(u, v)]
+        keep &= np.isin(sigs, f.signature)  # one every consumer can take
+        # sharing saves where some of its columns (or input-gradient all-reduces) of another consumer are not 0
+        nonzero = f.seconds.any(axis=0) | (f.reduce_s != 0)
+        saves |= np.isin(sigs, f.signature[nonzero])
+    return [(int(sig), first.seconds[:, at[k]]) for k, sig in enumerate(sigs.tolist()) if keep[k] and saves[k]]
 
 
 def _share_arrays(pu: int, group: tuple[str, ...], u: str, flows: Mapping, edges: Mapping):
@@ -91,7 +86,8 @@ def add_share_nodes(cg: CostGraph, flows: Mapping, fanout: Mapping[str, tuple[st
 
     Identical layers share their flows' arrays, so the virtual node of each is built once and its arrays are
     shared too (which is also what lets the search see the layers as identical)."""
-    nodes, node_cost = list(cg.nodes), dict(cg.node_cost)
+    after: dict[str, str] = {}  # producer -> its virtual node, placed right after it
+    node_cost = dict(cg.node_cost)
     node_memory = None if cg.node_memory is None else dict(cg.node_memory)
     node_key = None if cg.node_key is None else dict(cg.node_key)
     edges = dict(cg.edge_cost)
@@ -115,7 +111,7 @@ def add_share_nodes(cg: CostGraph, flows: Mapping, fanout: Mapping[str, tuple[st
         for v, out in zip(group, outs):
             del edges[(u, v)]
             edges[(name, v)] = out
-        nodes.insert(nodes.index(u) + 1, name)
+        after[u] = name
         if size not in zeros:
             zeros[size] = np.zeros(size)
             zeros[size].flags.writeable = False
@@ -124,6 +120,7 @@ def add_share_nodes(cg: CostGraph, flows: Mapping, fanout: Mapping[str, tuple[st
             node_memory[name] = zeros[size]
         if node_key is not None:
             node_key[name] = ("share", node_key[u], tuple(node_key[v] for v in group), tuple(s for s, _ in states))
-    if len(nodes) == len(cg.nodes):
+    if not after:
         return cg
-    return CostGraph(tuple(nodes), node_cost, edges, node_memory, node_key)
+    nodes = tuple(m for n in cg.nodes for m in ((n, after[n]) if n in after else (n,)))
+    return CostGraph(nodes, node_cost, edges, node_memory, node_key)

@@ -250,17 +250,28 @@ class Reduced:
 
 def _arc_consistent(graph: CostGraph) -> dict[str, np.ndarray]:
     """Boolean masks of strategies that have finite cost and a finite partner on every incident edge."""
+    # identical layers share their arrays, so each distinct array is tested once and each distinct (array, masks)
+    # revised once: the memos are keyed by array identity (graph holds every array meanwhile) and the masks' bytes
+    finite_of: dict[int, np.ndarray | None] = {}
+    for a in graph.edge_cost.values():
+        if id(a) not in finite_of:
+            finite_of[id(a)] = np.isfinite(a) if a.max() == np.inf else None
+    finite = {e: f for e, a in graph.edge_cost.items() if (f := finite_of[id(a)]) is not None}
     alive = {n: np.isfinite(graph.node_cost[n]) for n in graph.nodes}
-    finite = {e: np.isfinite(a) for e, a in graph.edge_cost.items() if a.max() == np.inf}
+    revised: dict[tuple[int, bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
     changed = True
     while changed:
         changed = False
         for (u, v), ok in finite.items():
-            pair = ok & alive[u][:, None] & alive[v][None, :]
-            row, col = pair.any(axis=1), pair.any(axis=0)
+            key = (id(ok), alive[u].tobytes(), alive[v].tobytes())
+            if key not in revised:
+                pair = ok & alive[u][:, None] & alive[v][None, :]
+                row, col = pair.any(axis=1), pair.any(axis=0)
+                revised[key] = row, col
+            row, col = revised[key]
             if (alive[u] & ~row).any() or (alive[v] & ~col).any():
-                alive[u] &= row
-                alive[v] &= col
+                alive[u] = alive[u] & row
+                alive[v] = alive[v] & col
                 changed = True
     dead = [n for n, a in alive.items() if not a.any()]
     if dead:
