@@ -455,7 +455,7 @@ def _direction(pairs: LayoutPairs, mesh: DeviceMesh, cluster: ClusterSpec, item:
     elems = received.sum(axis=-1)
     time = np.zeros(elems.shape)
     if mesh.size > 1 and elems.any():
-        count, cross, local = pairs.exchange(mesh, cluster.devices_per_node)
+        count, cross, local = pairs.exchange(mesh, cluster.devices_per_node, received=received)
         time = _p2p_distinct(count, cross, received, cluster, item)
         inside, across = all_to_all_levels(received.max(axis=-1), mesh, cluster, item)
         if (time > np.minimum(inside, across)).any():  # else no all-to-all is cheaper, wherever it runs

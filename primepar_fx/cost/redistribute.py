@@ -51,7 +51,7 @@ numpy (:class:`LayoutPairs`), intersecting each distinct pair of sets once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
@@ -258,23 +258,28 @@ def redistribution(
 
 # ------------------------------------------------------------------------------------------- who sends
 @lru_cache(maxsize=1 << 12)
-def _class_messages(
+def _class_words(
     first: tuple[int, ...], mesh: DeviceMesh, devices_per_node: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(other, far, absent)`` for a held layout whose rank ``r`` holds the block of rank ``first[r]`` (the first
-    rank holding it): ``other[r, k]``, rank ``r`` stands for a class (it is its first rank) whose block is not
-    ``k``'s; ``far[r, k]``, moreover that class's sender to ``k`` is on another node; ``absent[r, k]``, moreover no
-    rank of that class is on ``k``'s node."""
+    """``(leads, far, absent)`` for a held layout whose rank ``r`` holds the block of rank ``first[r]`` (the first
+    rank holding it), the ranks ``r`` packed 64 to a word (:func:`_pack_ranks`): ``leads[w]``, the ranks that are
+    the first of their class (one per class, standing for it); ``far[w, k]``, those whose class's sender to ``k``
+    (:func:`class_senders`) is on another node than ``k`` (never ``k``'s own class: ``k`` holds its block);
+    ``absent[w, n]``, those whose class has no rank on node ``n``."""
     cls = np.asarray(first)
     ranks = np.arange(mesh.size)
-    other = (cls == ranks)[:, None] & (cls[:, None] != cls[None, :])
+    leads = cls == ranks
     node = ranks // devices_per_node
-    far = other & (node[class_senders(first, mesh)] != node[None, :])
-    # on[r, n]: a rank of r's class (as its first rank) is on node n
-    on = np.zeros((mesh.size, int(node.max()) + 1), dtype=bool)
+    far = leads[:, None] & (node[class_senders(first, mesh)] != node[None, :])
+    on = np.zeros((mesh.size, int(node.max()) + 1), dtype=bool)  # on[r, n]: a rank of r's class is on node n
     on[cls, node] = True
-    absent = other & ~on[:, node]
-    return other, far, absent
+    return _pack_ranks(leads), _pack_ranks(far), _pack_ranks(leads[:, None] & ~on)
+
+
+def _pack_ranks(flags: np.ndarray) -> np.ndarray:
+    """``flags`` (ranks on axis 0) packed 64 ranks to a uint64 word: ``(words, ...)``, rank ``r`` bit ``r % 64`` of
+    word ``r // 64`` (:func:`_pack`)."""
+    return np.stack([_pack(flags[None, r : r + 64])[0] for r in range(0, len(flags), 64)])
 
 
 def _pack(flags: np.ndarray) -> np.ndarray:
@@ -324,12 +329,29 @@ class LayoutPairs:
     def received(self, budget: int = 1 << 22) -> np.ndarray:
         """``R[i, j, D] = V_jD - prod_d |held_i,d(D) ∩ needed_j,d(D)|``: what device ``D`` receives (one Eq. 9 term)
         under distinct held layout ``i`` and distinct needed layout ``j``, in chunks of at most ``budget`` device
-        pairs."""
+        pairs.
+
+        Layouts that differ in one dim repeat the others, so each dim's factor is a table over the distinct rows
+        (every device's set) of that dim on either side, read for every pair of layouts a row of devices at a time.
+        """
         volume = self._volume()
-        out = np.empty((len(self.held), *volume.shape), dtype=np.int64)
+        held, world, dims = self.held.shape
+        factors = []
+        for d in range(dims):
+            held_rows, held_of = intern_rows(np.ascontiguousarray(self.held[:, :, d]))
+            needed_rows, needed_of = intern_rows(np.ascontiguousarray(self.needed[:, :, d]))
+            # int64: the product of a few int32 overlaps can pass 2^31
+            table = SETS.pairwise(held_rows[:, None], needed_rows[None]).astype(np.int64).reshape(-1, world)
+            factors.append((table, held_of * len(needed_rows), needed_of))
+        out = np.empty((held, *volume.shape), dtype=np.int64)
         chunk = max(1, budget // max(1, volume.size))
-        for lo in range(0, len(self.held), chunk):
-            out[lo : lo + chunk] = volume[None] - block_overlaps(self.held[lo : lo + chunk, None], self.needed[None])
+        for lo in range(0, held, chunk):
+            i = slice(lo, lo + chunk)
+            overlap = None
+            for table, row, col in factors:
+                factor = np.take(table, row[i, None] + col[None], axis=0)  # [held layout, needed layout, device]
+                overlap = factor if overlap is None else np.multiply(overlap, factor, out=overlap)
+            out[i] = volume[None] - (1 if overlap is None else overlap)
         return out
 
     def traffic(self, received: np.ndarray | None = None) -> np.ndarray:
@@ -346,54 +368,71 @@ class LayoutPairs:
         return count, cross
 
     def exchange(
-        self, mesh: DeviceMesh, devices_per_node: int, budget: int = 1 << 22
+        self, mesh: DeviceMesh, devices_per_node: int, budget: int = 1 << 22, received: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(M, X, L)``: :meth:`messages` and, per pair of distinct layouts, ``L[i, j]``: every device finds its
         needed block on its own node (:meth:`node_local_distinct` on nodes of ``devices_per_node`` ranks).
+        ``received``: :meth:`received`, where the caller has it.
 
         The blocks of one layout are equal or disjoint, so its devices fall into classes that hold one block each.
         Device ``k`` receives one message from every other class whose block meets its needed block, sent by that
-        class's :func:`nearest_holder`. The ranks ``r`` of a held layout are packed 64 to a word. Two blocks meet
-        when they meet in every dim, and the AND of packed words is the packed AND, so each dim contributes a word
-        per (held layout, needed set of that dim), from a small table of its distinct sets; the AND over dims says
-        which ranks' blocks meet a needed block, and a popcount counts the senders. A needed block is on its node
-        when no other class whose block meets it is absent from the node (the classes' blocks are disjoint, so the
-        part of the needed block in such a class's block is held only by that class).
+        class's :func:`nearest_holder`. Two blocks meet when they meet in every dim. For each held layout and each
+        distinct needed block (far fewer than layouts times devices), the ranks whose blocks meet it are packed 64
+        to a word (:meth:`_meets`), and from these words:
+
+        * ``M``: the classes whose blocks meet the needed block (a popcount over the first rank of each class), less
+          ``k``'s own class where it meets it, which is where ``k`` receives less than all of its block;
+        * ``X``: a class whose block meets it has its sender to ``k`` on another node;
+        * ``L``: no device's needed block meets a class that has no rank on its node (the classes' blocks are
+          disjoint, so the part of a needed block in such a class's block is held only off the node).
         """
         world, dims = self.held.shape[1:]
+        received = self.received(budget) if received is None else received
         _, hid = intern_rows(self.held.reshape(-1, dims))
         hid = hid.reshape(len(self.held), world)
-        # other[i, r, k]: r is the first rank of a class that is not k's; far[i, r, k]: its sender is off k's node
-        first = (hid[:, :, None] == hid[:, None, :]).argmax(axis=-1)
-        other, far, absent = np.empty((3, len(self.held), world, world), dtype=bool)
-        for i, row in enumerate(first):
-            other[i], far[i], absent[i] = _class_messages(tuple(row.tolist()), mesh, devices_per_node)
-        # the distinct needed blocks (far fewer than layouts times devices), and the sets of each dim among them
+        first = (hid[:, :, None] == hid[:, None, :]).argmax(axis=-1)  # first[i, r]: the first rank of r's class
         blocks, block_of = intern_rows(self.needed.reshape(-1, dims))
         block_of = block_of.reshape(len(self.needed), world)
-        needed_sets = [SETS.distinct(blocks[:, d]) for d in range(dims)]
-        count = np.zeros((len(self.held), len(self.needed), world), dtype=np.int32)
-        cross = np.zeros(count.shape, dtype=bool)
-        elsewhere = np.zeros(count.shape[:2], dtype=bool)  # some device's needed block is not on its node
+        node = np.arange(world) // devices_per_node
+        own = received < self._volume()[None]  # [i, j, k]: k's own class's block meets k's needed block
+        count = np.empty(received.shape, dtype=np.int32)
+        cross = np.zeros(received.shape, dtype=bool)
+        elsewhere = np.zeros(received.shape[:2], dtype=bool)  # some device's needed block is not on its node
         chunk = max(1, budget // max(1, len(self.needed) * world))
         for lo in range(0, len(self.held), chunk):
             i = slice(lo, lo + chunk)
-            for r in range(0, world, 64):
-                ranks = slice(r, r + 64)
-                meet = None  # [held layout, needed block]: which of the word's ranks hold a block that meets it
-                for d, (ns, ni) in enumerate(needed_sets):
-                    hs, hi = SETS.distinct(self.held[i, ranks, d])
-                    meets = SETS.overlaps(hs, ns) > 0  # [held set, needed set] of dim d
-                    word = np.take(_pack(meets[hi]), ni, axis=1)
-                    meet = word if meet is None else np.bitwise_and(meet, word, out=meet)
-                if meet is None:  # a scalar: every block meets every other
-                    meet = np.full((len(self.held[i]), len(blocks)), ~np.uint64(0))
+            rows = first[i].tolist()
+            leads, far, absent = (
+                np.stack(a) for a in zip(*(_class_words(tuple(r), mesh, devices_per_node) for r in rows))
+            )
+            classes = np.zeros((len(rows), len(blocks)), dtype=np.int32)  # [i, needed block]: classes that meet it
+            for w, meet in enumerate(self._meets(i, blocks)):
+                classes += _popcount(meet & leads[:, w, None])
                 bits = np.take(meet, block_of, axis=1)  # [held layout, needed layout, device]
-                senders = np.bitwise_and(bits, _pack(other[i, ranks])[:, None])
-                count[i] += _popcount(senders)
-                elsewhere[i] |= np.bitwise_and(bits, _pack(absent[i, ranks])[:, None], out=bits).any(axis=-1)
-                cross[i] |= np.bitwise_and(senders, _pack(far[i, ranks])[:, None], out=senders) != 0  # far: senders
+                elsewhere[i] |= np.bitwise_and(bits, absent[:, w, node][:, None], out=np.empty_like(bits)).any(axis=-1)
+                cross[i] |= np.bitwise_and(bits, far[:, w][:, None], out=bits) != 0
+            np.subtract(np.take(classes, block_of, axis=1), own[i], out=count[i])
         return count, cross, ~elsewhere
+
+    def _meets(self, i: slice, blocks: np.ndarray) -> Iterator[np.ndarray]:
+        """Per word of 64 ranks, ``[held layout of i, needed block]``: the word's ranks whose held blocks meet each of
+        ``blocks`` (distinct needed blocks, as rows of set numbers). Each dim contributes a word from a small table:
+        whether each distinct held set meets each distinct needed set of the dim, packed over the ranks of each
+        distinct row of held sets (far fewer than the layouts: layouts that differ in one dim repeat the others);
+        the AND of the dims' words is the packed AND."""
+        world, dims = self.held.shape[1:]
+        needed_sets = [SETS.distinct(blocks[:, d]) for d in range(dims)]
+        for r in range(0, world, 64):
+            meet = None
+            for d, (ns, ni) in enumerate(needed_sets):
+                held_rows, row_of = intern_rows(np.ascontiguousarray(self.held[i, r : r + 64, d]))
+                hs, hi = SETS.distinct(held_rows)
+                packed = _pack(SETS.overlaps(hs, ns)[hi] > 0)  # [distinct row, needed set of dim d]
+                word = np.take(packed.ravel(), (row_of * packed.shape[1])[:, None] + ni[None])
+                meet = word if meet is None else np.bitwise_and(meet, word, out=meet)
+            if meet is None:  # a scalar: every block meets every other
+                meet = np.full((len(self.held[i]), len(blocks)), ~np.uint64(0))
+            yield meet
 
     def node_local(self, node_of: Sequence[int]) -> np.ndarray:
         """:meth:`node_local_distinct` per strategy pair."""
@@ -516,4 +555,4 @@ def clear_redistribution_caches() -> None:
     DIRECTIONS.clear()
     clear_layout_caches()
     class_senders.cache_clear()
-    _class_messages.cache_clear()
+    _class_words.cache_clear()

@@ -24,6 +24,7 @@ from primepar_fx.cost.redistribute import (
     backward_needed,
     forward_held,
     forward_needed,
+    per_device_traffic,
     redistribution,
     redistribution_matrix,
 )
@@ -505,6 +506,23 @@ def test_scalar_edge_moves_nothing() -> None:
     assert (r.forward_elems, r.backward_elems, r.total_elems) == (0, 0, 0)
     fwd, bwd = redistribution_matrix([bind(loss, "B", (2,))], 0, [bind(scale, "R", (2,))], 0, {})
     assert fwd.tolist() == bwd.tolist() == [[0]]
+
+
+def test_received_counts_blocks_past_two_to_the_31_exactly() -> None:
+    """Blocks of 2^32 elements: an overlap is a product of per-dim counts (2^16 each) that int32 cannot hold."""
+    op = pointwise({"a": 2**17, "b": 2**17}, (("a",), ("b",)))
+    mesh = DeviceMesh((2, 2))
+    parts = [OpPartition(op, s, mesh) for s in enumerate_sequences(op, mesh)]
+    vkey = values_key({})
+    pairs = LayoutPairs.build(
+        [forward_held(p, 0).layout_ids(vkey) for p in parts], [forward_needed(p, 0).layout_ids(vkey) for p in parts]
+    )
+    received = pairs.received()
+    for (i, p), (j, c) in itertools.product(enumerate(parts), enumerate(parts)):
+        held, needed = forward_held(p, 0).layout(vkey), forward_needed(c, 0).layout(vkey)
+        expected = per_device_traffic(held, needed)
+        assert tuple(received[pairs.held_of[i], pairs.needed_of[j]].tolist()) == expected
+    assert received.max() == 3 * 2**32  # a replicated block needed where a quarter of it is held
 
 
 @pytest.mark.parametrize("shape", [(3, 64, 5), (2, 7, 4, 3), (1, 64), (4, 13), (2, 1, 2)])
