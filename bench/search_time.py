@@ -52,38 +52,41 @@ ILP_TIME_LIMIT = 120.0
 
 READING = """## Reading the results
 
-* **Pricing is 1.7-2.2x faster than on the last page, on the same machine state** (capture, whose code did not
-  change, took 0.7-1.0 s in both runs). llama2-70b's pricing at 16 / 32 / 64 / 128 GPUs: 6.3 / 14.2 / 30.1 / 68.6 s
-  then, 3.6 / 7.2 / 14.6 / 31.9 s now (4.2 / 8.5 / 17.6 / 40.7 s before the re-layouts of every grouping from
-  16 devices on went on two threads, `THREADED_WORK` 2^22). The plans are byte-identical (checked on llama2-70b
-  at 32 GPUs, OPT-175B and BLOOM-176B at 16, llama2-7b on the three presets). What changed (2026-12-05,
-  docs/planning.md): a re-layout's node locality is read off the packed senders instead of intersecting every
-  node's blocks again; the set number of a slice is looked up by its code; a cluster spec's hash is kept (it was a
-  JSON dump per memo lookup: 5% of pricing); the ring senders compare slices as codes; block sizes are integers,
-  not Fractions; DSI tables, collectives, compute models and FLOP counts are computed once; the reduce-scatter
-  tests of an edge run on all its held layouts at once; the p2p time reads its per-count coefficients from
-  tables. Each row was measured once, from empty caches, after a garbage collection.
+* **This run (2026-12-05, third session of the day) on a slower machine state than the last page's:** full
+  capture, whose code did not change, took 20.6 s for llama2-70b against 19.2 s then, and the previous commit's
+  pricing measured in this session was 4.9 / 9.2 / 37.3 s at 16 / 32 / 128 GPUs against 3.6 / 7.2 / 31.9 s on the
+  last page. Measured back to back in this session (`python bench/search_time.py --models Llama2 --worlds 16 32
+  128`, the day's start commit `ed644c4` on `PYTHONPATH` first), llama2-70b's pricing went from 4.9 / 9.2 / 37.3 s
+  to **4.0 / 7.7 / 28.1 s** (-18% / -16% / -25%): a re-layout's arrays are built from the distinct rows of one dim
+  at a time (what each device receives, a product over dims of tables over the two sides' distinct rows; the
+  packed words of the ranks that meet a needed block, once per distinct row of held sets), and its message count
+  from the classes that meet each distinct needed block less the device's own (docs/planning.md). The plans are
+  identical (plan JSON diffed: llama2-70b at 32 and 128 GPUs, OPT-175B at 32, BLOOM-176B at 16, llama2-7b at 16
+  under its budget, two tiny ones). Each row was measured once, from empty caches, after a garbage collection;
+  single rows vary by about 10% between runs on this machine (llama2-70b at 32 GPUs: 8.4 s in the full run below,
+  7.7 s in the one above).
 * **Past 8 GPUs every grouping of the digits into three is searched (the planner's default), and that is
   what costs the time.** 3 meshes at 16 GPUs, 5 at 32, 8 at 64 and 11 at 128, each priced afresh (0.6-4 s each
-  here) and searched (0.1-0.2 s each). llama2-70b's whole plan takes 5.0 s at 16 GPUs, 8.9 s at 32, 16.7 s at 64
-  and 34.3 s at 128; OPT-175B 2.8-18.2 s and BLOOM-176B 3.4-31.0 s. What it buys is in
+  here) and searched (0.1-0.2 s each). llama2-70b's whole plan takes 5.7 s at 16 GPUs, 10.2 s at 32, 16.8 s at
+  64 and 32.5 s at 128 in this run, one process; OPT-175B 3.0-18.0 s and BLOOM-176B 3.6-32.3 s. What it buys is in
   [paper_fig7.md](paper_fig7.md): the kept mesh is `2x4x4` at 32 GPUs for all three (K across two groups of
   nodes, B across four), a plan the single leading grouping (`8x2x2`) cannot express, predicted 20% faster for
   llama2-70b on `v100-edr`. `--grouped` (the leading grouping only) is the fast answer, as before.
 * **These are one process's times, the groupings one after another.** The planner prices them side by side
-  in forked processes (`--workers`, the `plan` command's default: one per core; docs/planning.md); measured
-  apart from this run, in the same session on 2 cores, llama2-70b's whole plan without a budget takes 9.1-9.8 s
-  at 32 GPUs (one worker: 13.3 s), 13.5-14.8 s at 64 and 27.8-29.9 s at 128 with two workers (one worker: 39.5 s),
-  the same plans as one process. The `plan` command's times include the baselines and the plan's report, which
-  this table does not.
-* **The issue's targets are met at 64 GPUs only:** the whole llama2-70b plan at 32 GPUs in 6 s (8.9 s here,
-  9.1-9.8 s with two workers), at 64 and 128 in 20 s (16.7 and 34.3 s here; 13.5-14.8 and 28-30 s with two
-  workers). A grouping
-  at 32 GPUs now prices in 1.9 s from cold caches (3.05 s before; 4x8x4 at 128: 3.7 s, 6.1 s before), spread
-  over the per-strategy Python (node costs 20%, layouts of the edges' sides 20%) and the numpy of the re-layouts
-  (40%, each pass over (held layout, needed layout, device) arrays near memory speed); five groupings on two cores
-  take three rounds. Nor is the space the paper's whole space: P full, the per-node count of the ungrouped mesh,
-  is 1,294 at 16 GPUs and 7,723 at 32, against 130-214 on a grouping.
+  in forked processes (`--workers`, the `plan` command's default: one per core; docs/planning.md). Measured apart
+  from this run, in the same session on 2 cores (`primepar-fx plan llama2-70b -n N --batch 16 --seq 2048 --dtype
+  fp16 --cluster v100-paper --memory-budget none`, runs of the day's start commit and of this one interleaved),
+  llama2-70b's whole plan takes 8.0-8.1 s at 32 GPUs (8.4-8.9 s before), 12.2 s at 64 (13.3 s) and 22.8-23.6 s at
+  128 (29.7-32.0 s), the same plans as one process. The `plan` command's times include the baselines and the
+  plan's report, which this table does not.
+* **The issue's targets are met at 64 GPUs only:** the whole llama2-70b plan at 32 GPUs in 6 s (8.0-8.1 s with
+  two workers), at 64 and 128 in 20 s (12.2 s and 22.8-23.6 s). At 32 GPUs capture takes 1.3-1.4 s (torch.export
+  of two layers with symbolic B and S: 1.0-1.3 s of it, against about 0.5 s for the same export at fixed sizes)
+  and the five groupings 6.3-6.5 s: about 1.6 s of pricing and 0.25 s of search each alone, 2.0-2.4 s of pricing
+  when two run side by side (two vCPUs of one VM), three rounds on two processes. The pricing left is spread over
+  per-strategy Python (node costs 21%, layouts of the edges' sides 18%) and the numpy of the re-layouts (28%).
+  Nor is the space the paper's whole space: P full, the per-node count of the ungrouped mesh, is 1,294 at 16 GPUs
+  and 7,723 at 32, against 130-214 on a grouping.
   * The exact DP on the full mesh fails at 16 GPUs already: the rotary embedding makes triangles of 624-sequence
     nodes, whose elimination needs 2.4x10^8 entries (624^3); at 32 GPUs they have 3,124 (3x10^10). Where the ILP
     is too large too, `--no-grouped` now narrows the failing tables' nodes to their locally cheapest strategies
@@ -93,6 +96,10 @@ READING = """## Reading the results
   * Folding a node through per-layout minima does not shrink these: their edge matrices have as many distinct
     rows and columns as strategies (measured on every edge of two llama2 layers at 16 GPUs: 20.76 million
     entries, 21.39 million as layout tables), and identical rows (exact dominance) cover 341 of 31,766 strategies.
+    Dead-end elimination (Goldstein's test: drop a strategy when another is at least as cheap against every
+    choice of its neighbours, repeated until nothing changes) is exact but removes 604 of the 14,367
+    strategies of two llama2 layers on the full 8-GPU space (1,917,750 -> 1,831,839 ILP variables): the
+    strategies trade compute against traffic, so few are dominated.
 * **DP time is the search graph's**: what the planner solves, the priced graph with the virtual nodes that share
   a fan-out re-layout (`planning/sharing.py`): 0.05-0.19 s at 4-8 GPUs, summed over the groupings 0.35-1.6 s past
   that. A tied embedding (OPT, BLOOM) had once made it 2-3 s: its edge to the LM head had 64 distinct rows, past
