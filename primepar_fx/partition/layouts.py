@@ -355,15 +355,11 @@ def intern_rows(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             code = code * base + col
         _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
         distinct = rows[first]
-    else:  # long rows (whole layouts): a dict of their bytes, then the few distinct rows sorted
+    else:  # long rows (whole layouts): unique as raw bytes (memcmp order), then the few distinct rows sorted
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        seen: dict[bytes, int] = {}
-        first: list[int] = []
-        at = np.empty(len(rows), dtype=np.int64)
-        for i, row in enumerate(rows):
-            at[i] = k = seen.setdefault(row.tobytes(), len(first))
-            if k == len(first):
-                first.append(i)
+        raw = rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(-1)
+        _, first, at = np.unique(raw, return_index=True, return_inverse=True)
+        at = at.reshape(-1)
         distinct = rows[first]
         order = np.lexsort(distinct.T[::-1])  # lexicographic, first column most significant
         rank = np.empty(len(order), dtype=np.int64)
