@@ -564,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CliError, MissingRuleError, RuleError, ShapeSpecializationError, SearchError, ValueError) as e:
+        logging.getLogger("primepar_fx.cli").debug("where the error arose", exc_info=True)  # PRIMEPAR_LOG=DEBUG
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -10,33 +10,40 @@ Objective (Eq. 10)::
 
     min  sum_(i,p) (n_i(p) + alpha * m_i(p)) x[i,p]  +  sum_(u,v,p,q) e_uv(p, q) y[u,v,p,q]
 
-Constraints, each with the function that builds it:
+Constraints, all built as arrays by :func:`_model` (one pass, no per-variable objects):
 
-* one strategy per node, ``sum_p x[i, p] = 1`` -- :func:`_add_nodes`;
-* the edge linearisation, ``sum_q y[u,v,p,q] = x[u,p]`` and ``sum_p y[u,v,p,q] = x[v,q]`` -- :func:`_add_edges`.
+* one strategy per node, ``sum_p x[i, p] = 1``;
+* the edge linearisation, ``sum_q y[u,v,p,q] = x[u,p]`` and ``sum_p y[u,v,p,q] = x[v,q]``.
   With binary ``x`` this forces ``y[u,v,p,q] = x[u,p] x[v,q]`` (a transportation polytope with 0/1 margins has
   one point), so ``y`` need not be integral; a pair with no ``y`` (an ``inf`` entry) is thereby forbidden. Edges
   whose matrix is one constant add that constant and no variables;
-* the memory budget, ``sum_(i,p) m_i(p) x[i,p] <= B`` -- :func:`_add_budget`, scaled by ``B``. The plan's memory
-  is re-summed exactly; if solver tolerances let it past ``B``, the constraint is tightened (``BUDGET_MARGINS``).
+* the memory budget, ``sum_(i,p) m_i(p) x[i,p] <= B``, scaled by ``B``. The plan's memory is re-summed exactly;
+  if solver tolerances let it past ``B``, the constraint is tightened (``BUDGET_MARGINS``).
 
-Solver: HiGHS through ``pulp.HiGHS`` when ``highspy`` is importable, else CBC. A solve is *proven optimal* only
-when ``prob.sol_status == 1``; a time limit may stop it with a feasible plan (``sol_status == 2``) while
-``LpStatus`` still says "Optimal".
+Solvers (:func:`solver_name`): HiGHS, given the arrays directly through ``highspy`` (the ``ilp`` extra), where it
+is installed; else CBC through PuLP, which builds one Python object per variable. HiGHS is what makes the exact
+cross-check of the full partition space affordable: two llama2-70b layers on the full 8-GPU space, 1.9 million
+variables, solve to proven optimality in under a minute on this project's 2-core machine, where the PuLP model
+alone does not fit in the time. HiGHS runs with ``mip_rel_gap = 0`` (its default, 1e-4, would accept a plan 0.01%
+above the optimum as optimal). A solve is *proven optimal* only when the solver says so; a time limit may stop it
+with a feasible plan, which is returned as not proven.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import pulp
 
-from primepar_fx.search.problem import CostGraph, InfeasibleGraph, SearchError, plan_memory
+from primepar_fx.search.problem import CostGraph, InfeasibleGraph, SearchError, evaluate, plan_memory
 
 log = logging.getLogger(__name__)
 
@@ -78,31 +85,41 @@ def _constant(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all() and (a == a.flat[0]).all())
 
 
-def _solver(time_limit: float | None) -> tuple[pulp.LpSolver, str]:
-    highs = pulp.HiGHS(msg=False, timeLimit=time_limit)
-    if highs.available():
-        return highs, "highs"
-    with warnings.catch_warnings():  # PuLP 3.x deprecates its bundled CBC in favour of a separately installed one
-        warnings.simplefilter("ignore", DeprecationWarning)
-        # CBC's integer preprocessing cut off the optimum of a 13-node graph under a memory budget and still
-        # reported it proven (tests/search/test_search.py::test_the_ilp_under_a_budget_finds_the_dp_s_plan)
-        options = ["preprocess off"]
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=0.0, options=options), "cbc"
+def _highspy():
+    """The ``highspy`` module, or None where it is not installed."""
+    try:
+        import highspy  # noqa: PLC0415 -- optional (the ``ilp`` extra); PuLP's CBC is the fallback
+    except ImportError:
+        return None
+    return highspy
 
 
-def _variable(prob: pulp.LpProblem, name: str, low: float, cat: str) -> pulp.LpVariable:
-    """``prob.add_variable`` where PuLP has it (3.x; 4.0 requires it), else the ``LpVariable`` constructor."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, low, None if cat == pulp.LpContinuous else 1, cat=cat)
-    return pulp.LpVariable(name, lowBound=low, cat=cat)
+def solver_name(solver: str | None = None) -> str:
+    """The ILP solver a solve would use: ``solver`` when given (``"highs"`` or ``"cbc"``), else HiGHS where
+    ``highspy`` is installed and CBC (bundled with PuLP) otherwise."""
+    if solver not in (None, "highs", "cbc"):
+        raise ValueError(f"solver must be 'highs', 'cbc' or None, got {solver!r}")
+    if solver == "highs" and _highspy() is None:
+        raise SearchError("solver='highs' needs the highspy package: pip install 'primepar-fx[ilp]'")
+    return solver or ("highs" if _highspy() is not None else "cbc")
 
 
-def _add_nodes(prob: pulp.LpProblem, graph: CostGraph) -> dict[str, list[pulp.LpVariable]]:
-    x = {}
-    for i, n in enumerate(graph.nodes):
-        x[n] = [_variable(prob, f"x_{i}_{p}", 0, pulp.LpBinary) for p in range(graph.strategies(n))]
-        prob += pulp.lpSum(x[n]) == 1, f"one_{i}"
-    return x
+@dataclass
+class _Model:
+    """The ILP as arrays: column costs and bounds, the constraint matrix in coordinates, row bounds."""
+
+    cost: np.ndarray  # per column, scaled
+    upper: np.ndarray  # per column (0 forbids it)
+    integer: int  # the first ``integer`` columns (the x's) are binary, the rest (the y's) continuous
+    rows: np.ndarray
+    cols: np.ndarray
+    values: np.ndarray
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    constant: float  # added to the objective (constant edges)
+    node_columns: dict[str, slice]
+    scale: float  # the objective's factor (:func:`_objective_scale`)
+    edge_rows: dict[tuple[str, str], int]  # a non-constant edge's first row: its P_u rows, then its P_v rows
 
 
 def _objective_scale(graph: CostGraph, alpha: float, memory_only: bool) -> float:
@@ -123,62 +140,211 @@ def _objective_scale(graph: CostGraph, alpha: float, memory_only: bool) -> float
     return 1e6 / largest if largest > 0 else 1.0
 
 
-def _add_edges(
-    prob: pulp.LpProblem, graph: CostGraph, x: dict[str, list[pulp.LpVariable]], with_cost: bool, scale: float = 1.0
-):
-    """Linearised edges; returns the objective terms and the constant from constant edges."""
-    terms, constant = [], 0.0
-    for k, ((u, v), e) in enumerate(graph.edge_cost.items()):
-        if _constant(e):
-            constant += scale * float(e.flat[0]) if with_cost else 0.0
-            continue
-        rows: list[list] = [[] for _ in range(e.shape[0])]
-        cols: list[list] = [[] for _ in range(e.shape[1])]
-        for p, q in zip(*np.nonzero(np.isfinite(e))):
-            y = _variable(prob, f"y_{k}_{p}_{q}", 0.0, pulp.LpContinuous)
-            rows[p].append(y)
-            cols[q].append(y)
-            if with_cost and e[p, q] != 0.0:
-                terms.append(scale * float(e[p, q]) * y)
-        for p, ys in enumerate(rows):
-            prob += pulp.lpSum(ys) == x[u][p], f"row_{k}_{p}"
-        for q, ys in enumerate(cols):
-            prob += pulp.lpSum(ys) == x[v][q], f"col_{k}_{q}"
-    return terms, constant
+def _model(
+    graph: CostGraph,
+    alpha: float,
+    budget: float | None,
+    margin: float,
+    memory_only: bool,
+    pairs: Mapping[tuple[str, str], tuple[np.ndarray, np.ndarray]] | None = None,
+) -> _Model:
+    """The ILP of the module docstring as arrays (one pass over the nodes and edges, no per-variable objects).
 
-
-def _add_budget(
-    prob: pulp.LpProblem, graph: CostGraph, x: dict[str, list[pulp.LpVariable]], budget: float, margin: float
-) -> None:
-    scale = budget if budget > 0 else 1.0
-    lhs = pulp.lpSum(
-        float(m) / scale * var for n in graph.nodes for m, var in zip(graph.memory_of(n), x[n]) if m != 0.0
-    )
-    prob += lhs <= budget / scale - margin * abs(budget / scale), "memory_budget"
-
-
-def _solve_once(graph: CostGraph, alpha: float, budget: float | None, margin: float, memory_only: bool, limit):
-    prob = pulp.LpProblem("primepar_search", pulp.LpMinimize)
-    x = _add_nodes(prob, graph)
+    ``pairs``: per non-constant edge, the (p, q) pairs that get a ``y`` (all finite ones when not given): the
+    restricted master of a column generation (:mod:`~primepar_fx.search.colgen`)."""
     scale = _objective_scale(graph, alpha, memory_only)
-    terms, constant = _add_edges(prob, graph, x, with_cost=not memory_only, scale=scale)
-    for n in graph.nodes:
+    costs, uppers, rows, cols, values, lower, upper = [], [], [], [], [], [], []
+    node_columns, column, row = {}, 0, 0
+    for n in graph.nodes:  # one strategy per node
         weights = graph.memory_of(n) if memory_only else graph.node_cost[n] + alpha * graph.memory_of(n)
-        terms += [scale * float(w) * var for w, var in zip(weights, x[n]) if w != 0.0]
-    prob += pulp.lpSum(terms) + constant
-    if budget is not None:
-        _add_budget(prob, graph, x, budget, margin)
-    solver, name = _solver(limit)
-    prob.solve(solver)
+        k = weights.size
+        allowed = np.isfinite(weights)
+        costs.append(np.where(allowed, scale * weights, 0.0))
+        uppers.append(allowed.astype(np.float64))
+        node_columns[n] = slice(column, column + k)
+        rows.append(np.full(k, row))
+        cols.append(np.arange(column, column + k))
+        values.append(np.ones(k))
+        lower.append(1.0)
+        upper.append(1.0)
+        column, row = column + k, row + 1
+    integer, constant, edge_rows = column, 0.0, {}
+    for (u, v), e in graph.edge_cost.items():  # the linearisation: sum_q y[p, q] = x[u, p], sum_p y[p, q] = x[v, q]
+        if _constant(e):
+            constant += 0.0 if memory_only else scale * float(e.flat[0])
+            continue
+        p, q = np.nonzero(np.isfinite(e)) if pairs is None else pairs[u, v]
+        m, (pu, pv), edge_rows[u, v] = p.size, e.shape, row
+        ys = np.arange(column, column + m)
+        costs.append(np.zeros(m) if memory_only else scale * e[p, q])
+        uppers.append(np.ones(m))
+        rows += [row + p, row + np.arange(pu), row + pu + q, row + pu + np.arange(pv)]
+        cols += [ys, np.arange(pu) + node_columns[u].start, ys, np.arange(pv) + node_columns[v].start]
+        values += [np.ones(m), -np.ones(pu), np.ones(m), -np.ones(pv)]
+        lower += [0.0] * (pu + pv)
+        upper += [0.0] * (pu + pv)
+        column, row = column + m, row + pu + pv
+    if budget is not None:  # the memory budget, scaled by the budget
+        per = budget if budget > 0 else 1.0
+        for n in graph.nodes:
+            rows.append(np.full(graph.strategies(n), row))
+            cols.append(np.arange(node_columns[n].start, node_columns[n].stop))
+            values.append(graph.memory_of(n) / per)
+        lower.append(-np.inf)
+        upper.append(budget / per - margin * abs(budget / per))
+    return _Model(
+        np.concatenate(costs),
+        np.concatenate(uppers),
+        integer,
+        np.concatenate(rows),
+        np.concatenate(cols),
+        np.concatenate(values),
+        np.asarray(lower, dtype=np.float64),
+        np.asarray(upper, dtype=np.float64),
+        constant,
+        node_columns,
+        scale,
+        edge_rows,
+    )
+
+
+def _silently(make):
+    """``make()`` with the process's standard output closed: HiGHS prints a banner when its first instance is
+    made, whatever its options, and the CLI's plans go to standard output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return make()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _highs(model: _Model, limit: float | None, *, binary: bool = True):
+    """A HiGHS instance holding ``model`` (the x's binary unless ``binary`` is false: the LP relaxation)."""
+    highspy = _highspy()
+    h = _silently(highspy.Highs)
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 0.0)  # the default 1e-4 would call a plan 0.01% off the optimum optimal
+    if limit is not None:
+        h.setOptionValue("time_limit", float(limit))
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = model.cost.size, model.row_lower.size
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = model.cost, np.zeros(model.cost.size), model.upper
+    lp.row_lower_ = np.where(np.isinf(model.row_lower), -highspy.kHighsInf, model.row_lower)
+    lp.row_upper_ = model.row_upper
+    order = np.lexsort((model.rows, model.cols))  # column-wise
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.concatenate(([0], np.cumsum(np.bincount(model.cols, minlength=model.cost.size))))
+    lp.a_matrix_.index_ = model.rows[order].astype(np.int32)
+    lp.a_matrix_.value_ = model.values[order]
+    h.passModel(lp)
+    if binary:
+        set_binary(h, model.integer)
+    return h
+
+
+def set_binary(h, count: int) -> None:
+    """Make the first ``count`` columns of the HiGHS instance ``h`` integer (with bounds 0..1: binary)."""
+    kinds = np.full(count, int(_highspy().HighsVarType.kInteger), dtype=np.uint8)
+    h.changeColsIntegrality(count, np.arange(count, dtype=np.int32), kinds)
+
+
+def highs_outcome(h) -> tuple[np.ndarray | None, str]:
+    """After ``h.run()``: the column values (None without a plan) and ``optimal``, ``feasible`` (stopped with a
+    plan), ``infeasible`` or the solver's status."""
+    highspy = _highspy()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return None, "infeasible"
+    has_plan = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
+    if not has_plan:
+        return None, h.modelStatusToString(status)
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    return np.asarray(h.getSolution().col_value), "optimal" if optimal else "feasible"
+
+
+def _run_highs(model: _Model, limit: float | None) -> tuple[np.ndarray | None, str]:
+    """Solve ``model`` with HiGHS."""
+    h = _highs(model, limit)
+    h.run()
+    return highs_outcome(h)
+
+
+def _run_cbc(model: _Model, limit: float | None) -> tuple[np.ndarray | None, str]:
+    """Solve ``model`` with CBC through PuLP (the fallback where ``highspy`` is not installed)."""
+    prob = pulp.LpProblem("primepar_search", pulp.LpMinimize)
+    columns = [
+        _variable(prob, f"x_{j}" if j < model.integer else f"y_{j}", 0, up, j < model.integer)
+        for j, up in enumerate(model.upper.tolist())
+    ]
+    prob += pulp.lpSum(c * columns[j] for j, c in enumerate(model.cost.tolist()) if c != 0.0) + model.constant
+    order = np.argsort(model.rows, kind="stable")
+    bounds = np.searchsorted(model.rows[order], np.arange(model.row_lower.size + 1))
+    cols, values = model.cols[order].tolist(), model.values[order].tolist()
+    for r, (low, up) in enumerate(zip(model.row_lower.tolist(), model.row_upper.tolist())):
+        lhs = pulp.lpSum(values[k] * columns[cols[k]] for k in range(bounds[r], bounds[r + 1]))
+        prob += (lhs == up) if low == up else (lhs <= up), f"r_{r}"
+    with warnings.catch_warnings():  # PuLP 3.x deprecates its bundled CBC in favour of a separately installed one
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # CBC's integer preprocessing cut off the optimum of a 13-node graph under a memory budget and still
+        # reported it proven (tests/search/test_search.py::test_the_ilp_under_a_budget_finds_the_dp_s_plan)
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=0.0, options=["preprocess off"])
+    prob.solve(cbc)
     status = prob.sol_status
     if status == pulp.LpSolutionInfeasible:
+        return None, "infeasible"
+    if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return None, f"{pulp.LpStatus[prob.status]}, status {status}"
+    values = np.array([v.value() or 0.0 for v in columns])
+    return values, "optimal" if status == pulp.LpSolutionOptimal else "feasible"
+
+
+def _variable(prob: pulp.LpProblem, name: str, low: float, up: float, binary: bool) -> pulp.LpVariable:
+    """``prob.add_variable`` where PuLP has it (3.x; 4.0 requires it), else the ``LpVariable`` constructor."""
+    cat = pulp.LpBinary if binary else pulp.LpContinuous
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, upBound=up, cat=cat)
+
+
+def _solve_once(
+    graph: CostGraph, alpha: float, budget: float | None, margin: float, memory_only: bool, limit, name, start
+):
+    if name == "highs" and _usable_start(graph, start, budget, margin):
+        from primepar_fx.search.colgen import solve_generated  # noqa: PLC0415 -- it builds on this module
+
+        values, outcome, model, generated = solve_generated(
+            graph, start, alpha=alpha, budget=budget, margin=margin, memory_only=memory_only, limit=limit
+        )
+        log.debug("ILP by column generation: %s", generated)
+        size = model.integer + generated.pairs
+    else:
+        model = _model(graph, alpha, budget, margin, memory_only)
+        values, outcome = (_run_highs if name == "highs" else _run_cbc)(model, limit)
+        size = model.cost.size
+    if outcome == "infeasible":
         if budget is None:
             raise InfeasibleGraph("the ILP has no feasible plan")
         raise IlpInfeasible(f"no plan fits the memory budget {budget:.6g}")
-    if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise SearchError(f"the ILP solver ({name}) found no plan: {pulp.LpStatus[prob.status]}, status {status}")
-    choice = {n: int(np.argmax([v.value() or 0.0 for v in x[n]])) for n in graph.nodes}
-    return choice, status == pulp.LpSolutionOptimal, name, prob.numVariables()
+    if values is None:
+        raise SearchError(f"the ILP solver ({name}) found no plan: {outcome}")
+    choice = {n: int(np.argmax(values[cols])) for n, cols in model.node_columns.items()}
+    return choice, outcome == "optimal", size
+
+
+def _usable_start(graph: CostGraph, start: Mapping[str, int] | None, budget: float | None, margin: float) -> bool:
+    """Whether ``start`` keeps a column generation's first master feasible: a plan of finite cost, within the
+    budget as this solve poses it (tightened by ``margin``)."""
+    if start is None:
+        return False
+    if set(start) != set(graph.nodes) or any(not 0 <= start[n] < graph.strategies(n) for n in graph.nodes):
+        raise ValueError("start must give every node of the graph one of its strategies")
+    if not math.isfinite(evaluate(graph, start)):
+        raise ValueError("start has infinite cost (a forbidden strategy or pair)")
+    return budget is None or plan_memory(graph, start) <= budget - margin * abs(budget)
 
 
 def solve_ilp(
@@ -188,20 +354,30 @@ def solve_ilp(
     memory_budget: float | None = None,
     minimise_memory: bool = False,
     time_limit: float | None = None,
+    solver: str | None = None,
+    start: Mapping[str, int] | None = None,
 ) -> IlpResult:
-    """Solve the ILP of the module docstring (or, with ``minimise_memory``, minimise memory alone).
+    """Solve the ILP of the module docstring (or, with ``minimise_memory``, minimise memory alone) with ``solver``
+    (:func:`solver_name`: HiGHS where installed, else CBC).
+
+    ``start``: a plan of finite cost (within ``memory_budget``, if given). With HiGHS the ILP is then solved by
+    column generation from it (:mod:`~primepar_fx.search.colgen`): exact, with a share of the edge pairs as
+    variables (``variables`` counts those), where the whole ILP would not fit in memory. CBC ignores it.
 
     The budget constraint is first posed exactly; if solver tolerances let the rounded plan exceed the budget
     (re-summed exactly), it is tightened by ``BUDGET_MARGINS`` in turn.
     """
-    start = time.perf_counter()
+    name = solver_name(solver)
+    began = time.perf_counter()
     for margin in BUDGET_MARGINS:
-        choice, proven, name, size = _solve_once(graph, alpha, memory_budget, margin, minimise_memory, time_limit)
+        choice, proven, size = _solve_once(
+            graph, alpha, memory_budget, margin, minimise_memory, time_limit, name, start
+        )
         if memory_budget is None or plan_memory(graph, choice) <= memory_budget:
             break
         log.info("ILP plan exceeds the budget by solver tolerance; tightening by %.0e", margin)
     else:
         raise SearchError(f"the ILP could not return a plan within the budget {memory_budget:.6g}")
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - began
     log.debug("ILP (%s): %d variables, proven %s, %.3fs", name, size, proven, seconds)
     return IlpResult(choice, proven, name, seconds, size)

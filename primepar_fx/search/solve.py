@@ -10,8 +10,10 @@ budget ``M <= memory_budget``. The methods:
 * ``"ilp"`` -- the ILP (:mod:`~primepar_fx.search.ilp`), with the budget as a constraint.
 * ``"auto"`` -- the DP; if its tables would be too large, the ILP; if that is too large too, the DP on a narrower
   space (the nodes of the tables too large keep their locally cheapest strategies: a plan, not proven optimal,
-  ``method="dp-narrowed"``); with a budget and an unclosed duality gap, the ILP as well when it is small enough
-  (``ilp_max_variables``), keeping the better plan.
+  ``method="dp-narrowed"``), and from that plan, without a budget, with HiGHS and up to ``ilp_max_pairs`` edge
+  pairs, the ILP by column generation (:mod:`~primepar_fx.search.colgen`: exact; ``method="dp-narrowed+ilp"``);
+  with a budget and an unclosed duality gap, the ILP as well when it is small enough (``ilp_max_variables``),
+  keeping the better plan.
 
 Forbidden strategies are dropped first (:func:`~primepar_fx.search.problem.reduce_graph`); every answer is then
 re-evaluated exactly on the original graph and re-checked against the budget.
@@ -29,7 +31,7 @@ import numpy as np
 
 from primepar_fx.search.budget import least_memory, solve_budget_dp
 from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
-from primepar_fx.search.ilp import IlpInfeasible, ilp_size, solve_ilp
+from primepar_fx.search.ilp import IlpInfeasible, ilp_size, solve_ilp, solver_name
 from primepar_fx.search.problem import (
     CostGraph,
     InfeasibleBudget,
@@ -58,10 +60,20 @@ def _ilp(red: Reduced, budget: float | None, alpha: float, time_limit: float | N
     return res.choice, res.proven_optimal
 
 
+#: the most edge pairs (finite entries of the edge matrices) ``auto`` lets the ILP by column generation price after
+#: a narrowed DP (each round prices them all: ~1 s per 40 million on this project's machine)
+ILP_MAX_PAIRS = 50_000_000
+
+
 class Search:
     """One graph, reduced and (for the DP) analysed once, then searched as often as the caller needs: free, under
     several budgets, with several cutoffs (:meth:`solve`). The DP's plan for a memory weight is kept, so a budgeted
-    search after a free one starts from it instead of running it again. :func:`solve` is one such search."""
+    search after a free one starts from it instead of running it again. :func:`solve` is one such search.
+
+    ``ilp_max_pairs``: where ``auto`` narrows the DP, the most edge pairs the ILP by column generation may then
+    price (module docstring); 0 (the default here; :func:`solve`'s is :data:`ILP_MAX_PAIRS`) leaves the narrowed
+    plan as it is: callers that search many related graphs (the memory caps of ``planning.peak``) keep it fast
+    (measured on DeepSeek-V3's config, 4 layers on 8 GPUs: hundreds of such searches, 0.3-14 s of HiGHS each)."""
 
     def __init__(
         self,
@@ -71,15 +83,17 @@ class Search:
         options: DPOptions | None = None,
         time_limit: float | None = None,
         ilp_max_variables: int = 200_000,
+        ilp_max_pairs: int = 0,
     ) -> None:
         if method not in ("dp", "ilp", "auto"):
             raise ValueError(f"method must be 'dp', 'ilp' or 'auto', got {method!r}")
         self.graph, self.method, self.options = graph, method, options
-        self.time_limit, self.ilp_max_variables = time_limit, ilp_max_variables
+        self.time_limit, self.ilp_max_variables, self.ilp_max_pairs = time_limit, ilp_max_variables, ilp_max_pairs
         self.reduced = reduce_graph(graph)
         self._solver: DPSolver | TableTooLarge | None = None
         self._minima: dict[float, DPResult] = {}
         self._multipliers: tuple[float, ...] = ()
+        self._narrowed_nodes = 0  # how many nodes the last narrowed search narrowed
 
     def solve(
         self,
@@ -170,6 +184,18 @@ class Search:
                     f"{err}; the ILP fallback would need {size:,} variables (limit {self.ilp_max_variables:,}), so "
                     "neither solver can take this graph: use a smaller world size, canonical=True, or raise the limits"
                 ) from None
+            # unbudgeted only: a budget's Lagrangian search narrows and solves many times
+            proved = self._generated(narrowed[0], budget, alpha) if budget is None else None
+            if proved is not None and proved[1]:
+                return (*proved, -math.inf, "dp-narrowed+ilp")
+            log.warning(
+                "the DP's tables were too large and the ILP too (%s); %d nodes were narrowed to their locally "
+                "cheapest strategies: the plan is not proven optimal",
+                err.nodes[0] if err.nodes else "?",
+                self._narrowed_nodes,
+            )
+            if proved is not None:  # the column generation stopped (a time limit) with a plan at least as good
+                return (*proved, -math.inf, "dp-narrowed+ilp")
             return (*narrowed, -math.inf, "dp-narrowed")
         if proven or bound >= cutoff or ilp_size(red.graph, past=self.ilp_max_variables) > self.ilp_max_variables:
             return choice, proven, bound, "dp"
@@ -177,6 +203,19 @@ class Search:
         if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
             choice = ilp_choice
         return choice, ilp_proven, bound, "dp+ilp"
+
+    def _generated(self, start: dict[str, int], budget: float | None, alpha: float) -> tuple[dict, bool] | None:
+        """The ILP by column generation from the plan ``start`` (:mod:`~primepar_fx.search.colgen`, HiGHS): the
+        better of its plan and ``start``, and whether it is proven optimal; ``None`` without HiGHS or where the
+        graph's edge pairs (which every round prices) are more than ``ilp_max_pairs``."""
+        graph = self.reduced.graph
+        if solver_name() != "highs" or ilp_size(graph, past=self.ilp_max_pairs) > self.ilp_max_pairs:
+            return None
+        res = solve_ilp(graph, alpha=alpha, memory_budget=budget, time_limit=self.time_limit, start=start)
+        log.info("the ILP by column generation from the narrowed plan: proven %s", res.proven_optimal)
+        if evaluate(graph, res.choice, alpha) <= evaluate(graph, start, alpha):
+            return res.choice, res.proven_optimal
+        return start, False
 
     def _narrowed(
         self, err: TableTooLarge, budget: float | None, alpha: float, cutoff: float, hints: Sequence[float]
@@ -216,12 +255,7 @@ class Search:
                 continue
             except InfeasibleGraph:
                 return None
-            log.warning(
-                "the DP's tables were too large and the ILP too (%s); %d nodes were narrowed to their locally "
-                "cheapest strategies: the plan is not proven optimal",
-                err.nodes[0] if err.nodes else "?",
-                len(kept),
-            )
+            self._narrowed_nodes = len(kept)
             return {n: int(kept[n][p]) if n in kept else p for n, p in sol.choice.items()}, False
         return None
 
@@ -255,6 +289,7 @@ def solve(
     time_limit: float | None = None,
     ilp_max_variables: int = 200_000,
     cutoff: float = math.inf,
+    ilp_max_pairs: int | None = None,
 ) -> Solution:
     """The cheapest plan (see the module docstring); ``time_limit`` (seconds) applies to the ILP only.
 
@@ -268,7 +303,15 @@ def solve(
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
     if memory_budget is not None and math.isnan(memory_budget):
         raise ValueError("memory_budget is NaN")
-    search = Search(graph, method=method, options=options, time_limit=time_limit, ilp_max_variables=ilp_max_variables)
+    pairs = ILP_MAX_PAIRS if ilp_max_pairs is None else ilp_max_pairs
+    search = Search(
+        graph,
+        method=method,
+        options=options,
+        time_limit=time_limit,
+        ilp_max_variables=ilp_max_variables,
+        ilp_max_pairs=pairs,
+    )
     return search.solve(memory_budget=memory_budget, alpha=alpha, cutoff=cutoff)
 
 

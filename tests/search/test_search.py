@@ -31,6 +31,7 @@ from primepar_fx.search import (
     solve_budget_dp,
 )
 from primepar_fx.search.engine import backtrack, plan_elimination, run
+from primepar_fx.search.ilp import solver_name
 from primepar_fx.search.minplus import boundaries, leaf, minplus, power
 from primepar_fx.search.synthetic import random_dag, transformer_graph
 
@@ -377,11 +378,16 @@ def test_where_the_ilp_is_too_large_too_auto_searches_a_narrower_space():
     the optimum found by brute force) and is marked not proven; with nothing to narrow, the error stays."""
     nodes = [f"n{i}" for i in range(6)]
     graph = build(nodes, dict.fromkeys(nodes, 4), list(itertools.combinations(nodes, 2)), seed=0)
-    sol = solve(graph, method="auto", options=DPOptions(max_table_entries=100), ilp_max_variables=10)
+    narrow = {"options": DPOptions(max_table_entries=100), "ilp_max_variables": 10}
+    sol = solve(graph, method="auto", ilp_max_pairs=0, **narrow)
     assert sol.method == "dp-narrowed" and not sol.proven_optimal and sol.bound == -math.inf
     assert math.isfinite(sol.cost) and sol.cost == evaluate(graph, sol.choice)
     best = min(evaluate(graph, dict(zip(nodes, c))) for c in itertools.product(range(4), repeat=6))
     assert sol.cost >= best and sol.cost <= 1.5 * best  # the locally cheapest strategies keep it near
+    if solver_name() == "highs":  # from the narrowed plan the ILP by column generation proves the optimum
+        proved = solve(graph, method="auto", **narrow)
+        assert proved.method == "dp-narrowed+ilp" and proved.proven_optimal
+        assert_close(proved.cost, best)
     with pytest.raises(TableTooLarge, match="neither solver"):
         solve(graph, method="auto", options=DPOptions(max_table_entries=1), ilp_max_variables=10)
 
