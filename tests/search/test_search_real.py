@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import os
 
+import numpy as np
 import pytest
 
 import primepar_fx
@@ -28,7 +29,8 @@ from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import data_parallel_assignment, megatron_assignment, megatron_configs
 from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
-from primepar_fx.search import InfeasibleBudget, evaluate, plan_memory, smallest_memory, solve
+from primepar_fx.search import InfeasibleBudget, evaluate, plan_memory, reduce_graph, smallest_memory, solve
+from primepar_fx.search.ilp import ilp_size, solve_ilp, solver_name
 
 VALUES = {B: 8, S: 64}
 CLUSTER = load_cluster("v100-paper")
@@ -86,6 +88,23 @@ def test_dp_optimum_equals_the_proven_ilp_optimum_on_a_real_model(model: str, la
     assert ilp.proven_optimal and dp.proven_optimal
     assert abs(dp.cost - ilp.cost) <= REL * abs(ilp.cost), (dp.cost, ilp.cost)
     assert dp.cost == evaluate(cg, dp.choice) and dp.memory == plan_memory(cg, dp.choice)
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", pytest.param("llama-tiny", marks=slow)])  # ~15 s, ~30 s
+def test_the_ilp_by_column_generation_proves_the_dp_optimum_from_another_plan(model: str) -> None:
+    """bench/ilp_check.py's cross-check, small: one layer on 8 devices, the ILP by column generation started from
+    the least-memory plan (not the DP's) reaches the DP's optimum, proven, with a share of the whole ILP."""
+    if solver_name() != "highs":
+        pytest.skip("column generation needs highspy")
+    cg = priced(model, 1, 8).cost_graph
+    dp = solve(cg, method="dp")
+    red = reduce_graph(cg)
+    start = {n: int(np.searchsorted(red.kept[n], dp.choice[n])) for n in red.graph.nodes}
+    lean = solve_ilp(red.graph, minimise_memory=True, start=start)
+    assert lean.proven_optimal and lean.choice != start
+    found = solve_ilp(red.graph, start=lean.choice)
+    assert found.proven_optimal and found.variables < ilp_size(red.graph) / 4
+    assert abs(evaluate(cg, red.lift(found.choice)) - dp.cost) <= REL * dp.cost
 
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", pytest.param("opt-tiny", marks=slow)])
