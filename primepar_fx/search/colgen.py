@@ -20,7 +20,7 @@ them matter, and the LP's duals say which:
    ILP's. Where the LP is integral, as on the model graphs measured (bench/ilp_check.py), ``U = L`` and this step
    adds nothing.
 
-Costs are in the ILP's scaled units (:func:`~primepar_fx.search.ilp._objective_scale`: the largest coefficient
+Costs are in the ILP's scaled units (:func:`~primepar_fx.search.ilp.objective_scale`: the largest coefficient
 ~1e6), so ``TOLERANCE`` (1e-6) is far below any cost that matters and above HiGHS's dual feasibility tolerance.
 Needs HiGHS (``highspy``): it warm-starts the LP after columns are added.
 """
@@ -33,7 +33,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primepar_fx.search.ilp import _constant, _highs, _Model, _model, _objective_scale, highs_outcome, set_binary
+from primepar_fx.search.ilp_arrays import (
+    IlpModel,
+    build_model,
+    constant_edge,
+    highs_instance,
+    highs_outcome,
+    objective_scale,
+    set_binary,
+)
 from primepar_fx.search.problem import CostGraph
 
 log = logging.getLogger(__name__)
@@ -58,7 +66,7 @@ class _Edges:
     """The non-constant edges with their scaled costs and which pairs the master holds."""
 
     def __init__(self, graph: CostGraph, scale: float, memory_only: bool) -> None:
-        self.keys = [k for k, e in graph.edge_cost.items() if not _constant(e)]
+        self.keys = [k for k, e in graph.edge_cost.items() if not constant_edge(e)]
         self.cost = {}
         for k in self.keys:
             e = graph.edge_cost[k]
@@ -152,14 +160,14 @@ def solve_generated(
     margin: float = 0.0,
     memory_only: bool = False,
     limit: float | None = None,
-) -> tuple[np.ndarray | None, str, _Model, Generated]:
+) -> tuple[np.ndarray | None, str, IlpModel, Generated]:
     """The ILP of ``graph`` by column generation from the plan ``start`` (module docstring): the column values of
     the final master (None without a plan), the outcome (as :func:`~primepar_fx.search.ilp.highs_outcome`), the
     model (its node columns) and what the generation did."""
-    edges = _Edges(graph, _objective_scale(graph, alpha, memory_only), memory_only)
-    model = _model(graph, alpha, budget, margin, memory_only, pairs=_start_pairs(edges, start))
+    edges = _Edges(graph, objective_scale(graph, alpha, memory_only), memory_only)
+    model = build_model(graph, alpha, budget, margin, memory_only, pairs=_start_pairs(edges, start))
     edges.rows = model.edge_rows
-    h = _highs(model, limit, binary=False)
+    h = highs_instance(model, limit, binary=False)
     rounds = 0
     while True:
         h.run()

@@ -15,13 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from primepar_fx.search import CostGraph, SearchError, evaluate, plan_memory, reduce_graph, solve
-from primepar_fx.search.ilp import IlpInfeasible, _highspy, solve_ilp, solver_name
+from primepar_fx.search.ilp import IlpInfeasible, solve_ilp, solver_name
+from primepar_fx.search.ilp_arrays import highspy_module
 from primepar_fx.search.problem import InfeasibleGraph
 from primepar_fx.search.synthetic import random_dag, transformer_graph
 
 SOLVERS = [
     "cbc",
-    pytest.param("highs", marks=pytest.mark.skipif(_highspy() is None, reason="highspy is not installed")),
+    pytest.param("highs", marks=pytest.mark.skipif(highspy_module() is None, reason="highspy is not installed")),
 ]
 REL = 1e-6
 
@@ -70,7 +71,7 @@ def test_each_solver_reaches_brute_force_with_forbidden_pairs_budgets_and_the_me
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_highs_and_cbc_agree_with_the_dp_on_transformer_stacks(seed):
-    if _highspy() is None:
+    if highspy_module() is None:
         pytest.skip("highspy is not installed")
     graph = transformer_graph(3, strategies=(3, 6), seed=seed)
     red = reduce_graph(graph)
@@ -94,7 +95,7 @@ def test_a_graph_of_constant_edges_is_solved_with_their_constant(solver):
 def test_highs_prints_nothing_to_standard_output(capfd):
     """HiGHS writes a banner to the process's standard output when its first instance is made; the plan
     printed by the CLI must not carry it."""
-    if _highspy() is None:
+    if highspy_module() is None:
         pytest.skip("highspy is not installed")
     solve_ilp(random_dag(4, seed=3), solver="highs")
     assert capfd.readouterr().out == ""
@@ -103,7 +104,7 @@ def test_highs_prints_nothing_to_standard_output(capfd):
 def test_an_unknown_solver_is_named():
     with pytest.raises(ValueError, match="'gurobi'"):
         solver_name("gurobi")
-    if _highspy() is None:
+    if highspy_module() is None:
         with pytest.raises(SearchError, match="highspy"):
             solver_name("highs")
     else:
@@ -111,7 +112,7 @@ def test_an_unknown_solver_is_named():
 
 
 # ------------------------------------------------------------------------------------------- column generation
-needs_highs = pytest.mark.skipif(_highspy() is None, reason="highspy is not installed")
+needs_highs = pytest.mark.skipif(highspy_module() is None, reason="highspy is not installed")
 
 
 @needs_highs
