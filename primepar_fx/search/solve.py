@@ -211,7 +211,11 @@ class Search:
         graph = self.reduced.graph
         if solver_name() != "highs" or ilp_size(graph, past=self.ilp_max_pairs) > self.ilp_max_pairs:
             return None
-        res = solve_ilp(graph, alpha=alpha, memory_budget=budget, time_limit=self.time_limit, start=start)
+        try:
+            res = solve_ilp(graph, alpha=alpha, memory_budget=budget, time_limit=self.time_limit, start=start)
+        except SearchError as err:  # a time limit before the LP's optimum: the narrowed plan stands
+            log.info("the ILP by column generation stopped without a plan (%s)", err)
+            return start, False
         log.info("the ILP by column generation from the narrowed plan: proven %s", res.proven_optimal)
         if evaluate(graph, res.choice, alpha) <= evaluate(graph, start, alpha):
             return res.choice, res.proven_optimal
