@@ -17,10 +17,11 @@ them matter, and the LP's duals say which:
 3. **Closing the gap.** For the final duals every plan ``z`` costs at least ``L + sum_j d_j z_j`` (the reduced
    costs ``d_j`` are >= 0 on every column at its lower bound), so a plan that uses a pair with ``d > U - L`` costs
    more than ``U``. Every pair with ``d <= U - L`` is added and the ILP solved once more: its optimum is the whole
-   ILP's. Where the LP is integral, as on the model graphs measured (bench/ilp_check.py), ``U = L`` and this step
-   adds nothing.
+   ILP's. A gap below ``TOLERANCE`` times ``U`` (relative 1e-6, the cross-check's tolerance) counts as closed:
+   the plan is then within that of the optimum. Where the LP is integral, as on the model graphs measured
+   (bench/ilp_check.py), ``U = L`` and this step adds nothing.
 
-Costs are in the ILP's scaled units (:func:`~primepar_fx.search.ilp.objective_scale`: the largest coefficient
+Costs are in the ILP's scaled units (:func:`~primepar_fx.search.ilp_arrays.objective_scale`: the largest coefficient
 ~1e6), so ``TOLERANCE`` (1e-6) is far below any cost that matters and above HiGHS's dual feasibility tolerance.
 Needs HiGHS (``highspy``): it warm-starts the LP after columns are added.
 """
@@ -162,7 +163,7 @@ def solve_generated(
     limit: float | None = None,
 ) -> tuple[np.ndarray | None, str, IlpModel, Generated]:
     """The ILP of ``graph`` by column generation from the plan ``start`` (module docstring): the column values of
-    the final master (None without a plan), the outcome (as :func:`~primepar_fx.search.ilp.highs_outcome`), the
+    the final master (None without a plan), the outcome (as :func:`~primepar_fx.search.ilp_arrays.highs_outcome`), the
     model (its node columns) and what the generation did."""
     edges = _Edges(graph, objective_scale(graph, alpha, memory_only), memory_only)
     model = build_model(graph, alpha, budget, margin, memory_only, pairs=_start_pairs(edges, start))
