@@ -43,10 +43,12 @@ from primepar_fx.search.problem import (
     CostGraph,
     InfeasibleBudget,
     InfeasibleGraph,
+    Reduced,
     TableTooLarge,
     evaluate,
     plan_memory,
     reduce_graph,
+    restrict,
 )
 from primepar_fx.search.structure import Structure
 
@@ -143,9 +145,70 @@ def budget_bound(
 
 
 def least_memory(graph: CostGraph, options: DPOptions | None = None) -> tuple[dict[str, int], float]:
-    """The least memory per device of any finite-cost plan, and such a plan (exact, by the DP)."""
-    choice = DPSolver(memory_graph(graph), options).minimise().choice
+    """The least memory per device of any finite-cost plan, and such a plan (exact, by the DP on
+    :func:`lean_memory_graph`, which is far smaller than ``graph``'s DP)."""
+    reduced = reduce_graph(memory_graph(graph))
+    lean = lean_memory_graph(reduced.graph)
+    choice = reduced.lift(lean.lift(DPSolver(lean.graph, options).minimise().choice))
     return choice, plan_memory(graph, choice)
+
+
+#: passes of :func:`lean_memory_graph` at most (each can only shrink what the last left; two reach the fixpoint in
+#: the models measured)
+LEAN_PASSES = 4
+
+
+def lean_memory_graph(graph: CostGraph) -> Reduced:
+    """``graph`` (a :func:`memory_graph`, arc consistent: :func:`~primepar_fx.search.problem.reduce_graph`) with the
+    same least memory, and a plan of it, on far fewer strategies and edges.
+
+    Its edges only forbid (0 or ``+inf``), so an edge that forbids nothing is dropped, and at each node the
+    strategies that allow the same strategies of every neighbour are interchangeable: only the one of least memory
+    (the first of equals) is kept. Replacing every node's strategy by its kept one at once keeps a plan feasible
+    (each keeps its neighbours' allowed sets, against every strategy of theirs) and its memory no larger, so the
+    optimum is unchanged. Repeated until nothing shrinks (a smaller neighbour can make more strategies alike).
+    Nodes whose arrays are one object and whose edges' arrays are too get one kept array, so the DP still finds
+    identical layers."""
+    kept_all = {n: np.arange(graph.strategies(n)) for n in graph.nodes}
+    for _ in range(LEAN_PASSES):
+        graph = CostGraph(
+            graph.nodes,
+            graph.node_cost,
+            {e: a for e, a in graph.edge_cost.items() if a.max() == np.inf},
+            None,
+            graph.node_key,
+        )
+        allowed: dict[int, np.ndarray] = {}  # the finite masks by array identity (the graph holds every array)
+        classes: dict[tuple, np.ndarray] = {}
+        kept: dict[str, np.ndarray] = {}
+        for n in graph.nodes:
+            sides = [(graph.edge_cost[(n, v)], False) for v in graph.succ[n]]
+            sides += [(graph.edge_cost[(u, n)], True) for u in graph.pred[n]]
+            key = (id(graph.node_cost[n]), *((id(a), t) for a, t in sides))
+            if key not in classes:
+                masks = [allowed.setdefault(id(a), np.isfinite(a)) for a, _ in sides]
+                classes[key] = _least_of_classes(
+                    graph.node_cost[n], [m.T if t else m for m, (_, t) in zip(masks, sides)]
+                )
+            kept[n] = classes[key]
+        if all(len(kept[n]) == graph.strategies(n) for n in graph.nodes):
+            break
+        kept_all = {n: kept_all[n][kept[n]] for n in graph.nodes}
+        graph = restrict(graph, kept)
+    return Reduced(graph, kept_all)
+
+
+def _least_of_classes(memory: np.ndarray, masks: list[np.ndarray]) -> np.ndarray:
+    """The strategies (indices, ascending) of least ``memory``, the first of equals, among those whose rows of every
+    ``masks[k]`` (``[strategy, neighbour's strategy]``) are equal."""
+    if not masks:
+        return np.array([int(np.argmin(memory))])
+    pattern = np.ascontiguousarray(np.concatenate(masks, axis=1))
+    rows = pattern.view(np.dtype((np.void, pattern.shape[1]))).reshape(-1)
+    _, cls = np.unique(rows, return_inverse=True)
+    order = np.lexsort((np.arange(len(memory)), memory, cls.reshape(-1)))  # by class, then memory, then index
+    first = order[np.r_[True, np.diff(cls.reshape(-1)[order]) != 0]]
+    return np.sort(first)
 
 
 def solve_budget_dp(

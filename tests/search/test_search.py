@@ -23,6 +23,7 @@ from primepar_fx.search import (
     Search,
     TableTooLarge,
     evaluate,
+    least_memory,
     plan_memory,
     reduce_graph,
     restrict,
@@ -30,6 +31,7 @@ from primepar_fx.search import (
     solve,
     solve_budget_dp,
 )
+from primepar_fx.search.budget import lean_memory_graph
 from primepar_fx.search.engine import backtrack, plan_elimination, run
 from primepar_fx.search.ilp import solver_name
 from primepar_fx.search.minplus import boundaries, leaf, minplus, power
@@ -299,6 +301,53 @@ def test_the_smallest_memory_respects_forbidden_pairs():
     )
     assert smallest_memory(graph) == 5.0
     assert solve(graph, memory_budget=5.0).memory == 5.0
+
+
+def least_memory_by_brute_force(graph: CostGraph) -> float:
+    best = math.inf
+    for combo in itertools.product(*(range(graph.strategies(n)) for n in graph.nodes)):
+        choice = dict(zip(graph.nodes, combo))
+        if math.isfinite(evaluate(graph, choice)):
+            best = min(best, plan_memory(graph, choice))
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 7), seed=st.integers(0, 10**6), inf=st.sampled_from([0.1, 0.3, 0.5]), ties=st.booleans())
+def test_the_least_memory_on_the_lean_graph_is_brute_forces(n, seed, inf, ties):
+    graph = random_dag(n, max_strategies=4, skip_prob=0.5, inf_fraction=inf, seed=seed)
+    if ties:  # equal memories: the first of equals is kept, and the optimum is still exact
+        graph = CostGraph(
+            graph.nodes, graph.node_cost, graph.edge_cost, {k: np.round(v / 40) for k, v in graph.node_memory.items()}
+        )
+    want = least_memory_by_brute_force(graph)
+    if math.isinf(want):
+        with pytest.raises(InfeasibleGraph):
+            smallest_memory(graph)
+        return
+    choice, memory = least_memory(graph)
+    assert math.isfinite(evaluate(graph, choice)) and memory == plan_memory(graph, choice)
+    assert_close(memory, want)
+
+
+def test_the_lean_memory_graph_drops_free_edges_and_alike_strategies_and_keeps_layers_shared():
+    a = np.array([[0.0, np.inf, 0.0], [0.0, np.inf, 0.0], [np.inf, 0.0, 0.0]])  # rows 0 and 1 allow alike
+    free = np.zeros((3, 3))
+    memory = np.array([3.0, 1.0, 2.0])
+    nodes = ("x0", "x1", "x2", "x3")
+    graph = CostGraph(
+        nodes,
+        dict.fromkeys(nodes, memory),
+        {("x0", "x1"): a, ("x1", "x2"): free, ("x2", "x3"): a},
+        dict.fromkeys(nodes, memory),
+    )
+    lean = lean_memory_graph(graph)
+    assert set(lean.graph.edge_cost) == {("x0", "x1"), ("x2", "x3")}
+    # the producers: rows 0 and 1 alike, 1 kept (less memory); the consumers: a's columns all differ
+    assert [lean.kept[n].tolist() for n in nodes] == [[1, 2], [0, 1, 2], [1, 2], [0, 1, 2]]
+    assert lean.graph.node_cost["x0"] is lean.graph.node_cost["x2"]  # identical layers stay one array
+    assert lean.graph.edge_cost[("x0", "x1")] is lean.graph.edge_cost[("x2", "x3")]
+    assert least_memory(graph)[1] == least_memory_by_brute_force(graph) == 2 * (1.0 + 2.0)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1e-3, 1e-1])
