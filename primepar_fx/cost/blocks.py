@@ -32,10 +32,7 @@ class CostOptions:
     ``grad_dtype`` (``None``: ``dtype``), an fp32 master copy if ``master_weights`` (``None``: when ``dtype`` is 16
     bits, as mixed-precision training does), and ``optimizer_states`` moments in ``state_dtype`` (Adam: two, fp32).
     The default is the standard 16 bytes a parameter in every dtype: fp32 4 + 4 + 4 + 4; bf16 or fp16 2 (parameter)
-    + 2 (gradient) + 4 (master) + 4 + 4 (moments). ``optimizer_shards`` splits the master copy and the moments over
-    that many devices that hold the same parameter block (ZeRO stage 1; Megatron-LM's distributed optimizer over its
-    data-parallel replicas); the gradient's reduce-scatter and the parameter's all-gather after the step move the
-    bytes of the all-reduce they replace, so the time does not change.
+    + 2 (gradient) + 4 (master) + 4 + 4 (moments).
 
     ``zero`` is ZeRO's stage for the plan's own parameters, each over the devices that hold the same block of it
     (the group that sums its gradient; a node's :attr:`~primepar_fx.cost.model.NodeCost.shard_bytes`): 1 splits the
@@ -51,6 +48,12 @@ class CostOptions:
     runs once a step (the bucketed gradient all-reduces and ZeRO's all-gathers) is priced at ``1/m`` per
     micro-batch, so that ``m`` times a node's cost is its cost in the step. The local gradients they accumulate
     are whole, so ZeRO-2 with micro-batches keeps a whole gradient as stage 1 does.
+
+    ``distributed_optimizer``: Megatron-LM's distributed optimizer, priced as ZeRO-2 (``zero`` must be 2: the
+    gradient reduce-scattered and the parameter all-gathered after the step over each block's replicas, the bytes
+    of the all-reduce they replace) with its two differences: the gradient stays whole in its contiguous buffer,
+    and the shard is stepped in place (its master copy, or the fp32 parameter itself: no copy). A block that has no
+    replicas (an expert split over the data-parallel ranks) keeps its whole state.
     """
 
     dtype: str = "fp32"
@@ -59,12 +62,12 @@ class CostOptions:
     grad_dtype: str | None = None
     master_weights: bool | None = None
     state_dtype: str = "fp32"
-    optimizer_shards: int = 1
     zero: int = 0
     micro_batches: int = 1
     #: ZeRO-3 as FSDP runs it: every parameter gathered again before Backward (FSDP unshards a whole module before
     #: its Backward); ``False``, ours: only those Backward reads (:func:`~primepar_fx.cost.model.zero_gather_share`)
     regather_all: bool = False
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dtype", "grad_dtype", "state_dtype"):
@@ -73,11 +76,10 @@ class CostOptions:
                 raise ValueError(f"{name} must be one of {sorted(ITEMSIZE)}, got {value!r}")
         if self.master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be True, False or None (auto), got {self.master_weights!r}")
-        shards = self.optimizer_shards
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise ValueError(f"optimizer_shards must be a whole number of devices >= 1, got {shards!r}")
         if self.zero not in PRICED_ZERO_STAGES or isinstance(self.zero, bool):
             raise ValueError(f"zero must be a ZeRO stage in {list(PRICED_ZERO_STAGES)}, got {self.zero!r}")
+        if self.distributed_optimizer and self.zero != 2:
+            raise ValueError(f"distributed_optimizer is priced as ZeRO stage 2: zero must be 2, got {self.zero!r}")
         m = self.micro_batches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"micro_batches must be a whole number >= 1, got {m!r}")
@@ -108,22 +110,24 @@ class CostOptions:
 
     @property
     def optimizer_bytes(self) -> int:
-        """Bytes per parameter element of the master copy and the moments, before ``optimizer_shards`` splits them."""
+        """Bytes per parameter element of the master copy and the moments, before ZeRO splits them."""
         master = 4 if self.keeps_master else 0
         return master + self.optimizer_states * ITEMSIZE[dtype_key(self.state_dtype)]
 
     def state_bytes(self, param_elems: int, shard_elems: int | None = None) -> int:
-        """Bytes a device keeps for ``param_elems`` elements of parameter blocks, the optimizer's part sharded
-        (``optimizer_shards``); ``shard_elems``: this device's share of them under ZeRO (``zero``), each block split
-        over its replicas."""
+        """Bytes a device keeps for ``param_elems`` elements of parameter blocks; ``shard_elems``: this device's
+        share of them under ZeRO (``zero``), each block split over its replicas."""
         if self.zero == 0 or shard_elems is None:
-            return param_elems * self.param_grad_bytes + -(-param_elems * self.optimizer_bytes // self.optimizer_shards)
+            return param_elems * self.param_state_bytes
         grad = self.param_grad_bytes - self.itemsize
-        # the optimizer steps an fp32 copy of the shard (:mod:`primepar_fx.runtime.zero`): the master, or one more
-        kept = self.optimizer_bytes + (0 if self.keeps_master else 4)
+        # the optimizer steps an fp32 copy of the shard (:mod:`primepar_fx.runtime.zero`): the master, or one more;
+        # Megatron-LM's distributed optimizer steps an fp32 parameter's shard in place
+        kept = self.optimizer_bytes + (0 if self.keeps_master or self.distributed_optimizer else 4)
         held = shard_elems if self.zero >= 3 else param_elems
-        # stage 2 keeps a gradient shard, but micro-batches accumulate whole local gradients until the last one
-        grads = shard_elems if self.zero >= 2 and self.micro_batches == 1 else param_elems
+        # stage 2 keeps a gradient shard, but micro-batches accumulate whole local gradients until the last one (and
+        # the distributed optimizer's buffer holds every gradient)
+        whole = self.micro_batches > 1 or self.distributed_optimizer
+        grads = shard_elems if self.zero >= 2 and not whole else param_elems
         return held * self.itemsize + grads * grad + shard_elems * kept
 
     def describe_state(self) -> str:

@@ -80,9 +80,10 @@ def best_megatron(
 
     ``sequence_parallel`` keeps only the configurations with (``True``) or without (``False``) it. Under a budget
     each configuration with data parallelism is also tried with Megatron-LM's distributed optimizer (the master
-    copies and moments split over the ``dp`` replicas: ``"distributed_optimizer": true``); it moves as many bytes
-    as the all-reduce it replaces, so it ties in time and is kept only where the configuration fits with it and
-    not without. Every one of those is also tried with Megatron-LM's activation recomputation of every layer,
+    copies and moments of each parameter block split over its replicas, the ``dp`` ranks, or none for experts split
+    over them: ``"distributed_optimizer": true``, :class:`~primepar_fx.cost.blocks.CostOptions`); it moves as many
+    bytes as the all-reduce it replaces, so it ties in time and is kept only where the configuration fits with it
+    and not without. Every one of those is also tried with Megatron-LM's activation recomputation of every layer,
     full and (where the model keeps attention scores) selective (``"recompute": "full"``), priced like ours
     (:mod:`~primepar_fx.planning.recompute`); the fastest that fits wins, fewer levers breaking ties.
     ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
@@ -99,8 +100,9 @@ def best_megatron(
         (i, cfg, opts, None) for i, cfg in enumerate(configs)
     ]
     if memory_budget is not None and distributed_optimizer:
+        distributed = dataclasses.replace(opts, zero=2, distributed_optimizer=True)
         variants += [
-            (i, {**cfg, "distributed_optimizer": True}, dataclasses.replace(opts, optimizer_shards=cfg["dp"]), None)
+            (i, {**cfg, "distributed_optimizer": True}, distributed, None)
             for i, cfg in enumerate(configs)
             if cfg["dp"] > 1
         ]
@@ -204,7 +206,7 @@ def _fsdp(
     dp: Mapping[str, PartitionSeq],
 ) -> tuple[dict[str, Any], Predicted]:
     """FSDP at ``values``' batch in one micro-batch of ``opts``' (:func:`best_fsdp`): its config and prediction."""
-    costs = dataclasses.replace(opts, zero=3, optimizer_shards=1, regather_all=True)
+    costs = dataclasses.replace(opts, zero=3, distributed_optimizer=False, regather_all=True)
     priced, (choice,) = price_assignments(graph, [dp], mesh, cluster, values, costs)
     units = layer_units(graph)
     if units is None:  # no layer stack: each node its own unit

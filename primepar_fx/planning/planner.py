@@ -240,7 +240,7 @@ def state_floor(graph: OpGraph, opts: PlanOptions) -> tuple[float, str]:
     ZeRO stage, recomputation or micro-batching goes below it (ZeRO-3 without a master copy keeps more: an fp32
     copy of its shard)."""
     costs = opts.cost_options()
-    per_element = costs.param_grad_bytes + costs.optimizer_bytes / costs.optimizer_shards
+    per_element = costs.param_state_bytes
     params, world = graph.param_count(), opts.world_size
     what = (
         f"the training state alone, split evenly over all {world} devices "

@@ -166,6 +166,33 @@ def test_memory_is_weight_block_times_sixteen_bytes_plus_the_stashed_input_block
 
 
 @pytest.mark.parametrize(("dtype", "item"), DTYPES)
+@pytest.mark.parametrize(("seq", "replicas"), [("B,K", 2), ("B,B", 4), ("N,K", 1)])
+def test_megatrons_distributed_optimizer_splits_each_blocks_optimizer_state_over_its_replicas_only(
+    seq: str, replicas: int, dtype: str, item: int
+) -> None:
+    """Its master copy and moments are split over the devices holding the same weight block (none for a block with
+    no replicas, as an expert split over the data-parallel ranks); the parameter and its gradient stay whole (the
+    gradient in its contiguous buffer), and an fp32 shard is stepped in place (ZeRO-2 keeps a gradient shard, and
+    an fp32 copy of the shard without master weights)."""
+    c = cost(SMALL, seq, dtype)
+    w, stash = c.param_bytes // item, c.stash_bytes
+    optimizer = 12 if item == 2 else 8  # fp32 master (16-bit parameters only) and two fp32 moments
+    megatron = CostOptions(dtype=dtype, zero=2, distributed_optimizer=True)
+    assert c.memory_bytes(megatron) == w * 2 * item + w // replicas * optimizer + stash
+    zero2 = CostOptions(dtype=dtype, zero=2)
+    if replicas > 1:
+        copy = 0 if item == 2 else 4
+        assert c.memory_bytes(zero2) == w * item + w // replicas * (item + optimizer + copy) + stash
+    else:  # nothing to split
+        assert c.memory_bytes(megatron) == c.memory_bytes(zero2) == c.memory_bytes(CostOptions(dtype=dtype))
+    # the same bytes moved as the all-reduce it replaces: the time is the unsharded plan's
+    part = OpPartition(SMALL, PartitionSeq.parse(seq), MESH)
+    assert c.time_s == node_cost(part, None, CLUSTER, NO_VALUES, megatron).time_s
+    with pytest.raises(ValueError, match="zero must be 2"):
+        CostOptions(dtype=dtype, distributed_optimizer=True)
+
+
+@pytest.mark.parametrize(("dtype", "item"), DTYPES)
 def test_p2x2_memory_adds_one_receive_buffer_per_moving_block_of_the_busiest_phase(dtype: str, item: int) -> None:
     # the receive buffers of a phase: one per tensor that moves in it (P2_MOVES); phases run one after another,
     # so the largest phase counts: Forward I + W = 1536, Backward dO + W = 2560, Gradient I + dO + dW = 3584
