@@ -129,6 +129,7 @@ def plan_elimination(
                 f"{others}; the graph is too entangled for the dynamic program here: use method='ilp' or 'auto', "
                 "or raise the limit",
                 () if names is None else tuple(str(names[u]) for u in [v, *sorted(union(v) - {v})]),
+                size,
             )
         members = union(v)
         inputs = tuple(sorted(factors_of[v]))

@@ -67,11 +67,13 @@ class InfeasibleBudget(SearchError):
 class TableTooLarge(SearchError):
     """The dynamic program would need a table larger than its limit (use method='ilp' or 'auto').
 
-    ``nodes``: the nodes of that table (the one eliminated first), where the DP named them."""
+    ``nodes``: the nodes of that table (the one eliminated first), where the DP named them; ``entries``: its size,
+    the smallest table the elimination could go on with (0 where unknown)."""
 
-    def __init__(self, message: str, nodes: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, nodes: tuple[str, ...] = (), entries: int = 0) -> None:
         super().__init__(message)
         self.nodes = nodes
+        self.entries = entries
 
 
 def _float64(value: object) -> np.ndarray:

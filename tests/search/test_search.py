@@ -35,6 +35,7 @@ from primepar_fx.search.budget import lean_memory_graph
 from primepar_fx.search.engine import backtrack, plan_elimination, run
 from primepar_fx.search.ilp import solver_name
 from primepar_fx.search.minplus import boundaries, leaf, minplus, power
+from primepar_fx.search.solve import AUTO_TABLE_STRETCH
 from primepar_fx.search.synthetic import random_dag, transformer_graph
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -421,6 +422,23 @@ def test_a_table_over_the_limit_raises_and_auto_falls_back_to_the_ilp():
     assert_close(sol.cost, solve(graph, method="dp").cost)
 
 
+def test_a_table_a_little_past_the_limit_runs_the_exact_dp_with_the_limit_stretched_without_a_budget():
+    """K4 of 4 strategies: the first table has 256 entries, past a limit of 100 but within AUTO_TABLE_STRETCH
+    times it, so ``auto`` runs the DP once more with the larger limit: exact, proven, brute force's optimum. Under
+    a budget (many DP runs) it narrows instead, and the plan is not proven."""
+    nodes = [f"n{i}" for i in range(4)]
+    graph = build(nodes, dict.fromkeys(nodes, 4), list(itertools.combinations(nodes, 2)), seed=3)
+    tight = {"options": DPOptions(max_table_entries=100), "ilp_max_variables": 10, "ilp_max_pairs": 0}
+    with pytest.raises(TableTooLarge) as info:
+        solve(graph, method="dp", options=tight["options"])
+    assert info.value.entries == 256 and 100 < 256 <= AUTO_TABLE_STRETCH * 100
+    sol = solve(graph, method="auto", **tight)
+    assert sol.method == "dp" and sol.proven_optimal
+    assert_close(sol.cost, brute_force(graph))
+    budget = (smallest_memory(graph) + sol.memory) / 2
+    assert solve(graph, method="auto", memory_budget=budget, **tight).method == "dp-narrowed"
+
+
 def test_where_the_ilp_is_too_large_too_auto_searches_a_narrower_space():
     """Tables too large for the DP and an ILP too large: the nodes of the failing tables keep their locally
     cheapest strategies until the DP fits. The plan is a real one (its cost is what evaluate gives, no better than
@@ -439,6 +457,22 @@ def test_where_the_ilp_is_too_large_too_auto_searches_a_narrower_space():
         assert_close(proved.cost, best)
     with pytest.raises(TableTooLarge, match="neither solver"):
         solve(graph, method="auto", options=DPOptions(max_table_entries=1), ilp_max_variables=10)
+
+
+def test_a_narrowed_search_warns_once_a_process_and_says_it_at_info_level_after(monkeypatch, caplog):
+    """A plan's memory levers search many related graphs: the same narrowing is one warning, not one per search."""
+    import importlib
+    import logging
+
+    monkeypatch.setattr(importlib.import_module("primepar_fx.search.solve"), "_NARROWED_SAID", set())
+    nodes = [f"n{i}" for i in range(6)]
+    graph = build(nodes, dict.fromkeys(nodes, 4), list(itertools.combinations(nodes, 2)), seed=0)
+    narrow = {"options": DPOptions(max_table_entries=100), "ilp_max_variables": 10, "ilp_max_pairs": 0}
+    with caplog.at_level(logging.INFO, logger="primepar_fx.search.solve"):
+        for _ in range(3):
+            assert solve(graph, method="auto", **narrow).method == "dp-narrowed"
+    said = [r.levelno for r in caplog.records if "narrowed to their locally cheapest" in r.getMessage()]
+    assert said == [logging.WARNING, logging.INFO, logging.INFO]
 
 
 def test_forbidden_strategies_are_dropped_and_choices_use_the_original_indices():
