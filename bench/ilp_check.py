@@ -174,7 +174,7 @@ READING = """## Reading the results
   layer's attention in one table: the tied embedding's edge from the first node to the LM head makes the two
   layers one cycle, and some node of it is carried through every step). The limit bounds the work of one
   elimination step, which runs in chunks of 65,536 entries, not its memory: with a limit of 1e10 the DP is exact
-  for both, llama2-70b in under 10 s and BLOOM-176B in about 65 s (1.76 GB peak resident for the whole
+  for both, llama2-70b in under 10 s and BLOOM-176B in 63-73 s over three runs (1.76 GB peak resident for the whole
   process, measured with `/usr/bin/time -v`). An earlier run of this page (one session before) stopped
   BLOOM-176B's DP at a limit of 1e9 and took `method="auto"`'s narrowed DP instead, 9.1e-6 above the optimum.
   The planner keeps the default of 2e8 (a table past it takes minutes, not the seconds planning should), and
