@@ -10,12 +10,11 @@ budget ``M <= memory_budget``. The methods:
 * ``"ilp"`` -- the ILP (:mod:`~primepar_fx.search.ilp`), with the budget as a constraint.
 * ``"auto"`` -- the DP; if its tables would be too large, the ILP; if that is too large too and there is no
   budget, the DP with a limit :data:`AUTO_TABLE_STRETCH` times larger where the table fits that (:func:`solve`; a
-  :class:`Search` only where asked, ``table_stretch``); else the DP on a
-  narrower space (the nodes of the tables too large keep their locally cheapest strategies: a plan, not proven optimal,
-  ``method="dp-narrowed"``), and from that plan, without a budget, with HiGHS and up to ``ilp_max_pairs`` edge
-  pairs, the ILP by column generation (:mod:`~primepar_fx.search.colgen`: exact; ``method="dp-narrowed+ilp"``);
-  with a budget and an unclosed duality gap, the ILP as well when it is small enough (``ilp_max_variables``),
-  keeping the better plan.
+  :class:`Search` only where asked, ``table_stretch``); else the DP on a narrower space (the nodes of the tables
+  too large keep their locally cheapest strategies: a plan, not proven optimal, ``method="dp-narrowed"``), and
+  from that plan, without a budget, with HiGHS and up to ``ilp_max_pairs`` edge pairs, the ILP by column
+  generation (:mod:`~primepar_fx.search.colgen`: exact; ``method="dp-narrowed+ilp"``); with a budget and an
+  unclosed duality gap, the ILP as well when it is small enough (``ilp_max_variables``), keeping the better plan.
 
 Forbidden strategies are dropped first (:func:`~primepar_fx.search.problem.reduce_graph`); every answer is then
 re-evaluated exactly on the original graph and re-checked against the budget.
