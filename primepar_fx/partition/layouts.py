@@ -120,17 +120,22 @@ class IndexSets:
         self.sets: list[IndexSet] = []
         self.bounds: list[np.ndarray] = []  # per set, its intervals as an (n, 2) int64 array
         self.sizes: list[int] = []
+        # per set, the Cartesian block it was first numbered as: (iteration-dim sizes, their (lo, hi) bounds), or None
+        self.blocks: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...]] | None] = []
         # memo[i, j]: |sets[i] ∩ sets[j]|, -1 until computed; int32 (half the memory to fill and read) until a set
         # has 2**31 elements or more
         self.memo = np.zeros((0, 0), dtype=np.int32)
 
-    def add(self, s: IndexSet) -> int:
-        """The number of ``s``, numbering it if it is new."""
+    def add(self, s: IndexSet, block: tuple[tuple[int, ...], tuple[tuple[int, int], ...]] | None = None) -> int:
+        """The number of ``s``, numbering it if it is new. ``block``: ``s`` as the Cartesian block of
+        :func:`index_set` (the iteration-dim sizes and each one's ``(lo, hi)``), which intersects with a block over
+        the same sizes as a product of interval overlaps (:meth:`_intersect`)."""
         k = self.number.setdefault(s, len(self.sets))
         if k == len(self.sets):
             self.sets.append(s)
             self.bounds.append(np.array(s, dtype=np.int64).reshape(len(s), 2))
             self.sizes.append(set_size(s))
+            self.blocks.append(block)
             if self.sizes[-1] > np.iinfo(self.memo.dtype).max:
                 with self.lock:
                     self.memo = self.memo.astype(np.int64)
@@ -193,14 +198,54 @@ class IndexSets:
         return np.flatnonzero(seen), rank[x]
 
     def _intersect(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """:meth:`overlaps` computed, one set of the shorter list at a time, vectorised over the intervals of all
-        the sets of the longer.
+        """:meth:`overlaps` computed. Sets numbered as Cartesian blocks (:func:`set_number`) whose iteration-dim sizes
+        have a common refinement (``(8192,)`` and ``(64, 128)``: ``(64, 128)``), each block a block of it too,
+        intersect as the product of their per-dim interval overlaps, a few array operations for every such pair at
+        once; the other pairs by their intervals (:meth:`_intersect_intervals`)."""
+        out = np.empty((len(a), len(b)), dtype=np.int64)
+        sizes_a = [None if (f := self.blocks[i]) is None else f[0] for i in a.tolist()]
+        sizes_b = [None if (f := self.blocks[j]) is None else f[0] for j in b.tolist()]
+        rows: dict[object, list[int]] = {}
+        cols: dict[object, list[int]] = {}
+        for r, key in enumerate(sizes_a):
+            rows.setdefault(key, []).append(r)
+        for c, key in enumerate(sizes_b):
+            cols.setdefault(key, []).append(c)
+        for ka, ra in rows.items():
+            for kb, cb in cols.items():
+                ri, ci = np.array(ra), np.array(cb)
+                common = None if ka is None or kb is None else _refinement(ka, kb)  # type: ignore[arg-type]
+                ba = None if common is None else self._refined(a[ri], common)
+                bb = None if common is None else self._refined(b[ci], common)
+                if ba is None or bb is None:
+                    out[np.ix_(ri, ci)] = self._intersect_intervals(a[ri], b[ci])
+                    continue
+                lo = np.maximum(ba[:, None, :, 0], bb[None, :, :, 0])
+                hi = np.minimum(ba[:, None, :, 1], bb[None, :, :, 1])
+                out[np.ix_(ri, ci)] = np.maximum(hi - lo, 0).prod(axis=-1)
+        return out
+
+    def _refined(self, ids: np.ndarray, common: tuple[int, ...]) -> np.ndarray | None:
+        """The blocks of sets ``ids`` over the refined sizes ``common``, ``(len(ids), len(common), 2)``; ``None``
+        where one is not a block there (a split across the refined dims' boundaries)."""
+        out = []
+        for i in ids.tolist():
+            sizes, bounds = self.blocks[i]  # type: ignore[misc]
+            refined = _refine_block(sizes, bounds, common)
+            if refined is None:
+                return None
+            out.append(refined)
+        return np.array(out, dtype=np.int64).reshape(len(ids), len(common), 2)
+
+    def _intersect_intervals(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """:meth:`overlaps` computed by intervals, one set of the shorter list at a time, vectorised over the
+        intervals of all the sets of the longer.
 
         An interval ``[lo, hi)`` meets a set ``B`` in ``F_B(hi) - F_B(lo)`` elements (:func:`covered`), and
         ``|A ∩ B|`` is the sum of that over the intervals of ``A``; the count is symmetric.
         """
         if len(a) < len(b):
-            return self._intersect(b, a).T.copy()
+            return self._intersect_intervals(b, a).T.copy()
         out = np.zeros((len(a), len(b)), dtype=np.int64)
         if not len(a):
             return out
@@ -210,6 +255,47 @@ class IndexSets:
             within = covered(self.bounds[k], bounds[:, 1]) - covered(self.bounds[k], bounds[:, 0])
             out[:, j] = np.add.reduceat(within, starts)
         return out
+
+
+@lru_cache(maxsize=4096)
+def _refinement(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The coarsest sizes (major first) that refine both decompositions ``a`` and ``b`` of one tensor dim: their
+    strides (products of the more minor sizes) together, where each divides the next larger; ``None`` where they
+    do not (``(4, 6)`` and ``(2, 3, 4)``) or the dims differ in size."""
+    if prod(a) != prod(b):
+        return None
+    strides = sorted({prod(a[k:]) for k in range(len(a) + 1)} | {prod(b[k:]) for k in range(len(b) + 1)})
+    if any(big % small for small, big in zip(strides, strides[1:])):
+        return None
+    return tuple(big // small for small, big in zip(strides[-2::-1], strides[:0:-1]))
+
+
+@lru_cache(maxsize=1 << 16)
+def _refine_block(
+    sizes: tuple[int, ...], bounds: tuple[tuple[int, int], ...], common: tuple[int, ...]
+) -> tuple[tuple[int, int], ...] | None:
+    """The block ``bounds`` (a ``[lo, hi)`` per dim of ``sizes``) as a block over ``common``, a refinement of
+    ``sizes``; ``None`` where an interval is not one there (it spans part of a more minor refined dim)."""
+    out: list[tuple[int, int]] = []
+    k = 0
+    for n, (lo, hi) in zip(sizes, bounds):
+        parts = []  # the refined sizes that make up n, major first
+        while prod(parts) < n:
+            parts.append(common[k])
+            k += 1
+        for j in range(len(parts)):
+            minor = prod(parts[j + 1 :])
+            first, last = lo // minor, (hi - 1) // minor
+            if first == last:  # one digit here: the rest of the interval is inside it
+                out.append((first, first + 1))
+                lo, hi = lo - first * minor, hi - first * minor
+                continue
+            if lo % minor or hi % minor:
+                return None
+            out.append((first, last + 1))
+            out.extend((0, m) for m in parts[j + 1 :])
+            break
+    return tuple(out)
 
 
 def _gather(table: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -225,7 +311,8 @@ SETS = IndexSets()
 @lru_cache(maxsize=1 << 16)
 def set_number(sizes: tuple[int, ...], dim_slice: tuple[tuple[int, int], ...]) -> int:
     """The number in :data:`SETS` of :func:`index_set` ``(sizes, dim_slice)``."""
-    return SETS.add(index_set(sizes, dim_slice))
+    bounds = tuple((i * n // p, (i + 1) * n // p) for n, (i, p) in zip(sizes, dim_slice))
+    return SETS.add(index_set(sizes, dim_slice), (sizes, bounds))
 
 
 @lru_cache(maxsize=1 << 14)

@@ -219,6 +219,37 @@ def test_cannon_skew_p3x3() -> None:
     assert r.backward_is_permutation
 
 
+@st.composite
+def blocks(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """A tensor dim's iteration-dim sizes (one of a few decompositions of 24) and a block of each."""
+    sizes = draw(st.sampled_from([(24,), (4, 6), (2, 12), (2, 3, 4), ()]))
+    parts = tuple(draw(st.sampled_from([p for p in (1, 2, 3, 4) if n % p == 0])) for n in sizes)
+    return sizes, tuple((draw(st.integers(0, p - 1)), p) for p in parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(picked=st.lists(blocks(), min_size=2, max_size=12), plain=st.lists(index_sets(), max_size=3))
+def test_blocks_over_the_same_sizes_intersect_as_a_product_and_match_the_intervals(picked, plain) -> None:
+    """Sets numbered as Cartesian blocks (``set_number``) intersect with blocks over the same sizes as the product of
+    their per-dim overlaps; with blocks over other sizes and with sets numbered as intervals alone, by intervals.
+    Every path gives ``overlap``, including a set numbered first as intervals and met again as a block."""
+    import numpy as np
+
+    from primepar_fx.partition.layouts import IndexSets, index_set
+
+    sets = IndexSets()
+    for s in plain:
+        sets.add(s)
+    ids = [
+        sets.add(index_set(sz, sl), (sz, tuple((i * n // p, (i + 1) * n // p) for n, (i, p) in zip(sz, sl))))
+        for sz, sl in picked
+    ]
+    ids = np.array(ids + list(range(len(plain))))
+    want = np.array([[overlap(sets.sets[a], sets.sets[b]) for b in ids] for a in ids])
+    assert (sets.overlaps(ids, ids) == want).all()
+    assert (sets._intersect(ids, ids[::-1]) == want[:, ::-1]).all()  # noqa: SLF001 -- the path past the table
+
+
 def test_merged_dims_strided_intersection() -> None:
     # A view's output [(B*S), D] described as ("B", "S") with S split feeds a pointwise op over ("BS",) split.
     # B=4, S=6: device 0 holds rows {b*6 + s : s < 3} and needs rows [0, 12): 6 of 12 rows, so it lacks
