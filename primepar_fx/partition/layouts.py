@@ -201,7 +201,9 @@ class IndexSets:
         """:meth:`overlaps` computed. Sets numbered as Cartesian blocks (:func:`set_number`) whose iteration-dim sizes
         have a common refinement (``(8192,)`` and ``(64, 128)``: ``(64, 128)``), each block a block of it too,
         intersect as the product of their per-dim interval overlaps, a few array operations for every such pair at
-        once; the other pairs by their intervals (:meth:`_intersect_intervals`)."""
+        once; the other pairs by their intervals (:meth:`_intersect_intervals`). Sets are numbered by content, so a
+        set met in a larger domain (``[0, 1024)`` of a dim of 2048) may carry the block of a smaller one: it is the
+        same block behind a leading dim of the ratio, at index 0."""
         out = np.empty((len(a), len(b)), dtype=np.int64)
         sizes_a = [None if (f := self.blocks[i]) is None else f[0] for i in a.tolist()]
         sizes_b = [None if (f := self.blocks[j]) is None else f[0] for j in b.tolist()]
@@ -214,9 +216,14 @@ class IndexSets:
         for ka, ra in rows.items():
             for kb, cb in cols.items():
                 ri, ci = np.array(ra), np.array(cb)
-                common = None if ka is None or kb is None else _refinement(ka, kb)  # type: ignore[arg-type]
-                ba = None if common is None else self._refined(a[ri], common)
-                bb = None if common is None else self._refined(b[ci], common)
+                ba = bb = None
+                if ka is not None and kb is not None:
+                    # a set is also a block of a larger domain it starts: a leading dim of the ratio, at its index 0
+                    na, nb = prod(ka), prod(kb)  # type: ignore[arg-type]
+                    lead_a, lead_b = (nb // na, 1) if nb % na == 0 else (1, na // nb) if na % nb == 0 else (0, 0)
+                    common = _refinement((lead_a, *ka), (lead_b, *kb)) if lead_a else None  # type: ignore[misc]
+                    ba = None if common is None else self._refined(a[ri], common, lead_a)
+                    bb = None if common is None else self._refined(b[ci], common, lead_b)
                 if ba is None or bb is None:
                     out[np.ix_(ri, ci)] = self._intersect_intervals(a[ri], b[ci])
                     continue
@@ -225,13 +232,14 @@ class IndexSets:
                 out[np.ix_(ri, ci)] = np.maximum(hi - lo, 0).prod(axis=-1)
         return out
 
-    def _refined(self, ids: np.ndarray, common: tuple[int, ...]) -> np.ndarray | None:
-        """The blocks of sets ``ids`` over the refined sizes ``common``, ``(len(ids), len(common), 2)``; ``None``
-        where one is not a block there (a split across the refined dims' boundaries)."""
+    def _refined(self, ids: np.ndarray, common: tuple[int, ...], lead: int) -> np.ndarray | None:
+        """The blocks of sets ``ids``, each behind a leading dim of size ``lead`` at index 0, over the refined sizes
+        ``common``, ``(len(ids), len(common), 2)``; ``None`` where one is not a block there (a split across the
+        refined dims' boundaries)."""
         out = []
         for i in ids.tolist():
             sizes, bounds = self.blocks[i]  # type: ignore[misc]
-            refined = _refine_block(sizes, bounds, common)
+            refined = _refine_block((lead, *sizes), ((0, 1), *bounds), common)
             if refined is None:
                 return None
             out.append(refined)

@@ -221,8 +221,9 @@ def test_cannon_skew_p3x3() -> None:
 
 @st.composite
 def blocks(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    """A tensor dim's iteration-dim sizes (one of a few decompositions of 24) and a block of each."""
-    sizes = draw(st.sampled_from([(24,), (4, 6), (2, 12), (2, 3, 4), ()]))
+    """A tensor dim's iteration-dim sizes (decompositions of 24, of 12 and 48 that its sets may also be met in, and
+    of 36, which shares no refinement with them) and a block of each."""
+    sizes = draw(st.sampled_from([(24,), (4, 6), (2, 12), (2, 3, 4), (), (12,), (3, 4), (4, 12), (6, 6)]))
     parts = tuple(draw(st.sampled_from([p for p in (1, 2, 3, 4) if n % p == 0])) for n in sizes)
     return sizes, tuple((draw(st.integers(0, p - 1)), p) for p in parts)
 
@@ -231,8 +232,9 @@ def blocks(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...
 @given(picked=st.lists(blocks(), min_size=2, max_size=12), plain=st.lists(index_sets(), max_size=3))
 def test_blocks_over_the_same_sizes_intersect_as_a_product_and_match_the_intervals(picked, plain) -> None:
     """Sets numbered as Cartesian blocks (``set_number``) intersect with blocks over the same sizes as the product of
-    their per-dim overlaps; with blocks over other sizes and with sets numbered as intervals alone, by intervals.
-    Every path gives ``overlap``, including a set numbered first as intervals and met again as a block."""
+    their per-dim overlaps, also where one domain is a multiple of the other (a set of the smaller behind a leading
+    dim); with blocks over other sizes and with sets numbered as intervals alone, by intervals. Every path gives
+    ``overlap``, including a set numbered first as intervals and met again as a block."""
     import numpy as np
 
     from primepar_fx.partition.layouts import IndexSets, index_set
