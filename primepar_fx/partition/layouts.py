@@ -217,7 +217,7 @@ class IndexSets:
             for kb, cb in cols.items():
                 ri, ci = np.array(ra), np.array(cb)
                 ba = bb = None
-                if ka is not None and kb is not None:
+                if ka is not None and kb is not None and prod(ka) and prod(kb):  # type: ignore[arg-type]
                     # a set is also a block of a larger domain it starts: a leading dim of the ratio, at its index 0
                     na, nb = prod(ka), prod(kb)  # type: ignore[arg-type]
                     lead_a, lead_b = (nb // na, 1) if nb % na == 0 else (1, na // nb) if na % nb == 0 else (0, 0)
