@@ -240,13 +240,12 @@ def test_blocks_over_the_same_sizes_intersect_as_a_product_and_match_the_interva
     from primepar_fx.partition.layouts import IndexSets, index_set
 
     sets = IndexSets()
-    for s in plain:
-        sets.add(s)
+    plain_ids = [sets.add(s) for s in plain]  # equal sets share a number
     ids = [
         sets.add(index_set(sz, sl), (sz, tuple((i * n // p, (i + 1) * n // p) for n, (i, p) in zip(sz, sl))))
         for sz, sl in picked
     ]
-    ids = np.array(ids + list(range(len(plain))))
+    ids = np.array(ids + plain_ids)
     want = np.array([[overlap(sets.sets[a], sets.sets[b]) for b in ids] for a in ids])
     assert (sets.overlaps(ids, ids) == want).all()
     assert (sets._intersect(ids, ids[::-1]) == want[:, ::-1]).all()  # noqa: SLF001 -- the path past the table
