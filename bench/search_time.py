@@ -83,8 +83,9 @@ READING = """## Reading the results
   two workers), at 64 and 128 in 20 s (12.2 s and 22.8-23.6 s). Measured again on 2026-12-05 (fifth session,
   not in this table), with index sets intersected as products (docs/planning.md) and the machine in faster and
   slower spells: 32 GPUs 5.1-6.5 s in 9 runs, 6.8-7.6 s in 5 later ones; 64 GPUs 8.5-11.8 s; 128 GPUs 15.9-19.6 s
-  in 7 runs, 20.4 and 21.8 s in 2: near the targets, not robustly within them. At 32 GPUs capture takes 1.3-1.4 s (torch.export
-  of two layers with symbolic B and S: 1.0-1.3 s of it, against about 0.5 s for the same export at fixed sizes)
+  in 7 runs, 20.4 and 21.8 s in 2: near the targets, not robustly within them. At 32 GPUs capture takes 1.3-1.4
+  s (torch.export of two layers with symbolic B and S: 1.0-1.3 s of it, against about 0.5 s for the same export at
+  fixed sizes)
   and the five groupings 6.3-6.5 s: about 1.6 s of pricing and 0.25 s of search each alone, 2.0-2.4 s of pricing
   when two run side by side (two vCPUs of one VM), three rounds on two processes. The pricing left is spread over
   per-strategy Python (node costs 21%, layouts of the edges' sides 18%) and the numpy of the re-layouts (28%).
