@@ -1,5 +1,5 @@
 """``python -m primepar_fx``: the ``primepar-fx`` command line."""
 
-from primepar_fx.cli import main
+from primepar_fx.cli import run
 
-raise SystemExit(main())
+run()

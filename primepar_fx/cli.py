@@ -15,6 +15,7 @@ device; ``--layers N`` keeps its first N layers), or ``package.module:callable``
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import math
 import os
@@ -569,5 +570,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The console entry point (``primepar-fx``, ``python -m primepar_fx``): :func:`main`, then a quick exit.
+
+    A planning process ends holding millions of objects (torch's and transformers' modules, the priced graph), and
+    the interpreter's own exit collects and frees them all: about a second on a 2-core machine, after the answer is
+    printed. The exit status, the streams and the ``atexit`` handlers (logging's shutdown, finalizers) are the same
+    as a normal exit's; only that teardown is skipped (``os._exit``), as mypy's command line does. Exceptions other
+    than :class:`SystemExit` leave the usual way, with their traceback. Call :func:`main` to stay in the process.
+    """
+    try:
+        code: Any = main(argv)
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code
+    if code is not None and not isinstance(code, int):  # SystemExit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (``| head``) or stream: nothing more can reach it
+            pass
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -320,3 +320,30 @@ def test_a_bad_config_file_or_layers_flag_gets_one_clear_error(capsys, tmp_path)
     ):
         rc, _, err = run(capsys, *argv)
         assert rc == 2 and re.fullmatch(f"error: .*{message}.*\n", err), (argv, err)
+
+
+def test_the_console_entry_point_exits_with_mains_status_after_the_exit_handlers(tmp_path) -> None:
+    """``run()`` skips the interpreter's teardown, not what a normal exit does: the status is main's (0, argparse's
+    2, an error's 2), the streams reach their pipes and ``atexit`` handlers still run."""
+    import subprocess
+
+    script = textwrap.dedent(
+        """
+        import atexit, sys
+        from primepar_fx.cli import run
+        atexit.register(lambda: print("handler ran", flush=True))
+        run(sys.argv[1:])
+        """
+    )
+    path = tmp_path / "entry.py"
+    path.write_text(script)
+    cases = [
+        (["explain", "--list"], 0, "gpt2-tiny"),
+        (["plan"], 2, "required"),
+        (["plan", "nosuch", "-n", "4", "--batch", "8", "--seq", "16"], 2, "error: "),
+    ]
+    for argv, status, text in cases:
+        done = subprocess.run([sys.executable, str(path), *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == status, (argv, done.stderr)
+        assert done.stdout.rstrip().endswith("handler ran"), (argv, done.stdout[-200:])
+        assert text in done.stdout + done.stderr
