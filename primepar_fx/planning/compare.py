@@ -22,13 +22,11 @@ from primepar_fx.planning.baselines import config_name, data_parallel_assignment
 from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.parallel import Forked
-from primepar_fx.planning.peak import solve_for_peak
 from primepar_fx.planning.plan import Baseline, Predicted
 from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.recompute import layer_pricing
+from primepar_fx.planning.recompute import Chosen, LayerPricing, layer_pricing, restricted
 from primepar_fx.planning.summary import Summary, per_step, summarize
-from primepar_fx.search import InfeasibleBudget
 
 log = logging.getLogger(__name__)
 
@@ -345,37 +343,75 @@ def plan_baselines(
     costs: CostOptions,
     early: Forked | None = None,
     fastest: tuple[Mapping[str, int], Summary] | None = None,
+    split: tuple[Chosen, bool] | None = None,
+    recompute: Recompute | None = None,
 ) -> dict[str, Baseline]:
     """Megatron-LM, data parallelism and FSDP (:func:`fixed_baselines`, from ``early`` where it was priced in a
-    fork) and, when the plan's space has P(S x S), split-only.
+    fork) and, when the plan's space has P(S x S), split-only: our search on the strategies without it, on our
+    pricing ``priced`` (:func:`split_only`).
 
-    ``fastest``: our plan, when it is the fastest of ``priced`` (no budget, no memory weight, no recomputation), as
+    ``fastest``: our plan, where it is proven optimal on ``priced`` (within the budget, under its recomputation), as
     its choice and per-step summary. Where it uses no P(S x S) it is a split-only plan that no split-only plan
-    beats, so it is the split-only baseline, not searched again."""
+    beats, so it is the split-only baseline, not searched again (``recompute``: its recomputation policy).
+    ``split``: the split-only search's plan and whether it fits, where the planner ran it already."""
     ok, base = early.result() if early is not None else (False, None)
     if not ok:
         if early is not None:
             log.debug("the baselines' fork gave no result (%s): priced here", base)
         base = fixed_baselines(graph, full, opts)
-    if opts.allow_prime and fastest is not None and not _uses_prime(priced, fastest[0]):
-        split = fastest[1]
-        base["split_only"] = Baseline("split_only", {"search": "no P(S x S)"}, split.predicted, _partitions(split))
-    elif opts.allow_prime:  # the split-only space is ours less P(S x S): read off our pricing, not priced again
-        split_priced = priced.subset(lambda seq: not any(isinstance(e, Prime) for e in seq.elements))
-        budget, alpha, method = opts.memory_budget, opts.alpha, opts.method
-        config: dict[str, Any] = {"search": "no P(S x S)"}
-        try:
-            split_sol = solve_for_peak(split_priced, memory_budget=budget, alpha=alpha, method=method)
-        except InfeasibleBudget:  # the split-only space cannot fit where ours can: its fastest plan, marked so
-            split_sol = solve_for_peak(split_priced, memory_budget=None, alpha=alpha, method=method)
-        split = per_step(summarize(graph, split_priced, split_sol.choice, costs), costs.micro_batches)
-        if budget is not None:
-            config["fits_budget"] = split.predicted.peak_memory_bytes <= budget
-        base["split_only"] = Baseline("split_only", config, split.predicted, _partitions(split))
+    if not opts.allow_prime:
+        return base
+    config: dict[str, Any] = {"search": "no P(S x S)"}
+    if split is None and fastest is not None and not uses_prime(priced, fastest[0]):
+        summary = fastest[1]
+        fits = opts.memory_budget is None or summary.predicted.peak_memory_bytes <= opts.memory_budget
+    else:
+        chosen, fits = split if split is not None else split_only(graph, priced, opts, costs)
+        summary = per_step(
+            summarize(graph, chosen.priced, chosen.solution.choice, costs, extra_peak=chosen.extra_peak),
+            costs.micro_batches,
+        )
+        recompute = chosen.recompute
+    if recompute is not None and recompute.active:
+        config["recompute"] = list(recompute.layers)
+    if opts.memory_budget is not None:
+        config["fits_budget"] = fits
+    base["split_only"] = Baseline("split_only", config, summary.predicted, _partitions(summary))
     return base
 
 
-def _uses_prime(priced: PricedGraph, choice: Mapping[str, int]) -> bool:
+def split_only(
+    graph: OpGraph,
+    priced: PricedGraph,
+    opts: PlanOptions,
+    costs: CostOptions,
+    recompute: Recompute | None = None,
+    layers: LayerPricing | None = None,
+) -> tuple[Chosen, bool]:
+    """The split-only baseline: our search on ``priced`` (micro-batches and ZeRO stage of ``costs``, the budget of
+    ``opts``, the recomputation policy ``recompute`` that ``layers`` applied to it) run on the strategies without
+    P(S x S), and whether its plan fits (:func:`~primepar_fx.planning.recompute.restricted`)."""
+    values = {B: opts.batch // costs.micro_batches, S: opts.seq}  # type: ignore[operator]
+    return restricted(
+        graph,
+        priced,
+        _split,
+        values,
+        costs,
+        memory_budget=opts.memory_budget,
+        alpha=opts.alpha,
+        method=opts.method,
+        recompute=recompute,
+        layers=layers,
+    )
+
+
+def _split(seq: PartitionSeq) -> bool:
+    return not any(isinstance(e, Prime) for e in seq.elements)
+
+
+def uses_prime(priced: PricedGraph, choice: Mapping[str, int]) -> bool:
+    """Whether ``choice`` runs a P(S x S) on some node."""
     return any(isinstance(e, Prime) for name, seqs in priced.strategies.items() for e in seqs[choice[name]].elements)
 
 

@@ -51,6 +51,8 @@ from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     price_assignments,
     price_baselines,
     price_fixed,
+    split_only,
+    uses_prime,
     variant_summary,
 )
 from primepar_fx.planning.groupings import (  # noqa: F401  (re-exported)
@@ -206,13 +208,24 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     if found is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     mesh, priced, chosen, m = found.mesh, found.priced, found.chosen, found.micro_batches
-    sol = chosen.solution
     costs = found.costs
+    split, kept_split = _split_only_search(graph, opts, chosen, costs)
+    if kept_split:  # its optimum within the subspace proves nothing of ours, unless it meets our lower bound
+        kept, ours_sol = split[0], chosen.solution  # type: ignore[index]
+        proven = kept.solution.cost <= ours_sol.bound + 1e-9 * max(1.0, abs(ours_sol.bound))
+        kept_sol = dataclasses.replace(kept.solution, bound=ours_sol.bound, proven_optimal=proven)
+        chosen = dataclasses.replace(kept, solution=kept_sol)
+        priced = chosen.priced
+    sol = chosen.solution
     ours = per_step(summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak), m)
     t2 = time.perf_counter()
-    free = opts.memory_budget is None and opts.alpha == 0 and chosen.recompute is None  # ours: the fastest plan
-    fastest = (sol.choice, ours) if free else None
-    base = plan_baselines(graph, priced, full, opts, costs, early, fastest) if opts.baselines else {}
+    # ours where it is proven optimal: where it uses no P(S x S), it is the split-only baseline too
+    fastest = (sol.choice, ours) if sol.proven_optimal and not kept_split else None
+    base = (
+        plan_baselines(graph, priced, full, opts, costs, early, fastest, split, chosen.recompute)
+        if opts.baselines
+        else {}
+    )
     search = {
         "method": sol.method,
         "proven_optimal": sol.proven_optimal,
@@ -228,10 +241,41 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         "canonical": opts.canonical,
         "grouped": mesh != full,
     }
+    if kept_split:
+        search["split_only_kept"] = True  # the split-only search's plan beat the one the search found
     if len(meshes) > 1:  # the proof of optimality is within the grouping; the others are listed with their optima
         search["groupings"] = found.tried
         search["groupings_s"] = round(t2 - t0, 4)
     return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute, costs=costs)
+
+
+def _split_only_search(
+    graph: OpGraph, opts: PlanOptions, chosen: Chosen, costs: CostOptions
+) -> tuple[tuple[Chosen, bool] | None, bool]:
+    """The split-only search (:func:`~primepar_fx.planning.compare.split_only`) where the plan's space has
+    P(S x S) and either the baselines want it or the plan is not proven optimal, and whether its plan replaces
+    ``chosen``: it fits, and it is cheaper. It lies in our space (our strategies less P(S x S), the same pricing,
+    ZeRO stage, micro-batches and recomputation), so where the budgeted search, which is not exact across a
+    duality gap (:mod:`primepar_fx.search.budget`), or a narrowed DP lands above it, it is the better plan of
+    ours. A proven optimum that uses no P(S x S) is the split-only optimum too: not searched again."""
+    sol = chosen.solution
+    if not opts.allow_prime:
+        return None, False
+    if sol.proven_optimal and (not opts.baselines or not uses_prime(chosen.priced, sol.choice)):
+        return None, False  # (plan_baselines reads a proven optimum without P(S x S) as the split-only baseline)
+    split = split_only(graph, chosen.priced, opts, costs, chosen.recompute, chosen.layers)
+    better = split[1] and split[0].solution.cost < sol.cost - SPLIT_MARGIN * abs(sol.cost)
+    if better:
+        log.info(
+            "the split-only search's plan (%.6g s) beats the search's (%.6g s, not proven optimal): kept",
+            split[0].solution.cost,
+            sol.cost,
+        )
+    return split, better
+
+
+#: how much cheaper (relative) the split-only search's plan must be to replace ours: not rounding noise
+SPLIT_MARGIN = 1e-12
 
 
 def state_floor(graph: OpGraph, opts: PlanOptions) -> tuple[float, str]:

@@ -52,6 +52,7 @@ from primepar_fx.cost.model import NodeCost, stashed_inputs, weights_read_in_bac
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import LayerUnits, layer_units, selective_nodes, unit_inputs
+from primepar_fx.partition import PartitionSeq
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
 from primepar_fx.planning.levers import RECOMPUTE_KIND, Recompute, check_choice
@@ -286,6 +287,9 @@ class Chosen:
     priced: PricedGraph
     recompute: Recompute | None
     extra_peak: int = 0
+    #: the recomputation pricing ``priced`` was applied from (its ``priced`` is the pricing before), where a policy
+    #: is active: what :func:`restricted` prices a subspace from
+    layers: LayerPricing | None = None
 
 
 def _solve_policy(
@@ -297,12 +301,16 @@ def _solve_policy(
     cutoff: float = math.inf,
 ) -> Chosen:
     """The fastest plan under ``policy`` whose real peak fits ``budget``: the search's budget is lowered by the
-    extra peak of Backward's recomputation until the plan it returns fits (a few rounds at most), else the plan of
-    least memory if it fits; :class:`InfeasibleBudget` with that plan's real peak when it does not;
-    :class:`~primepar_fx.search.CutOff` when no plan within the budget is cheaper than ``cutoff``."""
+    extra peak of Backward's recomputation until the plan it returns fits (at most :data:`RESERVE_ROUNDS` rounds),
+    else the plan of least memory if it fits; :class:`InfeasibleBudget` with that plan's real peak when it does
+    not; :class:`~primepar_fx.search.CutOff` when no plan within the budget is cheaper than ``cutoff``.
+
+    A round that overshoots lowers the search's budget by the overshoot, and at least to below that plan's own
+    reported peak: a budget the plan still meets could return it again (a search's plans change in steps, so
+    shaving the overshoot alone can take many rounds to leave a plan that misses by a MiB)."""
     applied = layers.apply(policy)
     reserve = 0.0
-    for _ in range(4):
+    for _ in range(RESERVE_ROUNDS):
         limit = None if budget is None else budget - reserve
         if limit is not None and limit <= 0:
             break
@@ -313,16 +321,59 @@ def _solve_policy(
                 raise
             break
         extra = layers.extra_peak(policy, applied, sol.choice)
-        peak = plan_peak(applied, sol.choice) + extra
+        reported = plan_peak(applied, sol.choice)
+        peak = reported + extra
         if budget is None or peak <= budget:
-            return Chosen(dataclasses.replace(sol, memory=peak), applied, policy, extra)
-        reserve += peak - budget
+            return Chosen(dataclasses.replace(sol, memory=peak), applied, policy, extra, layers)
+        reserve = max(reserve + peak - budget, budget - reported + 1.0)  # (1 byte below the plan's reported peak)
     least, choice = _least_real(layers, policy, applied)
     if choice is not None and least <= budget:  # the plan of least memory fits where the search gave up
         graph = applied.search_graph
         sol = Solution(choice, evaluate(graph, choice, alpha), least, "dp", False, 0.0)
-        return Chosen(sol, applied, policy, int(least - plan_peak(applied, choice)))
+        return Chosen(sol, applied, policy, int(least - plan_peak(applied, choice)), layers)
     raise InfeasibleBudget(budget, least)  # type: ignore[arg-type]
+
+
+#: searches :func:`_solve_policy` runs, each at a lower budget, before it falls back to the plan of least memory
+RESERVE_ROUNDS = 4
+
+
+def restricted(
+    graph: OpGraph,
+    priced: PricedGraph,
+    keep: Callable[[PartitionSeq], bool],
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    *,
+    memory_budget: float | None,
+    alpha: float,
+    method: str,
+    recompute: Recompute | None = None,
+    layers: LayerPricing | None = None,
+) -> tuple[Chosen, bool]:
+    """The search of a plan run on a subspace of its pricing ``priced``: the strategies ``keep`` accepts
+    (``values`` and ``opts`` are the pricing's micro-batch's), under the plan's recomputation policy ``recompute``
+    (``priced`` is then ``layers.apply(recompute)``: :attr:`Chosen.layers`), whose extra peak in Backward counts
+    against the budget as it does for the plan. Returns the plan and whether it fits ``memory_budget``; where
+    nothing in the subspace fits, its fastest plan and ``False``.
+
+    The planner prices its split-only baseline so (``keep``: no P(S x S)), and keeps that plan where it beats its
+    own: the subspace's search is a second start for the budgeted search, which is not exact where a duality gap
+    remains (:mod:`primepar_fx.search.budget`)."""
+    if recompute is None or not recompute.active:
+        sub = priced.subset(keep)
+        try:
+            return Chosen(solve_for_peak(sub, memory_budget=memory_budget, alpha=alpha, method=method), sub, None), True
+        except InfeasibleBudget:
+            return Chosen(solve_for_peak(sub, memory_budget=None, alpha=alpha, method=method), sub, None), False
+    if layers is None:
+        raise ValueError("restricted() needs the recomputation pricing (layers) of an active policy")
+    narrow = layer_pricing(graph, layers.priced.subset(keep), values, opts)
+    assert narrow is not None  # the same graph, the same stack
+    try:
+        return _solve_policy(narrow, recompute, memory_budget, alpha, method), True
+    except InfeasibleBudget:
+        return _solve_policy(narrow, recompute, None, alpha, method), False
 
 
 def _least_real(layers: LayerPricing, policy: Recompute, applied: PricedGraph) -> tuple[float, dict[str, int] | None]:

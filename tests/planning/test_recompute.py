@@ -15,13 +15,14 @@ from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph.layers import layer_units
 from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.planning import recompute as recompute_module
 from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import resolve_cluster
 from primepar_fx.planning.peak import plan_peak
 from primepar_fx.planning.plan import Plan, PlanError
 from primepar_fx.planning.planner import forced_plan, plan_graph
 from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.recompute import choose_recompute, layer_pricing
+from primepar_fx.planning.recompute import choose_recompute, layer_pricing, restricted
 from primepar_fx.search import InfeasibleBudget, solve
 
 
@@ -378,3 +379,55 @@ def test_the_fewest_layers_that_fit_are_bisected_not_stepped() -> None:
             calls.clear()
             checked += 1
     assert checked >= 2
+
+
+def test_a_subspace_is_searched_under_the_plans_recomputation_and_budget(monkeypatch) -> None:
+    """``restricted`` on every strategy is the search itself; on the split-only subspace under a budget, its plan
+    keeps to the subspace and its real peak (Backward's recomputation included) fits. A budget one byte short of
+    the fastest plan's real peak takes two searches: the second below that plan's reported peak (lowering it by
+    the byte it overshoots returned the same plan until the rounds ran out)."""
+    lp, values = layers(), {B: SIZES["batch"], S: SIZES["seq"]}
+    policy = Recompute.uniform(lp.units.stack, len(lp.units), "full")
+    applied = lp.apply(policy)
+    kw = {"alpha": 0.0, "method": "dp", "recompute": policy, "layers": lp}
+    whole = choose_recompute(
+        graph(), lp.priced, values, CostOptions(), choice="full", memory_budget=None, alpha=0.0, method="dp"
+    )
+    same, fits = restricted(graph(), applied, lambda s: True, values, CostOptions(), memory_budget=None, **kw)
+    assert fits and same.solution.choice == whole.solution.choice and same.extra_peak == whole.extra_peak
+
+    def split(seq) -> bool:
+        return seq.prime is None
+
+    free, fits = restricted(graph(), applied, split, values, CostOptions(), memory_budget=None, **kw)
+    assert fits and free.extra_peak > 0  # the last layer's whole stash comes back above the end of Forward
+    reported = plan_peak(free.priced, free.solution.choice)
+    budget = reported + free.extra_peak - 1  # the fastest split-only plan no longer fits once its extra peak counts
+    limits = []
+    search = recompute_module.solve_for_peak
+
+    def searched(priced, **options):
+        limits.append(options["memory_budget"])
+        return search(priced, **options)
+
+    monkeypatch.setattr(recompute_module, "solve_for_peak", searched)
+    got, fits = restricted(graph(), applied, split, values, CostOptions(), memory_budget=budget, **kw)
+    assert limits == [budget, reported - 1]
+    assert fits and all(seqs[got.solution.choice[n]].prime is None for n, seqs in got.priced.strategies.items())
+    assert plan_peak(got.priced, got.solution.choice) + got.extra_peak <= budget
+    assert got.solution.cost >= free.solution.cost
+
+
+def test_a_budgeted_plan_is_never_slower_than_its_split_only_baseline() -> None:
+    """The split-only baseline is our search on a subspace, under the same levers; where the budgeted search lands
+    above it (a duality gap), the planner keeps its plan, so no budget leaves ours slower than a baseline that fits."""
+    free, full = plan(recompute="none"), plan(recompute="full")
+    low, high = full.predicted.peak_memory_bytes, free.predicted.peak_memory_bytes
+    for share in (0.0, 0.02, 0.05, 0.1, 0.3):
+        budget = int(low + share * (high - low))
+        ours = plan_graph(graph(), **{**SIZES, "baselines": True, "zero": 0, "micro_batches": 1}, memory_budget=budget)
+        split = ours.baselines["split_only"]
+        assert split.config["fits_budget"]
+        assert ours.predicted.step_time_s <= split.predicted.step_time_s * (1 + 1e-12), share
+        if ours.search.get("split_only_kept"):
+            assert ours.predicted == split.predicted and not ours.search["proven_optimal"]
