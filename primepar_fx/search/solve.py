@@ -14,7 +14,8 @@ budget ``M <= memory_budget``. The methods:
   too large keep their locally cheapest strategies: a plan, not proven optimal, ``method="dp-narrowed"``), and
   from that plan, without a budget, with HiGHS and up to ``ilp_max_pairs`` edge pairs, the ILP by column
   generation (:mod:`~primepar_fx.search.colgen`: exact; ``method="dp-narrowed+ilp"``); with a budget and an
-  unclosed duality gap, the ILP as well when it is small enough (``ilp_max_variables``), keeping the better plan.
+  unclosed duality gap, the ILP as well when it is small enough (``ilp_max_variables``), for at most
+  :data:`GAP_ILP_SECONDS` unless ``time_limit`` says otherwise, keeping the better plan.
 
 Forbidden strategies are dropped first (:func:`~primepar_fx.search.problem.reduce_graph`); every answer is then
 re-evaluated exactly on the original graph and re-checked against the budget.
@@ -61,6 +62,12 @@ def _ilp(red: Reduced, budget: float | None, alpha: float, time_limit: float | N
         raise InfeasibleBudget(budget, plan_memory(red.graph, least.choice)) from None
     return res.choice, res.proven_optimal
 
+
+#: the longest (seconds) ``auto``'s ILP may run to close the duality gap of the DP's Lagrangian search under a
+#: budget, where the search has no ``time_limit``: it refines a plan that fits already (the gap is stated by the
+#: bound), and a memory-constrained ILP can take minutes to prove even on a two-layer model (measured in
+#: docs/planning.md), many times in one plan's lever search
+GAP_ILP_SECONDS = 3.0
 
 #: the most edge pairs (finite entries of the edge matrices) ``auto`` lets the ILP by column generation price after
 #: a narrowed DP (each round prices them all: ~1 s per 40 million on this project's machine)
@@ -214,7 +221,12 @@ class Search:
             return (*narrowed, -math.inf, "dp-narrowed")
         if proven or bound >= cutoff or ilp_size(red.graph, past=self.ilp_max_variables) > self.ilp_max_variables:
             return choice, proven, bound, "dp"
-        ilp_choice, ilp_proven = _ilp(red, budget, alpha, self.time_limit)
+        limit = GAP_ILP_SECONDS if self.time_limit is None else self.time_limit
+        try:
+            ilp_choice, ilp_proven = _ilp(red, budget, alpha, limit)
+        except SearchError as err:  # the time limit before any plan: the DP's stands, its gap stated by its bound
+            log.info("the ILP closing the DP's duality gap stopped without a plan (%s)", err)
+            return choice, proven, bound, "dp"
         if evaluate(red.graph, ilp_choice, alpha) < evaluate(red.graph, choice, alpha):
             choice = ilp_choice
         return choice, ilp_proven, bound, "dp+ilp"

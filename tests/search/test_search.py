@@ -6,6 +6,7 @@ Graphs are random costs on real shapes: chains, the paper's Fig. 6 transformer b
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 
@@ -21,6 +22,7 @@ from primepar_fx.search import (
     InfeasibleBudget,
     InfeasibleGraph,
     Search,
+    SearchError,
     TableTooLarge,
     evaluate,
     least_memory,
@@ -282,6 +284,36 @@ def test_a_cutoff_above_the_optimum_changes_nothing_and_one_below_it_stops_early
     assert_close(above.cost, plain.cost)
     below = solve(graph, method="dp", memory_budget=budget, cutoff=plain.cost * 0.99)
     assert below.memory <= budget and below.cost >= plain.cost * (1 - REL) - REL
+
+
+def test_auto_closes_a_duality_gap_with_an_ilp_of_bounded_time_and_keeps_the_dp_plan_if_it_finds_none(monkeypatch):
+    """Under a budget, a plan the Lagrangian DP cannot prove (a duality gap) goes to the ILP for at most
+    ``GAP_ILP_SECONDS``; where the ILP stops at that limit with no plan, the DP's plan stands, with its bound."""
+    solve_module = importlib.import_module("primepar_fx.search.solve")
+    graph = fig6_stack(1, seed=0, max_p=3)
+    least, free = smallest_memory(graph), solve(graph, method="dp").memory
+    budget = least + 0.1 * (free - least)
+    dp = solve(graph, method="dp", memory_budget=budget)
+    assert not dp.proven_optimal and dp.bound < dp.cost  # the gap this test needs
+    limits = []
+    ilp = solve_module._ilp
+
+    def timed(red, memory_budget, alpha, time_limit):
+        limits.append(time_limit)
+        return ilp(red, memory_budget, alpha, time_limit)
+
+    monkeypatch.setattr(solve_module, "_ilp", timed)
+    closed = solve(graph, method="auto", memory_budget=budget)
+    assert limits == [solve_module.GAP_ILP_SECONDS] and closed.method == "dp+ilp" and closed.proven_optimal
+    assert closed.cost <= dp.cost and closed.memory <= budget
+
+    def stopped(red, memory_budget, alpha, time_limit):
+        raise SearchError("the ILP solver (highs) found no plan: time limit reached")
+
+    monkeypatch.setattr(solve_module, "_ilp", stopped)
+    kept = solve(graph, method="auto", memory_budget=budget)
+    assert (kept.method, kept.proven_optimal, kept.choice) == ("dp", False, dp.choice)
+    assert kept.cost == dp.cost and kept.bound == dp.bound and kept.memory <= budget
 
 
 def test_an_impossible_budget_raises_infeasible_budget_naming_the_smallest_memory():
