@@ -281,6 +281,8 @@ def search_section(graph: OpGraph, plan: Plan) -> str:
         )
     if s.get("memory_budget"):
         facts.append(("memory budget", format_bytes(s["memory_budget"])))
+    if s.get("split_only_kept"):  # the budgeted search landed above the split-only search's plan (planning.md)
+        facts.append(("plan from", "the split-only search, cheaper than what the whole space's search found"))
     facts.append(("counting the space for this page", _seconds(time.perf_counter() - t0)))
     return "<h2>The searched space and the search</h2>" + _facts([(k, v) for k, v in facts if v != "-"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -56,6 +57,13 @@ def test_the_report_compares_with_every_baseline_and_names_the_search():
         assert text in page
     for node in plan.nodes:
         assert f"<td>{node.name}</td>" in page, node.name
+
+
+def test_the_report_says_when_the_plan_is_the_split_only_searchs():
+    plan = searched()
+    assert "plan from" not in report_html(graph(), plan)
+    kept = dataclasses.replace(plan, search={**plan.search, "split_only_kept": True})
+    assert "<td>plan from</td><td>the split-only search," in report_html(graph(), kept)
 
 
 def test_layer_groups_cover_every_node_once_and_fold_only_equal_layers():
