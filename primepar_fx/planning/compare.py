@@ -17,7 +17,7 @@ from primepar_fx.frontend.moe import MOE_EXPERTS
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import layer_units
-from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime
+from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.options import PlanOptions
@@ -406,13 +406,49 @@ def split_only(
     )
 
 
+def split_only_search(
+    graph: OpGraph, opts: PlanOptions, chosen: Chosen, costs: CostOptions
+) -> tuple[tuple[Chosen, bool] | None, bool]:
+    """The split-only search (:func:`split_only`) where the plan's space has P(S x S) and either the baselines
+    want it or the plan is not proven optimal, and whether its plan replaces ``chosen``: it fits, and it is cheaper.
+    It lies in our space (our strategies less P(S x S), the same pricing, ZeRO stage, micro-batches and
+    recomputation), so where the budgeted search, which is not exact across a duality gap
+    (:mod:`primepar_fx.search.budget`), or a narrowed DP lands above it, it is the better plan of ours; it is
+    returned with our search's lower bound, proven optimal only where it meets it. A proven optimum that uses no
+    P(S x S) is the split-only optimum too: not searched again."""
+    sol = chosen.solution
+    if not opts.allow_prime:
+        return None, False
+    if sol.proven_optimal and (not opts.baselines or not uses_prime(chosen.priced, sol.choice)):
+        return None, False  # (plan_baselines reads a proven optimum without P(S x S) as the split-only baseline)
+    split = split_only(graph, chosen.priced, opts, costs, chosen.recompute, chosen.layers)
+    better = split[1] and split[0].solution.cost < sol.cost - SPLIT_MARGIN * abs(sol.cost)
+    if not better:
+        return split, False
+    log.info(
+        "the split-only search's plan (%.6g s) beats the search's (%.6g s, not proven optimal): kept",
+        split[0].solution.cost,
+        sol.cost,
+    )
+    kept = split[0]
+    proven = kept.solution.cost <= sol.bound + 1e-9 * max(1.0, abs(sol.bound))
+    kept = dataclasses.replace(
+        kept, solution=dataclasses.replace(kept.solution, bound=sol.bound, proven_optimal=proven)
+    )
+    return (kept, True), True
+
+
+#: how much cheaper (relative) the split-only search's plan must be to replace ours: not rounding noise
+SPLIT_MARGIN = 1e-12
+
+
 def _split(seq: PartitionSeq) -> bool:
-    return not any(isinstance(e, Prime) for e in seq.elements)
+    return seq.prime is None
 
 
 def uses_prime(priced: PricedGraph, choice: Mapping[str, int]) -> bool:
     """Whether ``choice`` runs a P(S x S) on some node."""
-    return any(isinstance(e, Prime) for name, seqs in priced.strategies.items() for e in seqs[choice[name]].elements)
+    return any(seqs[choice[name]].prime is not None for name, seqs in priced.strategies.items())
 
 
 def _partitions(summary: Summary) -> dict[str, str]:

@@ -51,8 +51,7 @@ from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     price_assignments,
     price_baselines,
     price_fixed,
-    split_only,
-    uses_prime,
+    split_only_search,
     variant_summary,
 )
 from primepar_fx.planning.groupings import (  # noqa: F401  (re-exported)
@@ -209,12 +208,9 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     mesh, priced, chosen, m = found.mesh, found.priced, found.chosen, found.micro_batches
     costs = found.costs
-    split, kept_split = _split_only_search(graph, opts, chosen, costs)
-    if kept_split:  # its optimum within the subspace proves nothing of ours, unless it meets our lower bound
-        kept, ours_sol = split[0], chosen.solution  # type: ignore[index]
-        proven = kept.solution.cost <= ours_sol.bound + 1e-9 * max(1.0, abs(ours_sol.bound))
-        kept_sol = dataclasses.replace(kept.solution, bound=ours_sol.bound, proven_optimal=proven)
-        chosen = dataclasses.replace(kept, solution=kept_sol)
+    split, kept_split = split_only_search(graph, opts, chosen, costs)
+    if kept_split:
+        chosen = split[0]  # type: ignore[index]
         priced = chosen.priced
     sol = chosen.solution
     ours = per_step(summarize(graph, priced, sol.choice, costs, extra_peak=chosen.extra_peak), m)
@@ -247,35 +243,6 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         search["groupings"] = found.tried
         search["groupings_s"] = round(t2 - t0, 4)
     return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute, costs=costs)
-
-
-def _split_only_search(
-    graph: OpGraph, opts: PlanOptions, chosen: Chosen, costs: CostOptions
-) -> tuple[tuple[Chosen, bool] | None, bool]:
-    """The split-only search (:func:`~primepar_fx.planning.compare.split_only`) where the plan's space has
-    P(S x S) and either the baselines want it or the plan is not proven optimal, and whether its plan replaces
-    ``chosen``: it fits, and it is cheaper. It lies in our space (our strategies less P(S x S), the same pricing,
-    ZeRO stage, micro-batches and recomputation), so where the budgeted search, which is not exact across a
-    duality gap (:mod:`primepar_fx.search.budget`), or a narrowed DP lands above it, it is the better plan of
-    ours. A proven optimum that uses no P(S x S) is the split-only optimum too: not searched again."""
-    sol = chosen.solution
-    if not opts.allow_prime:
-        return None, False
-    if sol.proven_optimal and (not opts.baselines or not uses_prime(chosen.priced, sol.choice)):
-        return None, False  # (plan_baselines reads a proven optimum without P(S x S) as the split-only baseline)
-    split = split_only(graph, chosen.priced, opts, costs, chosen.recompute, chosen.layers)
-    better = split[1] and split[0].solution.cost < sol.cost - SPLIT_MARGIN * abs(sol.cost)
-    if better:
-        log.info(
-            "the split-only search's plan (%.6g s) beats the search's (%.6g s, not proven optimal): kept",
-            split[0].solution.cost,
-            sol.cost,
-        )
-    return split, better
-
-
-#: how much cheaper (relative) the split-only search's plan must be to replace ours: not rounding noise
-SPLIT_MARGIN = 1e-12
 
 
 def state_floor(graph: OpGraph, opts: PlanOptions) -> tuple[float, str]:
