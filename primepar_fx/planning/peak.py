@@ -149,19 +149,24 @@ def plan_peak(priced: PricedGraph, choice: dict[str, int]) -> float:
     )
 
 
-def ring_buffers(priced: PricedGraph) -> dict[str, np.ndarray]:
-    """Each search node's ring receive buffer per strategy (a virtual node of :mod:`planning.sharing`: none).
-    Equal vectors are one array, so the graphs built from them keep identical layers shared."""
-    graph = priced.search_graph
+def ring_buffers(priced: PricedGraph, graph: CostGraph | None = None) -> dict[str, np.ndarray]:
+    """Each node's ring receive buffer per strategy, for the nodes of ``graph`` (default: the search graph; a
+    virtual node of :mod:`planning.sharing` has none). Equal vectors are one array, so the graphs built from them
+    keep identical layers shared."""
+    graph = priced.search_graph if graph is None else graph
     interned: dict[bytes, np.ndarray] = {}
+    of_costs: dict[int, np.ndarray] = {}  # identical layers share their cost lists: each read once
 
     def intern(arr: np.ndarray) -> np.ndarray:
         return interned.setdefault(arr.tobytes(), arr)
 
+    def of(costs: list) -> np.ndarray:
+        if id(costs) not in of_costs:  # (the ids stay valid: priced holds every list meanwhile)
+            of_costs[id(costs)] = intern(np.array([c.buffer_bytes for c in costs], dtype=float))
+        return of_costs[id(costs)]
+
     return {
-        n: intern(np.array([c.buffer_bytes for c in priced.node_costs[n]], dtype=float))
-        if n in priced.node_costs
-        else intern(np.zeros(graph.strategies(n)))
+        n: of(priced.node_costs[n]) if n in priced.node_costs else intern(np.zeros(graph.strategies(n)))
         for n in graph.nodes
     }
 

@@ -59,6 +59,7 @@ from primepar_fx.planning.levers import RECOMPUTE_KIND, Recompute, check_choice
 from primepar_fx.planning.peak import least_peak, least_plan, plan_peak, ring_buffers, solve_for_peak
 from primepar_fx.planning.priced import PricedGraph, ShareFlow, frozen
 from primepar_fx.planning.pricing import node_key, out_index, tensor_itemsize
+from primepar_fx.planning.sharing import complete_choice
 from primepar_fx.search import CostGraph, CutOff, InfeasibleBudget, Solution
 from primepar_fx.search.problem import evaluate
 
@@ -329,6 +330,7 @@ def _solve_policy(
     least, choice = _least_real(layers, policy, applied)
     if choice is not None and least <= budget:  # the plan of least memory fits where the search gave up
         graph = applied.search_graph
+        choice = complete_choice(graph, choice)
         sol = Solution(choice, evaluate(graph, choice, alpha), least, "dp", False, 0.0)
         return Chosen(sol, applied, policy, int(least - plan_peak(applied, choice)), layers)
     raise InfeasibleBudget(budget, least)  # type: ignore[arg-type]
@@ -377,16 +379,24 @@ def restricted(
 
 
 def _least_real(layers: LayerPricing, policy: Recompute, applied: PricedGraph) -> tuple[float, dict[str, int] | None]:
-    """The real peak (Backward's recomputation included) of the plan whose reported peak is least, and the plan."""
-    static, choice = least_plan(applied.search_graph, ring_buffers(applied))
+    """The real peak (Backward's recomputation included) of the plan whose reported peak is least, and the plan (of
+    the graph without virtual nodes: :func:`~primepar_fx.planning.sharing.complete_choice` adds them).
+
+    Memory alone is searched on :attr:`PricedGraph.cost_graph`, without the virtual nodes of shared re-layouts:
+    they hold no memory and forbid nothing their pass-through state does not, so the least memory is the same, and
+    its DP is a few times faster (many of these run under a budget: :func:`_fewest_full`, :func:`_fewest_fitting`)."""
+    graph = applied.cost_graph
+    static, choice = least_plan(graph, ring_buffers(applied, graph))
     if choice is None:
         return static, None
     return static + layers.extra_peak(policy, applied, choice), choice
 
 
 def _least(applied: PricedGraph) -> float:
-    """A lower bound of the least peak of any plan on ``applied`` (the end of Forward)."""
-    return least_peak(applied.search_graph, ring_buffers(applied))
+    """A lower bound of the least peak of any plan on ``applied`` (the end of Forward), searched as in
+    :func:`_least_real`."""
+    graph = applied.cost_graph
+    return least_peak(graph, ring_buffers(applied, graph))
 
 
 def choose_recompute(

@@ -124,3 +124,23 @@ def add_share_nodes(cg: CostGraph, flows: Mapping, fanout: Mapping[str, tuple[st
         return cg
     nodes = tuple(m for n in cg.nodes for m in ((n, after[n]) if n in after else (n,)))
     return CostGraph(nodes, node_cost, edges, node_memory, node_key)
+
+
+def complete_choice(graph: CostGraph, choice: Mapping[str, int]) -> dict[str, int]:
+    """``choice``, a plan of the graph without virtual nodes (:attr:`PricedGraph.cost_graph`), with each virtual node
+    of ``graph`` (:func:`add_share_nodes`) in its cheapest state given its producer's and consumers' strategies:
+    the plan's shared re-layouts, as :func:`~primepar_fx.planning.summary.summarize` prices them. Its pass-through
+    state always costs what the edges without the node do, so a plan the graph without them allows stays finite.
+    """
+    out = dict(choice)
+    for name in graph.nodes:
+        if name in out:
+            continue
+        if not virtual(name):
+            raise ValueError(f"the choice has no strategy for node {name!r}")
+        (u,) = graph.pred[name]
+        cost = graph.edge_cost[(u, name)][out[u]].copy()
+        for v in graph.succ[name]:
+            cost += graph.edge_cost[(name, v)][:, out[v]]
+        out[name] = int(np.argmin(cost))
+    return out

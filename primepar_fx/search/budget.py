@@ -86,23 +86,24 @@ class _Plan:
 
 def memory_graph(graph: CostGraph) -> CostGraph:
     """The graph whose optimum is the least memory: node cost = memory, edge cost = 0, ``+inf`` kept where
-    forbidden. Arrays shared between nodes stay shared, so repeated layers are still found cheaply."""
-    made: dict[tuple[int, ...], np.ndarray] = {}
+    forbidden; an edge that forbids nothing is left out (it adds nothing to any plan). Arrays shared between nodes
+    stay shared, so repeated layers are still found cheaply."""
+    made: dict[tuple[int, ...], np.ndarray | None] = {}
     mem = {n: graph.memory_of(n) for n in graph.nodes}  # held, so the ids below stay unique
 
     def node(n: str) -> np.ndarray:
         key = (id(graph.node_cost[n]), id(mem[n]))
         if key not in made:
             made[key] = np.where(np.isfinite(graph.node_cost[n]), mem[n], np.inf)
-        return made[key]
+        return made[key]  # type: ignore[return-value]
 
-    def edge(a: np.ndarray) -> np.ndarray:
-        if (id(a),) not in made:
-            made[(id(a),)] = np.where(np.isfinite(a), 0.0, np.inf)
+    def edge(a: np.ndarray) -> np.ndarray | None:
+        if (id(a),) not in made:  # costs are checked: no NaN, no -inf, so the largest is +inf where one is
+            made[(id(a),)] = np.where(np.isfinite(a), 0.0, np.inf) if a.size and a.max() == np.inf else None
         return made[(id(a),)]
 
     nodes = {n: node(n) for n in graph.nodes}
-    edges = {e: edge(a) for e, a in graph.edge_cost.items()}
+    edges = {e: m for e, a in graph.edge_cost.items() if (m := edge(a)) is not None}
     return CostGraph(graph.nodes, nodes, edges, None, graph.node_key)
 
 

@@ -13,9 +13,10 @@ from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.planning.peak import least_plan, ring_buffers
 from primepar_fx.planning.planner import summarize
 from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.sharing import SUFFIX, virtual
+from primepar_fx.planning.sharing import SUFFIX, complete_choice, virtual
 from primepar_fx.search import solve
 from primepar_fx.search.problem import evaluate
 
@@ -75,3 +76,32 @@ def test_dp_and_ilp_agree_and_are_the_predicted_step_time(world, cluster):
     assert dp.cost == pytest.approx(step_time(p, dp.choice), rel=1e-12)
     pairwise = solve(p.cost_graph, method="dp")  # the search that ignores sharing cannot do better
     assert dp.cost <= step_time(p, pairwise.choice) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(("world", "cluster"), CASES)
+def test_a_choice_completed_with_the_virtual_nodes_best_states_is_its_predicted_step_time(world, cluster):
+    p = priced(world, cluster)
+    sg = p.search_graph
+    rng = random.Random(world + 1)
+    for _ in range(8):
+        choice = {n: rng.randrange(len(p.strategies[n])) for n in p.strategies}
+        full = complete_choice(sg, choice)
+        assert set(full) == set(sg.nodes) and all(full[n] == choice[n] for n in choice)
+        assert evaluate(sg, full) == pytest.approx(step_time(p, choice), rel=1e-12)
+    best = solve(sg, method="dp")
+    real = {n: s for n, s in best.choice.items() if not virtual(n)}
+    assert evaluate(sg, complete_choice(sg, real)) == pytest.approx(best.cost, rel=1e-12)
+    with pytest.raises(ValueError, match="no strategy for node"):
+        complete_choice(sg, {n: s for n, s in real.items() if n != sg.nodes[0]})
+
+
+@pytest.mark.parametrize(("world", "cluster"), CASES)
+def test_the_least_memory_is_the_same_without_the_virtual_nodes(world, cluster):
+    """Memory-only searches run on the graph without share nodes (planning.recompute): they hold no memory and their
+    pass-through states forbid nothing, so the least peak and its plan's peak are the same."""
+    p = priced(world, cluster)
+    assert any(virtual(n) for n in p.search_graph.nodes)
+    with_virtual = least_plan(p.search_graph, ring_buffers(p))
+    without = least_plan(p.cost_graph, ring_buffers(p, p.cost_graph))
+    assert without[0] == with_virtual[0]
+    assert set(without[1]) == set(p.cost_graph.nodes)

@@ -33,7 +33,7 @@ from primepar_fx.search import (
     solve,
     solve_budget_dp,
 )
-from primepar_fx.search.budget import lean_memory_graph
+from primepar_fx.search.budget import lean_memory_graph, memory_graph
 from primepar_fx.search.engine import backtrack, plan_elimination, run
 from primepar_fx.search.ilp import solver_name
 from primepar_fx.search.minplus import boundaries, leaf, minplus, power
@@ -361,6 +361,21 @@ def test_the_least_memory_on_the_lean_graph_is_brute_forces(n, seed, inf, ties):
     choice, memory = least_memory(graph)
     assert math.isfinite(evaluate(graph, choice)) and memory == plan_memory(graph, choice)
     assert_close(memory, want)
+
+
+def test_the_memory_graph_keeps_only_edges_that_forbid_and_what_they_forbid():
+    dag = random_dag(6, max_strategies=4, skip_prob=0.3, inf_fraction=0.3, seed=7)
+    free = next(iter(dag.edge_cost))  # one edge that forbids nothing
+    edges = {e: np.where(np.isinf(a), 1.0, a) if e == free else a for e, a in dag.edge_cost.items()}
+    graph = CostGraph(dag.nodes, dag.node_cost, edges, dag.node_memory)
+    forbidding = {e for e, a in graph.edge_cost.items() if np.isinf(a).any()}
+    assert forbidding and forbidding != set(graph.edge_cost)  # the case has both kinds
+    mem = memory_graph(graph)
+    assert set(mem.edge_cost) == forbidding
+    for e in forbidding:
+        assert np.array_equal(mem.edge_cost[e], np.where(np.isinf(graph.edge_cost[e]), np.inf, 0.0))
+    for n in graph.nodes:
+        assert np.array_equal(mem.node_cost[n], np.where(np.isinf(graph.node_cost[n]), np.inf, graph.memory_of(n)))
 
 
 def test_the_lean_memory_graph_drops_free_edges_and_alike_strategies_and_keeps_layers_shared():
