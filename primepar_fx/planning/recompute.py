@@ -62,6 +62,7 @@ from primepar_fx.planning.pricing import node_key, out_index, tensor_itemsize
 from primepar_fx.planning.sharing import complete_choice
 from primepar_fx.search import CostGraph, CutOff, InfeasibleBudget, Solution
 from primepar_fx.search.problem import evaluate
+from primepar_fx.utils.fewest import fewest
 
 log = logging.getLogger(__name__)
 
@@ -522,20 +523,14 @@ def _fewest_fitting(
     fits with more."""
     stack, count = layers.units.stack, len(layers.units)
 
-    def least_fits(k: int) -> bool:
+    def least_real(k: int) -> float:
         policy = Recompute.uniform(stack, count, "full", k)
-        return _least_real(layers, policy, layers.apply(policy))[0] <= budget
+        return _least_real(layers, policy, layers.apply(policy))[0]
 
-    lo, hi = unfit + 1, count
-    if lo > count or not least_fits(count):
-        return None if lo > count or full_on(count)[2] else count
-    while lo < hi:  # the fewest whose least plan fits
-        mid = (lo + hi) // 2
-        if least_fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
     lo = unfit + 1
+    hi = None if lo > count else fewest(least_real, budget, lo, count)  # the fewest whose least plan fits
+    if hi is None:
+        return None if lo > count or full_on(count)[2] else count
     while lo < hi:  # the fewest the search finds a plan with
         mid = (lo + hi) // 2
         _, _, none_fit = full_on(mid)
@@ -550,20 +545,7 @@ def _fewest_full(layers: LayerPricing, budget: float) -> int | None:
     """The fewest first layers recomputed in full whose least peak at the end of Forward fits ``budget`` (a lower
     bound: the search decides), or ``None`` when not even all of them fit."""
     stack, count = layers.units.stack, len(layers.units)
-
-    def fits(k: int) -> bool:
-        return _least(layers.apply(Recompute.uniform(stack, count, "full", k))) <= budget
-
-    if not fits(count):
-        return None
-    lo, hi = 1, count
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return fewest(lambda k: _least(layers.apply(Recompute.uniform(stack, count, "full", k))), budget, 1, count)
 
 
 def zero3_units(graph: OpGraph, recompute: Recompute | None) -> dict[str, tuple[str, bool]]:
