@@ -371,9 +371,11 @@ def _search_at(
         own = math.inf if best is None else best.chosen.solution.cost
         return min(own, math.inf if upper is None else upper() / m)
 
+    searched = False  # since the last collection (a skipped mesh leaves no garbage to collect)
     for i in tqdm(order, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
-        if opts.memory_budget is not None or opts.alpha:
+        if searched and (opts.memory_budget is not None or opts.alpha):
             collect()  # the last mesh's lever search left cyclic garbage (planning runs with the collector paused)
+            searched = False
         mesh, start = meshes[i], time.perf_counter()
         entry: dict[str, Any] = {"digits": list(mesh.digits), "objective": None}
         if bounds[i] is not None:
@@ -390,6 +392,7 @@ def _search_at(
             priced = price(mesh)
             priced_s = priced.seconds  # the time it took, also where it was made before (a probe's, read again)
             start = time.perf_counter() - priced_s
+        searched = True
         try:
             chosen, stage = _choose_levers(
                 graph, priced, values, costs, opts, limit, free_only=free_only, reprice=functools.partial(price, mesh)

@@ -42,9 +42,12 @@ def paused() -> Iterator[None]:
 
 
 def collect() -> int:
-    """A full cyclic collection now, paused or not: for a long loop inside :func:`paused`, between units of work.
-    Returns the number of unreachable objects found."""
-    return gc.collect()
+    """A cyclic collection of the young generations now, paused or not: for a long loop inside :func:`paused`,
+    between units of work. The garbage a unit leaves (a search's closures and solver state) was allocated during it,
+    so it is young; the survivors are moved to the oldest generation, so the next call walks only what was allocated
+    since (a full collection walked every priced graph kept, about 0.2 s a call on a 70B plan). A cycle reaching
+    into older objects waits for the collection after planning. Returns the number of unreachable objects found."""
+    return gc.collect(1)
 
 
 def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
