@@ -216,7 +216,8 @@ def _fsdp(
     # (a node's own gathered blocks are in its buffer already: ZeRO-3's cost model, one node at a time)
     gathered = max(0, gathered - max(priced.node_costs[n][choice[n]].buffer_bytes for n in graph.nodes))
     variants: list[tuple[str, Any]] = [("none", None)]
-    layers = layer_pricing(graph, priced, values, costs)
+    # recomputation only adds time: without a budget the plain variant is the fastest, and the others not priced
+    layers = None if memory_budget is None else layer_pricing(graph, priced, values, costs)
     if layers is not None:
         modes = ["full"] + (["selective"] if layers.selective_differs else [])
         for mode in modes:
