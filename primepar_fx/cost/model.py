@@ -58,7 +58,7 @@ import sympy
 import torch
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
-from primepar_fx.cost.cluster import ClusterSpec, dtype_key, ring_factors
+from primepar_fx.cost.cluster import ClusterSpec, LinkLevel, dtype_key, ring_factors
 from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, clear_redistribution_caches, edge_pairs
 from primepar_fx.cost.scatter import SCATTERS
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
@@ -509,14 +509,15 @@ def _p2p_distinct(
     is looked up in a table indexed by the count, computed with the same float operations, so that each element is
     priced as if alone."""
     counts = np.arange(int(count.max(initial=0)) + 1)
+    if len(cluster.levels) == 2:  # one table per term, indexed by (level, count): two lookups, not a pass per level
+        tables = [_p2p_tables(link, counts, itemsize) for link in cluster.levels]
+        at = count + len(counts) * cross  # cross selects the outer level's half of each table
+        fixed_s, per_element = (np.concatenate(t) for t in zip(*tables))
+        return (np.take(fixed_s, at) + received * np.take(per_element, at)).max(axis=-1)
     inner = outer = None
     for level, link in enumerate(cluster.levels):
-        p2p = link.collectives["p2p"]
-        fixed, unit = p2p.fixed + p2p.call, p2p.bytes_coeff
-        per_element = itemsize * unit
-        if link.peer_factor > 1:  # few messages: the busiest peer's links bind (LinkLevel.p2p_coefficients)
-            per_element = np.take(itemsize * (unit * np.maximum(1.0, link.peer_factor / np.maximum(counts, 1))), count)
-        seconds = count * fixed + received * per_element
+        fixed_s, per_element = _p2p_tables(link, counts, itemsize)
+        seconds = np.take(fixed_s, count) + received * np.take(per_element, count)
         if level == 0:
             inner = seconds
         else:
@@ -524,6 +525,18 @@ def _p2p_distinct(
     if outer is None:
         return np.where(cross, 0.0, inner).max(axis=-1)
     return np.where(cross, outer, inner).max(axis=-1)
+
+
+def _p2p_tables(link: LinkLevel, counts: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per message count ``c`` of ``counts``, at ``link``'s level: ``c * fixed`` and the seconds per element received
+    (the busiest peer's links bind below ``peer_factor`` messages: ``LinkLevel.p2p_coefficients``)."""
+    p2p = link.collectives["p2p"]
+    fixed, unit = p2p.fixed + p2p.call, p2p.bytes_coeff
+    if link.peer_factor > 1:
+        per_element = itemsize * (unit * np.maximum(1.0, link.peer_factor / np.maximum(counts, 1)))
+    else:
+        per_element = np.full(counts.shape, itemsize * unit)
+    return counts * fixed, per_element
 
 
 def clear_caches() -> None:
