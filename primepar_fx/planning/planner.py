@@ -160,7 +160,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     # a count's fastest plan's per-step objective where it fits as it is, else None; only the number is kept, and
     # the plan is found again if that count is reached (from the pricings kept meanwhile, where they still are)
     probes: dict[int, float | None] = {}
-    pricings = KeptPricings(2 * len(meshes))
+    pricings = KeptPricings(max(2 * len(meshes), len(tries)))  # one mesh: every count's pricing, probed then searched
 
     def probe(m: int) -> float | None:
         if m not in probes:
