@@ -15,8 +15,8 @@ def fewest(value: Callable[[int], float], limit: float, lo: int, hi: int) -> int
     Bisection, with probes placed where a line through two values meets ``limit`` (the values this is used for fall
     by about the same step per ``k``): the line's crossing ``g`` and then ``g - 1`` (``g`` fits) or ``g + 1`` (it does
     not) usually decide it in two probes. Whenever such a round leaves more than half of the range, a plain
-    halving comes next, so there are never many more probes than bisection's. The answer is bisection's: every probe
-    keeps the answer in the range."""
+    halving comes next, so there are never many more probes than bisection's. For a value that does not grow, every
+    probe keeps the least ``k`` that fits in the range, so the answer is bisection's."""
     if lo > hi:
         raise ValueError(f"an empty range [{lo}, {hi}]")
     seen: dict[int, float] = {}
