@@ -9,6 +9,10 @@ There are no other constraints: one strategy per node is the DP's variable domai
 
 How the minimum is computed:
 
+0. *Nodes of one strategy* (replicated constants: rotary tables, masks) are folded away first
+   (:func:`~primepar_fx.search.problem.fold_fixed`): each of their edges becomes a node cost of its other end, so
+   they tie no neighbours together in one elimination table. This is conditioning (below) on a node with one
+   state, for every such node, whatever its fan-out.
 1. *Conditioning on global nodes* (:func:`~primepar_fx.search.structure.select_globals`). Each joint strategy
    ``a`` of the global nodes is tried in an outer loop: the globals' own costs become a constant and every edge
    ``e_{g,v}`` becomes the node cost ``e_{g,v}(a_g, .)`` of ``v``. The best ``a`` wins, so the result is exact.
@@ -46,7 +50,7 @@ from typing import Literal
 import numpy as np
 
 from primepar_fx.search import engine, minplus
-from primepar_fx.search.problem import CostGraph, InfeasibleGraph, TableTooLarge
+from primepar_fx.search.problem import CostGraph, InfeasibleGraph, TableTooLarge, fold_fixed
 from primepar_fx.search.proxy import add_proxies
 from primepar_fx.search.structure import Segment, Stack, Structure, analyse
 
@@ -123,6 +127,7 @@ class DPSolver:
 
     def __init__(self, graph: CostGraph, options: DPOptions | None = None) -> None:
         self.options = options = options or DPOptions()
+        graph = fold_fixed(graph)  # (a node of one strategy links its neighbours for nothing: its edges are costs)
         #: the graph the DP runs on: ``graph`` with its proxies; choices are reported on ``graph``'s nodes
         wide = frozenset(
             n

@@ -340,3 +340,31 @@ def restrict(
         None if memory is None else {n: take(memory[n], n) for n in graph.nodes},
         graph.node_key,
     )
+
+
+def fold_fixed(graph: CostGraph) -> CostGraph:
+    """``graph`` with the edges of every node that has one strategy folded into their other ends' node costs:
+    ``e_uv(0, q)`` added to ``v``'s cost where ``u`` has one strategy (``e_uv(p, 0)`` to ``u``'s where ``v`` has), the
+    edge dropped. Every plan costs the same in both graphs, so the minimum and its minimisers are the same; the
+    fixed node keeps its own cost and memory, now with no edge.
+
+    Such nodes (replicated constants: rotary tables, masks, labels) sit next to many nodes of a layer, and the DP's
+    elimination of one of them holds a table over all its neighbours at once (a two-layer model at real sizes on 8
+    devices: 2.9e8 entries over a rotary table's four neighbours, none once folded). Nodes whose costs and edges
+    are one array each keep sharing one array (identical layers stay recognisable by identity)."""
+    fixed = {n for n in graph.nodes if graph.strategies(n) == 1}
+    if not any(u in fixed or v in fixed for u, v in graph.edge_cost):
+        return graph
+    costs, edges = dict(graph.node_cost), {}
+    folded: dict[tuple[int, int, bool], np.ndarray] = {}  # the ids stay valid: graph and folded hold the arrays
+    for (u, v), arr in graph.edge_cost.items():
+        if u not in fixed and v not in fixed:
+            edges[(u, v)] = arr
+            continue
+        into_v = u in fixed and v not in fixed
+        end = v if into_v else u
+        key = (id(costs[end]), id(arr), into_v)
+        if key not in folded:
+            folded[key] = costs[end] + (arr[0] if into_v else arr[:, 0])
+        costs[end] = folded[key]
+    return CostGraph(graph.nodes, costs, edges, graph.node_memory, graph.node_key)
