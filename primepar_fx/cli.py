@@ -23,8 +23,7 @@ import sys
 import time
 from typing import Any
 
-import torch
-
+from primepar_fx.cli_model import CliError, analyze_model, check_seq, load_model
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.planning.options import DEVICE_MEMORY_RESERVE, PlanOptions, parse_plan
 from primepar_fx.planning.parallel import default_workers
@@ -46,70 +45,6 @@ log = logging.getLogger("primepar_fx")
 MODEL_HELP = "zoo name, hf:FAMILY, a Hugging Face config.json, or package.module:callable"
 
 
-class CliError(Exception):
-    """A bad argument or input the command line found itself: ``error: ...`` on stderr, exit status 2."""
-
-
-def _example_inputs(
-    model: torch.nn.Module, device: torch.device, batch: int = 2, seq: int = 16
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    from primepar_fx.models import Decoder, example_inputs, hf_example_inputs
-
-    if isinstance(model, Decoder):
-        return example_inputs(model.config, batch, seq, device=device)
-    if hasattr(getattr(model, "config", None), "vocab_size"):
-        args, kwargs = hf_example_inputs(model, batch, seq)
-        return args, {k: v.to(device) for k, v in kwargs.items()}
-    raise CliError(
-        f"cannot make example inputs for {type(model).__name__}: have your callable return (model, args, kwargs)"
-    )
-
-
-def load_model(
-    spec: str, *, meta: bool = True, batch: int = 2, seq: int = 16, layers: int | None = None
-) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
-    """Resolve a MODEL argument to ``(module, example_args, example_kwargs, name)``; example inputs of ``batch`` x
-    ``seq`` tokens unless a ``package.module:callable`` returns its own. ``layers`` cuts a Hugging Face config
-    file's model to its first layers."""
-    from primepar_fx.models import ZOO, build, build_hf_tiny, from_config, is_config_file, load_model_spec
-
-    if layers is not None and not is_config_file(spec):
-        raise CliError("--layers applies to a Hugging Face config file (path/to/config.json)")
-    if is_config_file(spec):
-        path = spec[3:] if spec.startswith("hf:") else spec
-        try:
-            model = from_config(path, layers=layers, device="meta" if meta else "cpu")
-        except (ValueError, ImportError) as e:
-            raise CliError(str(e)) from None
-        name = os.path.splitext(os.path.basename(path))[0]
-        if name == "config":  # a checkpoint directory's config.json: name it by the directory
-            name = os.path.basename(os.path.dirname(os.path.abspath(path))) or name
-        if layers is not None:
-            name = f"{name}-{layers}l"
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        args, kwargs = _example_inputs(model, device, batch, seq)
-        return model, args, kwargs, name
-    elif spec in ZOO:
-        model = build(spec, device="meta" if meta else None)
-    elif spec.startswith("hf:"):
-        try:
-            model = build_hf_tiny(spec[3:])
-        except ValueError as e:
-            raise CliError(str(e)) from None
-    else:
-        try:
-            got = load_model_spec(spec)
-        except ValueError as e:
-            raise CliError(str(e)) from None
-        if isinstance(got, tuple):
-            model, args, kwargs = got
-            return model, tuple(args), dict(kwargs), spec
-        model = got
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    args, kwargs = _example_inputs(model, device, batch, seq)
-    return model, args, kwargs, spec
-
-
 def _check_digits(args: argparse.Namespace) -> None:
     if args.digits and math.prod(args.digits) != args.world_size:
         digits = ",".join(map(str, args.digits))
@@ -125,16 +60,7 @@ def _mesh(args: argparse.Namespace):
     return DeviceMesh.for_world_size(args.world_size, args.devices_per_node)
 
 
-def _check_seq(model: torch.nn.Module, seq: int | None, name: str) -> None:
-    from primepar_fx.frontend.capture import config_seq_max
-
-    limit = config_seq_max(model)
-    if seq is not None and limit is not None and seq > limit:
-        raise CliError(f"--seq {seq} exceeds the maximum sequence length of {name} ({limit})")
-
-
 def cmd_explain(args: argparse.Namespace) -> int:
-    from primepar_fx.api import analyze
     from primepar_fx.models import ZOO
     from primepar_fx.report.explain import explain_table
 
@@ -149,9 +75,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     mesh = _mesh(args)
     t0 = time.perf_counter()
     model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
-    _check_seq(model, args.seq, name)
-    replicate = not args.full_capture
-    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
+    check_seq(model, args.seq, name)
+    graph = analyze_model(model, ex_args, ex_kwargs, name, args)
     print(
         explain_table(
             graph,
@@ -168,7 +93,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from primepar_fx.api import analyze
     from primepar_fx.planning.planner import plan_graph
 
     t0 = time.perf_counter()
@@ -203,9 +127,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
     built_s = time.perf_counter() - t0
-    _check_seq(model, args.seq, name)
-    replicate = not args.full_capture
-    graph = analyze(model, ex_args, ex_kwargs, name=name, fallback=args.fallback, replicate_layers=replicate)
+    check_seq(model, args.seq, name)
+    graph = analyze_model(model, ex_args, ex_kwargs, name, args)
     captured_s = time.perf_counter() - t0 - built_s
     try:
         plan = plan_graph(graph, options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import textwrap
 import pytest
 
 from primepar_fx.cli import main
+from primepar_fx.frontend.specialize import StaticSeqWarning
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -312,14 +314,35 @@ def test_a_bad_config_file_or_layers_flag_gets_one_clear_error(capsys, tmp_path)
     broken, untyped = tmp_path / "broken.json", tmp_path / "untyped.json"
     broken.write_text("{not json")
     untyped.write_text('{"hidden_size": 64}')
+    tiny = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 128}
+    mistyped, unbuildable = tmp_path / "mistyped.json", tmp_path / "unbuildable.json"
+    mistyped.write_text(json.dumps({"model_type": "llama", **tiny, "intermediate_size": "wide"}))
+    # a field the config class lets be null and the model's constructor needs (transformers' default dots1 config)
+    unbuildable.write_text(json.dumps({"model_type": "dots1", **tiny, "moe_intermediate_size": 32}))
     for argv, message in (
         (["explain", str(broken)], "broken.json is not JSON"),
         (["explain", str(untyped)], "untyped.json: a Hugging Face config needs a 'model_type'"),
+        (["explain", str(mistyped)], "mistyped.json: transformers rejects it as a llama config .*intermediate_size"),
+        (["explain", str(unbuildable)], "transformers could not build its dots1 model .* n_routed_experts.* unset"),
         (["explain", str(tmp_path / "missing.json")], "cannot read Hugging Face config .*missing.json"),
         (["explain", "gpt2-tiny", "--layers", "2"], "--layers applies to a Hugging Face config file"),
     ):
         rc, _, err = run(capsys, *argv)
         assert rc == 2 and re.fullmatch(f"error: .*{message}.*\n", err), (argv, err)
+
+
+def test_a_model_whose_seq_cannot_stay_symbolic_is_planned_at_the_seq_asked_for(capsys, tmp_path) -> None:
+    """GPT-Neo slices its causal-mask buffer by the sequence length, so it is captured at a fixed S: the plan is
+    made at ``--seq`` (captured again at that length), and the one warning names that length and the model line."""
+    from primepar_fx.planning.plan import Plan
+
+    out = tmp_path / "plan.json"
+    with pytest.warns(StaticSeqWarning) as said:
+        rc, _, err = run(capsys, "plan", "hf:gpt_neo", "-n", "2", "--batch", "4", "--seq", "32", "-o", str(out))
+    assert rc == 0, err
+    assert Plan.load(out).seq == 32
+    messages = [str(w.message) for w in said if issubclass(w.category, StaticSeqWarning)]
+    assert len(messages) == 1 and "S=32" in messages[0] and "modeling_gpt_neo.py" in messages[0], messages
 
 
 def test_the_console_entry_point_exits_with_mains_status_after_the_exit_handlers(tmp_path) -> None:

@@ -33,6 +33,7 @@ from primepar_fx.frontend.regions import inline_grad_regions
 from primepar_fx.frontend.specialize import (
     DIM_NAMES,
     ShapeSpecializationError,
+    capture_error,
     is_constraint_violation,
     record_shape_events,
     specialization_error,
@@ -155,14 +156,16 @@ def capture(
     if static_seq and dynamic:
         dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
     try:
-        program = _export(model, args, kwargs, dynamic_shapes if dynamic else None, fake_cache, (batch, seq))
+        program = _export(
+            model, args, kwargs, dynamic_shapes if dynamic else None, fake_cache, (batch, seq), model_name
+        )
     except ShapeSpecializationError as e:
         if not dynamic or static_seq or not seq_fallback or e.dims != ("seq",):
             raise
         warn_static_seq(model_name, seq, why_specialised(model, e))
         static_seq = True
         dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
-        program = _export(model, args, kwargs, dynamic_shapes, fake_cache, (batch, seq))
+        program = _export(model, args, kwargs, dynamic_shapes, fake_cache, (batch, seq), model_name)
     inline_grad_regions(program.graph_module)
     fills_to_cat(program.graph_module)
     functionalize_inplace(program.graph_module)
@@ -235,9 +238,11 @@ def _export(
     dynamic_shapes: dict[str, Any] | None,
     fake_cache: bool,
     sizes: tuple[int, int],
+    model_name: str,
 ) -> ExportedProgram:
     """``torch.export.export`` (non-strict), a constraint violation re-raised as :class:`ShapeSpecializationError`
-    naming the model line that caused it (``sizes``: the example batch and seq, to find the symbols concerned)."""
+    naming the model line that caused it (``sizes``: the example batch and seq, to find the symbols concerned), any
+    other failure as a :class:`~primepar_fx.frontend.specialize.CaptureError` that quotes it with its model line."""
     with (
         record_shape_events() as events,
         torch._dynamo.config.patch(fake_tensor_cache_enabled=fake_cache),
@@ -248,7 +253,9 @@ def _export(
         except Exception as exc:
             if is_constraint_violation(exc):
                 raise specialization_error(str(exc), events, {"batch": sizes[0], "seq": sizes[1]}) from exc
-            raise
+            if type(exc).__module__.startswith("primepar_fx."):  # ours, raised through export: as it is
+                raise
+            raise capture_error(model_name, exc) from exc
 
 
 def _renumber_program(program: ExportedProgram) -> None:

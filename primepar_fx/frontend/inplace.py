@@ -19,6 +19,9 @@ x[..., n:].copy_(b)``, DeepSeek's keys) is a concatenation: :func:`fills_to_cat`
 when the slices of one dim are disjoint, cover it whole, and each is written once, by a source of its shape and
 dtype, before anything else reads the tensor.
 
+``detach_`` writes no values, only autograd's flag: on a tensor that takes no gradient (a constant such as
+GPT-Neo's mask value, lifted to a graph input) it is ``detach`` whatever else can see the tensor.
+
 Any other in-place op is left as it is; analysis then names it with its model source line
 (:class:`~primepar_fx.rules.MissingRuleError`).
 """
@@ -48,6 +51,12 @@ def _aliases_input(node: fx.Node) -> bool:
     if not isinstance(op, torch._ops.OpOverload):
         return True
     return any(r.alias_info is not None for r in op._schema.returns)
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    """Whether ``node``'s value takes a gradient (``True`` when its traced value is not known)."""
+    val = node.meta.get("val")
+    return not isinstance(val, torch.Tensor) or val.requires_grad
 
 
 def _stale_view(target: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
@@ -102,7 +111,9 @@ def functionalize_inplace(gm: fx.GraphModule) -> list[str]:
         if twin is None or _writes(op) != [0] or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         target = node.args[0]
-        if target.op != "call_function" or _aliases_input(target):
+        if op is torch.ops.aten.detach_.default and not _requires_grad(target):
+            pass  # it writes no values, and a tensor that takes no gradient reads the same detached or not
+        elif target.op != "call_function" or _aliases_input(target):
             continue
         later = [u for u in target.users if u is not node and order[u] > order[node]]
         if _stale_view(target, node, order):

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import sysconfig
+import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -88,19 +89,57 @@ class ShapeEvent:
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # primepar_fx itself
-_SKIP_PREFIXES = (os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep, _PACKAGE)
+_SKIP_PREFIXES = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE)
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+_SITE_PACKAGES = tuple(os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib"))
 
 
 def _model_frame() -> str | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not os.path.abspath(filename).startswith(_SKIP_PREFIXES) and not filename.startswith("<"):
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            loc = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            return f"{loc}: {code}" if code else loc
+        if _in_model(filename):
+            return _source_line(filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return None
+
+
+def _in_model(filename: str) -> bool:
+    """Whether ``filename`` is the model's code: not torch, the standard library, primepar_fx or generated code (an
+    installed package such as transformers is a model's code, though its site-packages may lie in the stdlib's
+    folder)."""
+    path = os.path.abspath(filename)
+    if filename.startswith("<") or path.startswith(_SKIP_PREFIXES):
+        return False
+    return not path.startswith(_STDLIB) or path.startswith(_SITE_PACKAGES)
+
+
+def _source_line(filename: str, lineno: int, function: str) -> str:
+    code = linecache.getline(filename, lineno).strip()
+    loc = f"{filename}:{lineno} in {function}"
+    return f"{loc}: {code}" if code else loc
+
+
+class CaptureError(ValueError):
+    """``torch.export`` could not trace the model on its example inputs (the model's own code raised, or export does
+    not support what it does). ``location``: the innermost model source line the error passed through, if any."""
+
+    def __init__(self, message: str, *, location: str | None = None) -> None:
+        super().__init__(message)
+        self.location = location
+
+
+def capture_error(model_name: str, exc: BaseException) -> CaptureError:
+    """``exc``, raised while exporting ``model_name``, as a :class:`CaptureError` that quotes it and names the
+    innermost model line of its traceback (the model's forward failing on its example inputs: a config field left
+    unset, an input it needs that the examples lack)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _in_model(f.filename)]
+    where = _source_line(frames[-1].filename, frames[-1].lineno or 0, frames[-1].name) if frames else None
+    first = (str(exc).strip().splitlines() or [""])[0][:500]
+    message = f"capturing {model_name} failed: {type(exc).__name__}: {first}"
+    if where:
+        message += f" (model source: {where})"
+    return CaptureError(message, location=where)
 
 
 @contextmanager

@@ -230,6 +230,8 @@ def from_config(
         hf_config = transformers.AutoConfig.for_model(model_type, **data)
     except ValueError as exc:
         raise ValueError(f"{where}: model_type {model_type!r} is not one transformers knows ({exc})") from None
+    except Exception as exc:  # a field of the wrong type (transformers' strict config dataclasses)
+        raise ValueError(f"{where}: transformers rejects it as a {model_type} config ({_first_line(exc)})") from exc
     if layers is not None:
         depth = getattr(hf_config, "num_hidden_layers", None)
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
@@ -248,9 +250,27 @@ def from_config(
             model = transformers.AutoModelForCausalLM.from_config(hf_config)
     except ValueError as exc:
         raise ValueError(f"{where}: transformers has no causal LM for model_type {model_type!r} ({exc})") from None
+    except Exception as exc:  # the model's constructor failed on this config: say which fields it may lack
+        unset = [k for k, v in hf_config.to_dict().items() if v is None and k not in _OFTEN_NULL]
+        hint = f"; the config leaves {', '.join(unset)} unset, which a checkpoint's sets" if unset else ""
+        raise ValueError(
+            f"{where}: transformers could not build its {model_type} model ({_first_line(exc)}){hint}"
+        ) from exc
     model.train()
     logger.debug("built %s from %s (%d layers)", type(model).__name__, where, hf_config.num_hidden_layers)
     return model
+
+
+#: config fields that are null in many a real checkpoint's config.json (not worth naming when a build fails)
+_OFTEN_NULL = frozenset(
+    {"architectures", "dtype", "torch_dtype", "problem_type", "pad_token_id", "bos_token_id", "eos_token_id"}
+)
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (transformers' validation errors run to several lines)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines[:2])[:300]}"
 
 
 def is_config_file(spec: str) -> bool:

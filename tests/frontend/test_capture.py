@@ -248,6 +248,65 @@ def test_a_constrained_seq_falls_back_to_the_examples_with_a_warning_naming_the_
     assert any(B in sympy.sympify(d).free_symbols for shape in shapes for d in shape if shape), "B stays symbolic"
 
 
+class _NeedsAnInput(nn.Module):
+    """Its forward reads a setting that was never set, as a model built from an incomplete config does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.top_k = nn.Linear(8, 8), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.topk(self.proj(x), k=self.top_k, dim=-1).values
+
+
+def test_a_forward_that_fails_on_its_example_is_one_error_naming_the_model_line() -> None:
+    from primepar_fx.frontend.specialize import CaptureError
+
+    with pytest.raises(CaptureError, match=r"capturing _NeedsAnInput failed: TypeError: topk\(\)") as info:
+        capture(_NeedsAnInput(), (torch.randn(2, 6, 8),))
+    assert info.value.location and "test_capture.py" in info.value.location
+    assert "torch.topk(self.proj(x), k=self.top_k" in str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, TypeError)
+
+
+def test_the_line_of_a_model_from_an_installed_package_is_named() -> None:
+    """transformers' GPT-Neo slices its causal-mask buffer by the sequence length: the warning quotes that line of
+    the installed package (site-packages may lie inside the standard library's folder: it is still the model's)."""
+    from primepar_fx.models import build_hf_tiny, hf_example_inputs
+
+    model = build_hf_tiny("gpt_neo")
+    with pytest.warns(StaticSeqWarning, match=r"modeling_gpt_neo\.py:\d+ in _attn: causal_mask = self\.bias"):
+        capture(model, *hf_example_inputs(model, 2, 16))
+
+
+class _MaskValue(nn.Module):
+    """GPT-Neo's masking: the mask value made a tensor inside forward (export lifts it and detaches it in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        mask_value = torch.tensor(torch.finfo(y.dtype).min, dtype=y.dtype, device=y.device)
+        return torch.where(y > 0, y, mask_value)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_an_in_place_detach_of_a_constant_is_captured_as_a_detach(device: str) -> None:
+    """On the meta device (where the planner captures) export detaches the lifted constant itself, a graph input,
+    in place; on the CPU it detaches a fresh copy of it."""
+    from primepar_fx.api import analyze
+
+    model, x = _MaskValue().to(device), torch.randn(2, 6, 8, device=device)
+    captured = capture(model, (x,))
+    targets = {n.target for n in captured.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.detach_.default not in targets and torch.ops.aten.detach.default in targets
+    if device == "cpu":
+        torch.testing.assert_close(captured.program.module()(x), model(x))
+    analyze(model, (x,))  # every node has a rule
+
+
 def test_a_static_seq_can_be_asked_for() -> None:
     captured = capture(TinyBlock(), (_ids(2, 16),), static_seq=True)
     assert captured.static_seq and list(captured.symbol_map.values()) == [B]
