@@ -168,23 +168,20 @@ READING = """## Reading the results
   to 207,120 variables). The whole ILP at 16 GPUs (46 million variables for llama2-70b) needed over 21 GB
   before HiGHS started and was stopped; at 8 GPUs the whole ILP (1.9 million variables) solved in 47 s to the
   same optimum.
-* **At 16 GPUs the DP needs a larger table limit than its default, and is exact with it.** llama2-70b's full
-  16-GPU space needs tables of 2.4e8 entries (the default limit is 2e8), BLOOM-176B's 8.6e9 (eliminating the
-  first layer's attention with the shared re-layout of the first layer norm, the residual add and the second
-  layer's attention in one table: the tied embedding's edge from the first node to the LM head makes the two
-  layers one cycle, and some node of it is carried through every step). The limit bounds the work of one
-  elimination step, which runs in chunks of 65,536 entries, not its memory: with a limit of 1e10 the DP is exact
-  for both, llama2-70b in under 10 s and BLOOM-176B in 63-73 s over three runs (1.76 GB peak resident for the whole
-  process, measured with `/usr/bin/time -v`). An earlier run of this page (one session before) stopped
-  BLOOM-176B's DP at a limit of 1e9 and took `method="auto"`'s narrowed DP instead, 9.1e-6 above the optimum.
+* **At 16 GPUs llama2-70b's DP needs a larger table limit than its default, and is exact with it.** Its full
+  16-GPU space needs one elimination step of 2.4e8 entries (the default limit is 2e8). The limit bounds the work
+  of one step, which runs in chunks of 65,536 entries, not its memory: with a limit of 1e10 the DP is exact in
+  under 10 s. BLOOM-176B's DP runs within the default limit since nodes of a single strategy are folded into
+  their neighbours' costs before the DP (`search.problem.fold_fixed`): 4.3 s, the same optimum, where without the
+  fold it needs one step of 8.6e9 entries and 81.5 s (the tied embedding's edge from the first node to the LM
+  head made the two layers one cycle through such nodes; measured side by side on this machine, 2026-12-05).
   The planner keeps the default of 2e8 (a table past it takes minutes, not the seconds planning should), and
   without a budget `auto` first runs the DP once more with five times the limit where the failing table fits
-  that (`AUTO_TABLE_STRETCH`): exact for llama2-70b's 2.4e8. Past it, as for BLOOM-176B's 8.6e9, `auto` narrows
-  the failing table's nodes and, where the graph has at most 50 million edge pairs (`ilp_max_pairs`; these two
-  layers have 13 to 37 million), proves or improves the narrowed plan by column generation
-  (`method="dp-narrowed+ilp"`, 10-20 s here). A whole 70-layer model's full 16-GPU space has far
-  more pairs, and its plan stays narrowed; the planner's default mesh past 8 GPUs, the groupings, stays under
-  the default limit for every model and world size of search_time.md.
+  that (`AUTO_TABLE_STRETCH`): exact for llama2-70b's 2.4e8. Past it `auto` narrows the failing table's nodes
+  and, where the graph has at most 50 million edge pairs (`ilp_max_pairs`; these two layers have 13 to 37
+  million), proves or improves the narrowed plan by column generation (`method="dp-narrowed+ilp"`). A whole
+  70-layer model's full 16-GPU space has far more pairs, and its plan stays narrowed; the planner's default mesh
+  past 8 GPUs, the groupings, stays under the default limit for every model and world size of search_time.md.
 * **The full space is never worse than a grouping, and better at 16 GPUs:** by 1.4% for llama2-70b (best
   grouping `4x2x2`) and 2.3% for BLOOM-176B (`2x2x4`), two layers each. At 8 GPUs the planner's only mesh is the
   full one.
