@@ -92,12 +92,12 @@ class PricedGraph:
             if id(costs) not in vectors:
                 vectors[id(costs)] = frozen([float(c.memory_bytes(opts)) for c in costs])
             memory[name] = vectors[id(costs)]
-        graph = dataclasses.replace(self.cost_graph, node_memory=memory)
+        graph = self.cost_graph.derive(node_memory=memory)
         out = dataclasses.replace(self, cost_graph=graph)
         built = self.__dict__.get("search_graph")
         if built is not None and built.node_memory is not None:  # the same but for its memory (virtual nodes: none)
             held = {**built.node_memory, **memory}
-            searched = dataclasses.replace(built, node_memory={n: held[n] for n in built.nodes})
+            searched = built.derive(node_memory={n: held[n] for n in built.nodes})
             out.__dict__["search_graph"] = searched
             # the fastest plan (no budget, no memory weight) does not read memory: kept, its memory read again
             out.__dict__["_fastest"] = {
@@ -138,12 +138,11 @@ class PricedGraph:
             return memo[key]
 
         cg = self.cost_graph
-        sub = CostGraph(
-            nodes=cg.nodes,
+        sub = cg.derive(  # slices of checked arrays
             node_cost={n: take(c, rows[n]) for n, c in cg.node_cost.items()},
             edge_cost={(u, v): take(m, rows[u], rows[v]) for (u, v), m in cg.edge_cost.items()},
             node_memory=None if cg.node_memory is None else {n: take(m, rows[n]) for n, m in cg.node_memory.items()},
-            node_key=cg.node_key,
+            checked=(),
         )
 
         def savings(of: dict[tuple[str, str], ScatterSaving]) -> dict[tuple[str, str], ScatterSaving]:

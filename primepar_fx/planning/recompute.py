@@ -60,7 +60,7 @@ from primepar_fx.planning.peak import least_peak, least_plan, plan_peak, ring_bu
 from primepar_fx.planning.priced import PricedGraph, ShareFlow, frozen
 from primepar_fx.planning.pricing import node_key, out_index, tensor_itemsize
 from primepar_fx.planning.sharing import complete_choice
-from primepar_fx.search import CostGraph, CutOff, InfeasibleBudget, Solution
+from primepar_fx.search import CutOff, InfeasibleBudget, Solution
 from primepar_fx.search.problem import evaluate
 from primepar_fx.utils.fewest import fewest
 
@@ -233,7 +233,7 @@ class LayerPricing:
                             rescattered[(u, v)] = saving
                         if flow is not None:
                             flows[(u, v)] = flow
-        graph = CostGraph(cg.nodes, node_cost, edge_cost, node_memory, keys or None)
+        graph = cg.derive(node_cost=node_cost, edge_cost=edge_cost, node_memory=node_memory, node_key=keys or None)
         return dataclasses.replace(
             priced,
             cost_graph=graph,

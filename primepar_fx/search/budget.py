@@ -104,7 +104,7 @@ def memory_graph(graph: CostGraph) -> CostGraph:
 
     nodes = {n: node(n) for n in graph.nodes}
     edges = {e: m for e, a in graph.edge_cost.items() if (m := edge(a)) is not None}
-    return CostGraph(graph.nodes, nodes, edges, None, graph.node_key)
+    return graph.derive(node_cost=nodes, edge_cost=edges, node_memory=None, checked=())  # checked memory, 0, +inf
 
 
 def budget_bound(
@@ -172,12 +172,8 @@ def lean_memory_graph(graph: CostGraph) -> Reduced:
     identical layers."""
     kept_all = {n: np.arange(graph.strategies(n)) for n in graph.nodes}
     for _ in range(LEAN_PASSES):
-        graph = CostGraph(
-            graph.nodes,
-            graph.node_cost,
-            {e: a for e, a in graph.edge_cost.items() if a.max() == np.inf},
-            None,
-            graph.node_key,
+        graph = graph.derive(
+            edge_cost={e: a for e, a in graph.edge_cost.items() if a.max() == np.inf}, node_memory=None
         )
         allowed: dict[int, np.ndarray] = {}  # the finite masks by array identity (the graph holds every array)
         classes: dict[tuple, np.ndarray] = {}
