@@ -64,7 +64,7 @@ from primepar_fx.planning.groupings import (  # noqa: F401  (re-exported)
 )
 from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.options import PlanOptions, forced_seed
-from primepar_fx.planning.parallel import Forked, can_fork
+from primepar_fx.planning.parallel import Forked, can_fork, run_forked
 from primepar_fx.planning.peak import plan_peak, solve_for_peak
 from primepar_fx.planning.plan import Baseline, Plan
 from primepar_fx.planning.priced import PricedGraph
@@ -162,12 +162,18 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     probes: dict[int, float | None] = {}
     pricings = KeptPricings(max(2 * len(meshes), len(tries)))  # one mesh: every count's pricing, probed then searched
 
+    def fits(m: int, i: int) -> float | None:  # mesh i's fastest plan's per-step objective where it fits as it is
+        try:
+            return _search_at(graph, opts, [meshes[i]], m, free_only=True, pricings=pricings).step_objective
+        except (CutOff, InfeasibleBudget):
+            return None
+
     def probe(m: int) -> float | None:
-        if m not in probes:
-            try:
-                probes[m] = _search_at(graph, opts, meshes, m, free_only=True, pricings=pricings).step_objective
-            except (CutOff, InfeasibleBudget):
-                probes[m] = None
+        if m not in probes:  # the meshes side by side where there are workers (a worker's pricings stay in it)
+            workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
+            job = functools.partial(fits, m)
+            done = [value if ok else job(i) for i, ok, value in run_forked(job, range(len(meshes)), workers)]
+            probes[m] = min((v for v in done if v is not None), default=None)
         return probes[m]
 
     searched: list[int] = []  # the counts searched, in order

@@ -197,3 +197,34 @@ def test_groupings_searched_in_worker_processes_give_the_plan_of_one_process(tmp
     assert sorted(d for _, d in priced) == sorted([str(worse), str(list(one.digits))])  # each once
     assert [d for pid, d in priced if int(pid) != os.getpid()] == [str(list(one.digits))]
     assert again.to_dict()["nodes"] == one.to_dict()["nodes"] and again.search["objective"] == one.search["objective"]
+
+
+def test_a_counts_probe_finds_each_groupings_fastest_plan_in_worker_processes_as_one_process_does(
+    tmp_path, monkeypatch
+):
+    """Under a budget that the fastest plan does not meet, the search at one micro-batch probes the next count: its
+    fastest plan on each grouping, where it fits as it is, is the plan to beat. With workers the groupings are
+    probed side by side (both processes price some of them), and the plan is the one-process plan exactly."""
+    if not can_fork():
+        pytest.skip("no fork on this platform: planning runs in one process")
+    import primepar_fx.planning.planner as planner
+
+    spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
+    kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, method="dp")
+    fastest = plan_graph(graph(), **kw, memory_budget=None, workers=1)
+    budget = int(0.7 * fastest.to_dict()["predicted"]["peak_memory_bytes"])  # binds at one micro-batch
+    one = plan_graph(graph(), **kw, memory_budget=budget, workers=1)
+    log, price_graph = tmp_path / "priced.txt", planner.price_graph
+
+    def logged(graph, mesh, *args, **kwargs):  # noqa: ANN001, ANN202 -- in every process, forks included
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {args[1][B]}\n")  # the batch it prices: B / micro-batches
+        return price_graph(graph, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "price_graph", logged)
+    two = plan_graph(graph(), **kw, memory_budget=budget, workers=2)
+    assert one.search["micro_batches_tried"] == two.search["micro_batches_tried"] == [1, 2]
+    probed = {pid for pid, b in (line.split() for line in log.read_text().splitlines()) if int(b) == BATCH // 2}
+    assert len(probed) == 2 and str(os.getpid()) in probed  # the count of 2 was probed in both processes
+    assert two.to_dict()["nodes"] == one.to_dict()["nodes"] and two.search["objective"] == one.search["objective"]
+    assert two.to_dict()["baselines"] == one.to_dict()["baselines"]
