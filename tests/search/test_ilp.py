@@ -156,6 +156,33 @@ def test_column_generation_closes_the_gap_of_a_fractional_lp():
 
 
 @needs_highs
+def test_an_integral_lp_is_the_plan_without_a_mip(monkeypatch):
+    """A chain's LP is integral (a tree): its last LP solution is the plan, no MIP runs, and it is the DP's
+    optimum. The triangle above, whose LP is fractional, still goes through the MIP."""
+    import primepar_fx.search.colgen as colgen
+
+    mips = []
+    real = colgen.set_binary
+    monkeypatch.setattr(colgen, "set_binary", lambda h, count: (mips.append(count), real(h, count)))
+    rng = np.random.default_rng(5)
+    names = tuple("abcdef")
+    graph = CostGraph(
+        names,
+        {n: rng.uniform(0, 10, 4) for n in names},
+        {(u, v): rng.uniform(0, 10, (4, 4)) for u, v in itertools.pairwise(names)},
+    )
+    values, outcome, model, generated = colgen.solve_generated(graph, dict.fromkeys(names, 0))
+    assert outcome == "optimal" and mips == [] and generated.upper == generated.lower
+    choice = {n: int(np.argmax(values[cols])) for n, cols in model.node_columns.items()}
+    assert close(evaluate(graph, choice), evaluate(graph, solve(graph, method="dp").choice))
+    triangle = CostGraph(
+        ("a", "b", "c"), {n: np.zeros(2) for n in "abc"}, {e: np.eye(2) for e in (("a", "b"), ("a", "c"), ("b", "c"))}
+    )
+    colgen.solve_generated(triangle, {"a": 0, "b": 1, "c": 0})
+    assert mips == [6]
+
+
+@needs_highs
 def test_a_start_plan_must_be_a_finite_plan_of_the_graph():
     graph = CostGraph(("a", "b"), {"a": np.array([1.0, np.inf]), "b": np.zeros(2)}, {("a", "b"): np.zeros((2, 2))})
     with pytest.raises(ValueError, match="infinite cost"):
