@@ -51,64 +51,16 @@ class CliError(Exception):
     """A bad argument or input the command line found itself: ``error: ...`` on stderr, exit status 2."""
 
 
-def _example_inputs(
-    model: torch.nn.Module, device: torch.device, batch: int = 2, seq: int = 16
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    from primepar_fx.models import Decoder, example_inputs, hf_example_inputs
-
-    if isinstance(model, Decoder):
-        return example_inputs(model.config, batch, seq, device=device)
-    if hasattr(getattr(model, "config", None), "vocab_size"):
-        args, kwargs = hf_example_inputs(model, batch, seq)
-        return args, {k: v.to(device) for k, v in kwargs.items()}
-    raise CliError(
-        f"cannot make example inputs for {type(model).__name__}: have your callable return (model, args, kwargs)"
-    )
-
-
 def load_model(
     spec: str, *, meta: bool = True, batch: int = 2, seq: int = 16, layers: int | None = None
 ) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
-    """Resolve a MODEL argument to ``(module, example_args, example_kwargs, name)``; example inputs of ``batch`` x
-    ``seq`` tokens unless a ``package.module:callable`` returns its own. ``layers`` cuts a Hugging Face config
-    file's model to its first layers."""
-    from primepar_fx.models import ZOO, build, build_hf_tiny, from_config, is_config_file, load_model_spec
+    """:func:`primepar_fx.models.resolve_model`, its errors as the command line's."""
+    from primepar_fx.models import resolve_model
 
-    if layers is not None and not is_config_file(spec):
-        raise CliError("--layers applies to a Hugging Face config file (path/to/config.json)")
-    if is_config_file(spec):
-        path = spec[3:] if spec.startswith("hf:") else spec
-        try:
-            model = from_config(path, layers=layers, device="meta" if meta else "cpu")
-        except (ValueError, ImportError) as e:
-            raise CliError(str(e)) from None
-        name = os.path.splitext(os.path.basename(path))[0]
-        if name == "config":  # a checkpoint directory's config.json: name it by the directory
-            name = os.path.basename(os.path.dirname(os.path.abspath(path))) or name
-        if layers is not None:
-            name = f"{name}-{layers}l"
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        args, kwargs = _example_inputs(model, device, batch, seq)
-        return model, args, kwargs, name
-    elif spec in ZOO:
-        model = build(spec, device="meta" if meta else None)
-    elif spec.startswith("hf:"):
-        try:
-            model = build_hf_tiny(spec[3:])
-        except ValueError as e:
-            raise CliError(str(e)) from None
-    else:
-        try:
-            got = load_model_spec(spec)
-        except ValueError as e:
-            raise CliError(str(e)) from None
-        if isinstance(got, tuple):
-            model, args, kwargs = got
-            return model, tuple(args), dict(kwargs), spec
-        model = got
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    args, kwargs = _example_inputs(model, device, batch, seq)
-    return model, args, kwargs, spec
+    try:
+        return resolve_model(spec, meta=meta, batch=batch, seq=seq, layers=layers)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def _check_digits(args: argparse.Namespace) -> None:
@@ -143,6 +95,7 @@ def _analyze_model(
     is shown. Models that bring their own example inputs (``package.module:callable``) keep the first capture."""
     from primepar_fx.api import analyze
     from primepar_fx.frontend.specialize import StaticSeqWarning
+    from primepar_fx.models import model_example_inputs
 
     def capture(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
         return analyze(model, a, k, name=name, fallback=args.fallback, replicate_layers=not args.full_capture)
@@ -155,8 +108,8 @@ def _analyze_model(
     if again:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         try:
-            ex_args, ex_kwargs = _example_inputs(model, device, captured.example_batch, seq)
-        except CliError:  # its own examples: the planner says to capture it at --seq
+            ex_args, ex_kwargs = model_example_inputs(model, device, captured.example_batch, seq)
+        except ValueError:  # its own examples: the planner says to capture it at --seq
             again = False
     for w in said:
         if not (again and issubclass(w.category, StaticSeqWarning)):

@@ -17,6 +17,7 @@ from primepar_fx.models.hf import (
     load_model_spec,
 )
 from primepar_fx.models.reference import Decoder, DecoderConfig
+from primepar_fx.models.resolve import model_example_inputs, resolve_model
 from primepar_fx.models.zoo import ZOO, build, dynamic_shapes, example_inputs, get_config
 
 __all__ = [
@@ -34,4 +35,6 @@ __all__ = [
     "hf_families",
     "is_config_file",
     "load_model_spec",
+    "model_example_inputs",
+    "resolve_model",
 ]
