@@ -18,7 +18,7 @@ from primepar_fx.rules.spec import OpDims
 
 
 @lru_cache(maxsize=1 << 14)
-def _size_at(size: sympy.Expr | int, values: tuple[tuple[sympy.Symbol, int], ...]) -> int | None:
+def size_at(size: sympy.Expr | int, values: tuple[tuple[sympy.Symbol, int], ...]) -> int | None:
     """``size`` at ``values`` as an int, or ``None`` while a symbol is left."""
     expr = sympy.sympify(size)
     if values:
@@ -46,7 +46,7 @@ def fits(size: sympy.Expr | int, parts: int, values: Mapping[sympy.Symbol, int] 
 
 def fits_at(size: sympy.Expr | int, parts: int, vkey: ValuesKey) -> bool:
     """:func:`fits` at values given as a :func:`values_key` (``()``: none)."""
-    n = _size_at(size, vkey)
+    n = size_at(size, vkey)
     return n is None or n % parts == 0
 
 

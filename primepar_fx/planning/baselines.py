@@ -51,7 +51,7 @@ from primepar_fx.frontend.symbols import B as BATCH
 from primepar_fx.frontend.symbols import S as SEQ
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, Split
-from primepar_fx.partition.enumerate import ValuesKey, fits_at, values_key
+from primepar_fx.partition.enumerate import ValuesKey, fits_at, size_at, values_key
 from primepar_fx.rules.registry import op_name
 from primepar_fx.rules.spec import OpDims
 
@@ -420,7 +420,9 @@ def _greedy_seq(op: OpDims, mesh: DeviceMesh, wants: tuple, vkey: ValuesKey | No
         elif dim in op.no_split:
             reason = f"{dim} may not be split"
         elif not fits_at(op.size(dim), parts[dim] * radix, vkey or ()):
-            reason = f"{dim} of size {op.size(dim)} does not split into {parts[dim] * radix}"
+            size, n = op.size(dim), size_at(op.size(dim), vkey or ())
+            shown = f"{size} = {n}" if n is not None and str(size) != str(n) else str(size)
+            reason = f"{dim} of size {shown} does not split into {parts[dim] * radix}"
         else:
             parts[dim] *= radix
             elements.append(Split(dim))

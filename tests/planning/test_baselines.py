@@ -221,6 +221,8 @@ def test_fallbacks_are_reported():
     assert not bl.megatron_assignment(g, MESHES[4], dp=1, values=VALUES).fallbacks
     plan = bl.data_parallel_assignment(g, MESHES[4], values={B: 2, S: 16})
     assert str(plan["linear"]) == "B,R" and any(f.node == "linear" and f.digit == 1 for f in plan.fallbacks)
+    (why,) = {f.reason for f in plan.fallbacks if f.node == "linear"}
+    assert why == "B of size B = 2 does not split into 4"  # the symbol's value said, not only its name
     hf = bl.megatron_assignment(graph_of("hf-gpt2"), MESHES[4], dp=1, values=VALUES)
     assert str(hf["split"]) == "R,R" and "split" in hf.fallback_nodes()
 
