@@ -255,7 +255,7 @@ def _export(
                 raise specialization_error(str(exc), events, {"batch": sizes[0], "seq": sizes[1]}) from exc
             if type(exc).__module__.startswith("primepar_fx."):  # ours, raised through export: as it is
                 raise
-            raise capture_error(model_name, exc) from exc
+            raise capture_error(model_name, exc, getattr(model, "config", None)) from exc
 
 
 def _renumber_program(program: ExportedProgram) -> None:

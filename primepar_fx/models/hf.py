@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from primepar_fx.utils.configs import unset_fields
+
 logger = logging.getLogger(__name__)
 
 HF_FAMILIES = ("gpt2", "llama", "opt", "bloom", "falcon")
@@ -251,7 +253,7 @@ def from_config(
     except ValueError as exc:
         raise ValueError(f"{where}: transformers has no causal LM for model_type {model_type!r} ({exc})") from None
     except Exception as exc:  # the model's constructor failed on this config: say which fields it may lack
-        unset = [k for k, v in hf_config.to_dict().items() if v is None and k not in _OFTEN_NULL]
+        unset = unset_fields(hf_config)
         hint = f"; the config leaves {', '.join(unset)} unset, which a checkpoint's sets" if unset else ""
         raise ValueError(
             f"{where}: transformers could not build its {model_type} model ({_first_line(exc)}){hint}"
@@ -262,11 +264,6 @@ def from_config(
 
 
 #: config fields that are null in many a real checkpoint's config.json (not worth naming when a build fails)
-_OFTEN_NULL = frozenset(
-    {"architectures", "dtype", "torch_dtype", "problem_type", "pad_token_id", "bos_token_id", "eos_token_id"}
-)
-
-
 def _first_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (transformers' validation errors run to several lines)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]

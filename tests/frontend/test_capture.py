@@ -267,6 +267,27 @@ def test_a_forward_that_fails_on_its_example_is_one_error_naming_the_model_line(
     assert info.value.location and "test_capture.py" in info.value.location
     assert "torch.topk(self.proj(x), k=self.top_k" in str(info.value)
     assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, TypeError)
+    assert "unset" not in str(info.value)  # no config to read
+
+
+class _Config:
+    """A stand-in for a Hugging Face config read from a default file: one setting left null."""
+
+    def to_dict(self) -> dict:
+        return {"hidden_size": 8, "top_k": None, "pad_token_id": None, "architectures": None}
+
+
+def test_a_capture_error_about_none_names_the_config_fields_left_unset() -> None:
+    """The fields a checkpoint's config sets and this one leaves null are named (not those null in most
+    checkpoints, such as ``pad_token_id``); an error that is not about ``None`` names none."""
+    from primepar_fx.frontend.specialize import CaptureError, capture_error
+
+    model = _NeedsAnInput()
+    model.config = _Config()
+    with pytest.raises(CaptureError) as info:
+        capture(model, (torch.randn(2, 6, 8),))
+    assert str(info.value).endswith("; the model's config leaves top_k unset, which a checkpoint's config sets")
+    assert "unset" not in str(capture_error("m", TypeError("unsupported operand"), _Config()))
 
 
 def test_the_line_of_a_model_from_an_installed_package_is_named() -> None:
