@@ -51,8 +51,12 @@ class CliError(Exception):
     """A bad argument or input the command line found itself: ``error: ...`` on stderr, exit status 2."""
 
 
+#: the example inputs' batch and sequence length where the command line does not set them
+DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
+
+
 def load_model(
-    spec: str, *, meta: bool = True, batch: int = 2, seq: int = 16, layers: int | None = None
+    spec: str, *, meta: bool = True, batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ, layers: int | None = None
 ) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
     """:func:`primepar_fx.models.resolve_model`, its errors as the command line's."""
     from primepar_fx.models import resolve_model
@@ -86,13 +90,29 @@ def _check_seq(model: torch.nn.Module, seq: int | None, name: str) -> None:
         raise CliError(f"--seq {seq} exceeds the maximum sequence length of {name} ({limit})")
 
 
+def _at_seq(
+    model: torch.nn.Module, ex_args: tuple[Any, ...], ex_kwargs: dict[str, Any], args: argparse.Namespace
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example inputs to capture with: of ``--seq`` tokens where it is longer than the default example's and
+    the inputs are the command line's own (not a ``package.module:callable``'s), else as given. A symbolic capture
+    is the same graph at any example length; a model whose length cannot stay symbolic is then captured once, at
+    the length it is planned at (on the meta device: nothing is allocated)."""
+    from primepar_fx.models import builds_examples, model_example_inputs
+
+    seq = getattr(args, "seq", None)
+    if seq is None or seq <= DEFAULT_SEQ or not builds_examples(args.model):
+        return ex_args, ex_kwargs
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return model_example_inputs(model, device, DEFAULT_BATCH, seq)
+
+
 def _analyze_model(
     model: torch.nn.Module, ex_args: tuple[Any, ...], ex_kwargs: dict[str, Any], name: str, args: argparse.Namespace
 ) -> Any:
     """The model's graph (two layers replicated unless ``--full-capture``). A model whose sequence length cannot
-    stay symbolic is captured at the example's; where ``--seq`` differs, it is captured again at ``--seq`` from
-    inputs of that length (the model is on the meta device: nothing is allocated), and only that capture's warning
-    is shown. Models that bring their own example inputs (``package.module:callable``) keep the first capture."""
+    stay symbolic is captured at the example's (:func:`_at_seq`); where ``--seq`` differs (a shorter one), it is
+    captured again at ``--seq`` from inputs of that length, and only that capture's warning is shown. Models that
+    bring their own example inputs (``package.module:callable``) keep the first capture."""
     from primepar_fx.api import analyze
     from primepar_fx.frontend.specialize import StaticSeqWarning
     from primepar_fx.models import model_example_inputs
@@ -136,7 +156,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
     _check_seq(model, args.seq, name)
-    graph = _analyze_model(model, ex_args, ex_kwargs, name, args)
+    graph = _analyze_model(model, *_at_seq(model, ex_args, ex_kwargs, args), name, args)
     print(
         explain_table(
             graph,
@@ -188,7 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
     built_s = time.perf_counter() - t0
     _check_seq(model, args.seq, name)
-    graph = _analyze_model(model, ex_args, ex_kwargs, name, args)
+    graph = _analyze_model(model, *_at_seq(model, ex_args, ex_kwargs, args), name, args)
     captured_s = time.perf_counter() - t0 - built_s
     try:
         plan = plan_graph(graph, options)

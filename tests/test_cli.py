@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import textwrap
@@ -331,18 +332,21 @@ def test_a_bad_config_file_or_layers_flag_gets_one_clear_error(capsys, tmp_path)
         assert rc == 2 and re.fullmatch(f"error: .*{message}.*\n", err), (argv, err)
 
 
-def test_a_model_whose_seq_cannot_stay_symbolic_is_planned_at_the_seq_asked_for(capsys, tmp_path) -> None:
+@pytest.mark.parametrize("seq", [32, 8])
+def test_a_model_whose_seq_cannot_stay_symbolic_is_planned_at_the_seq_asked_for(capsys, caplog, tmp_path, seq) -> None:
     """GPT-Neo slices its causal-mask buffer by the sequence length, so it is captured at a fixed S: the plan is
-    made at ``--seq`` (captured again at that length), and the one warning names that length and the model line."""
+    made at ``--seq``, and the one warning names that length and the model line. A ``--seq`` longer than the
+    default example's is the examples' length, so the model is captured once; a shorter one is captured again."""
     from primepar_fx.planning.plan import Plan
 
     out = tmp_path / "plan.json"
-    with pytest.warns(StaticSeqWarning) as said:
-        rc, _, err = run(capsys, "plan", "hf:gpt_neo", "-n", "2", "--batch", "4", "--seq", "32", "-o", str(out))
+    with pytest.warns(StaticSeqWarning) as said, caplog.at_level(logging.INFO, logger="primepar_fx"):
+        rc, _, err = run(capsys, "plan", "hf:gpt_neo", "-n", "2", "--batch", "4", "--seq", str(seq), "-o", str(out))
     assert rc == 0, err
-    assert Plan.load(out).seq == 32
+    assert Plan.load(out).seq == seq
     messages = [str(w.message) for w in said if issubclass(w.category, StaticSeqWarning)]
-    assert len(messages) == 1 and "S=32" in messages[0] and "modeling_gpt_neo.py" in messages[0], messages
+    assert len(messages) == 1 and f"S={seq}" in messages[0] and "modeling_gpt_neo.py" in messages[0], messages
+    assert ("captured again" in caplog.text) == (seq < 16), caplog.text
 
 
 def test_the_console_entry_point_exits_with_mains_status_after_the_exit_handlers(tmp_path) -> None:

@@ -17,7 +17,7 @@ from primepar_fx.models.hf import (
     load_model_spec,
 )
 from primepar_fx.models.reference import Decoder, DecoderConfig
-from primepar_fx.models.resolve import model_example_inputs, resolve_model
+from primepar_fx.models.resolve import builds_examples, model_example_inputs, resolve_model
 from primepar_fx.models.zoo import ZOO, build, dynamic_shapes, example_inputs, get_config
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "DecoderConfig",
     "build",
     "build_hf_tiny",
+    "builds_examples",
     "dynamic_shapes",
     "example_inputs",
     "from_config",

@@ -29,6 +29,12 @@ def model_example_inputs(
     )
 
 
+def builds_examples(spec: str) -> bool:
+    """Whether :func:`resolve_model` makes ``spec``'s example inputs itself (a zoo name, ``hf:FAMILY``, a config
+    file) rather than a ``package.module:callable`` (which may return its own)."""
+    return is_config_file(spec) or spec in ZOO or spec.startswith("hf:")
+
+
 def resolve_model(
     spec: str, *, meta: bool = True, batch: int = 2, seq: int = 16, layers: int | None = None
 ) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], str]:
