@@ -103,6 +103,9 @@ def solve_for_peak(
             except InfeasibleBudget as exc:
                 smallest = min(smallest, exc.min_memory + cap)
                 continue
+            except CutOff:  # nothing within this cap beats the limit, proven before a plan within it was found
+                cut = cut or limit >= cutoff
+                continue
         if sol.cost >= cutoff:
             cut = True
             continue

@@ -41,6 +41,7 @@ import numpy as np
 from primepar_fx.search.dp import DPOptions, DPResult, DPSolver
 from primepar_fx.search.problem import (
     CostGraph,
+    CutOff,
     InfeasibleBudget,
     InfeasibleGraph,
     Reduced,
@@ -139,6 +140,8 @@ def budget_bound(
             least=least,
         )
         return found.bound
+    except CutOff as stopped:
+        return stopped.bound  # type: ignore[return-value]
     except (InfeasibleBudget, InfeasibleGraph):
         return math.inf
     except TableTooLarge:
@@ -225,7 +228,8 @@ def solve_budget_dp(
     """The cheapest plan within ``budget`` the Lagrangian search finds, with a proven lower bound.
 
     ``cutoff``: the caller has a plan of that cost already. Once the lower bound reaches it, no plan here can be
-    cheaper, so the search stops with what it has (its cost is then >= ``cutoff``, and not proven optimal).
+    cheaper, so the search stops with what it has (its cost is then >= ``cutoff``, and not proven optimal), or
+    raises :class:`CutOff` (with the bound) where it has no plan within the budget yet.
     ``solver``: a :class:`DPSolver` of ``graph`` already built; ``first``: its minimum at weight ``alpha``, when
     the caller has it (:class:`~primepar_fx.search.solve.Search` keeps both). ``hints``: multipliers to try first
     (:attr:`BudgetResult.multipliers` of a search of a similar budget); a hint whose plan fits replaces the
@@ -258,6 +262,8 @@ def solve_budget_dp(
                 hi, lam_hi = plan, lam
         elif plan.cost > lo.cost:  # a costlier plan over the budget: the crossing moves closer
             lo, lam_lo = plan, lam
+    if hi is None and bound >= cutoff:  # nothing within the budget can beat the caller's plan: said before the
+        raise CutOff(cutoff, bound)  # least-memory plan's DP run (it only gives a plan that does not)
     if hi is None:
         choice, smallest = least_memory(graph, options) if least is None else least
         if smallest > budget:

@@ -35,10 +35,10 @@ class InfeasibleGraph(SearchError):
 
 class CutOff(SearchError):
     """No plan within the budget is cheaper than the caller's ``cutoff`` (a plan it already has): the search
-    stopped without one."""
+    stopped without one. ``bound``: the lower bound it proved (at least ``cutoff``), where it has one."""
 
-    def __init__(self, cutoff: float) -> None:
-        self.cutoff = cutoff
+    def __init__(self, cutoff: float, bound: float | None = None) -> None:
+        self.cutoff, self.bound = cutoff, bound
         super().__init__(f"no plan within the budget is cheaper than the cutoff {cutoff:.6g}")
 
 

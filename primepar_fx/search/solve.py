@@ -121,7 +121,8 @@ class Search:
     ) -> Solution:
         """The cheapest plan (module docstring); ``cutoff`` (with a budget, DP and auto): the caller already has a
         plan of that cost, so the search may stop as soon as it proves that nothing here is cheaper; the plan it
-        returns then costs at least ``cutoff`` (within budget, not proven optimal). Below the cutoff the answer is
+        returns then costs at least ``cutoff`` (within budget, not proven optimal), or, where it has none within the
+        budget yet, it raises :class:`~primepar_fx.search.CutOff`. Below the cutoff the answer is
         the same as without it. ``hints``: Lagrange multipliers for the DP's budgeted search to try first
         (:attr:`Solution.multipliers` of a search of a similar budget; :func:`~primepar_fx.search.solve_budget_dp`)."""
         if not math.isfinite(alpha) or alpha < 0:

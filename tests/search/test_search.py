@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from primepar_fx.search import (
     CostGraph,
+    CutOff,
     DPOptions,
     DPSolver,
     InfeasibleBudget,
@@ -24,6 +25,7 @@ from primepar_fx.search import (
     Search,
     SearchError,
     TableTooLarge,
+    budget_bound,
     evaluate,
     least_memory,
     plan_memory,
@@ -277,15 +279,45 @@ def test_the_dp_never_returns_a_plan_above_the_budget_and_stays_within_the_ilp_b
 @given(seed=st.integers(0, 10**6), slack=st.floats(0.05, 0.5))
 def test_a_cutoff_above_the_optimum_changes_nothing_and_one_below_it_stops_early(seed, slack):
     """``cutoff``: a caller's better plan. Above the budgeted optimum the answer is the same; at or below it the
-    search returns a plan no cheaper than the cutoff, within budget, in no more DP runs."""
+    search returns a plan no cheaper than the cutoff, within budget, or (where it proves that before it has a plan
+    within budget) raises :class:`CutOff` with a bound at least the cutoff."""
     graph = fig6_stack(1, seed=seed, max_p=3)
     least, free = smallest_memory(graph), solve(graph, method="dp").memory
     budget = least + slack * (free - least)
     plain = solve(graph, method="auto", memory_budget=budget)
     above = solve(graph, method="auto", memory_budget=budget, cutoff=plain.cost * 1.01 + 1e-9)
     assert_close(above.cost, plain.cost)
-    below = solve(graph, method="dp", memory_budget=budget, cutoff=plain.cost * 0.99)
-    assert below.memory <= budget and below.cost >= plain.cost * (1 - REL) - REL
+    try:
+        below = solve(graph, method="dp", memory_budget=budget, cutoff=plain.cost * 0.99)
+    except CutOff as stopped:
+        assert stopped.bound is not None and stopped.bound >= plain.cost * 0.99
+    else:
+        assert below.memory <= budget and below.cost >= plain.cost * (1 - REL) - REL
+
+
+def test_a_cutoff_the_free_plan_reaches_stops_before_the_least_memory_plan(monkeypatch):
+    """Where the plan without a budget (a lower bound) already costs the cutoff and does not fit, nothing within
+    the budget can beat the caller's plan: :class:`CutOff` at once, carrying that bound, with no least-memory DP
+    run (which would only find a plan that does not beat it); :func:`budget_bound` returns the bound. A cutoff
+    above it runs the search as before."""
+    budget_module = importlib.import_module("primepar_fx.search.budget")
+    graph = fig6_stack(1, seed=3, max_p=3)
+    free = solve(graph, method="dp")
+    budget = smallest_memory(graph) + 0.5 * (free.memory - smallest_memory(graph))
+    runs = []
+    least = budget_module.least_memory
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return least(*args, **kwargs)
+
+    monkeypatch.setattr(budget_module, "least_memory", counted)
+    with pytest.raises(CutOff) as stopped:
+        solve_budget_dp(graph, budget, cutoff=free.cost)
+    assert stopped.value.bound == pytest.approx(free.cost, rel=1e-12) and not runs
+    assert budget_bound(graph, budget, free.cost) >= free.cost and not runs
+    found = solve_budget_dp(graph, budget, cutoff=free.cost * 2)
+    assert found.memory <= budget and runs
 
 
 def test_auto_closes_a_duality_gap_with_an_ilp_of_bounded_time_and_keeps_the_dp_plan_if_it_finds_none(monkeypatch):
