@@ -51,8 +51,7 @@ class CliError(Exception):
     """A bad argument or input the command line found itself: ``error: ...`` on stderr, exit status 2."""
 
 
-#: the example inputs' batch and sequence length where the command line does not set them
-DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
+DEFAULT_BATCH, DEFAULT_SEQ = 2, 16  # the example inputs' sizes where the command line does not set them
 
 
 def load_model(
@@ -93,10 +92,9 @@ def _check_seq(model: torch.nn.Module, seq: int | None, name: str) -> None:
 def _at_seq(
     model: torch.nn.Module, ex_args: tuple[Any, ...], ex_kwargs: dict[str, Any], args: argparse.Namespace
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The example inputs to capture with: of ``--seq`` tokens where it is longer than the default example's and
-    the inputs are the command line's own (not a ``package.module:callable``'s), else as given. A symbolic capture
-    is the same graph at any example length; a model whose length cannot stay symbolic is then captured once, at
-    the length it is planned at (on the meta device: nothing is allocated)."""
+    """The example inputs to capture with: ``--seq`` tokens long where that is longer than the default and the CLI
+    makes them (not a ``package.module:callable``), so that a model whose length cannot stay symbolic is captured
+    once, at the length planned (a symbolic capture is the same graph at any example length)."""
     from primepar_fx.models import builds_examples, model_example_inputs
 
     seq = getattr(args, "seq", None)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from primepar_fx.utils.configs import unset_fields
+from primepar_fx.utils.configs import unset_note
 
 _SYMBOLIC_SHAPES_LOGGER = "torch.fx.experimental.symbolic_shapes"
 DIM_NAMES = ("batch", "seq")
@@ -136,16 +136,15 @@ def capture_error(model_name: str, exc: BaseException, config: Any = None) -> Ca
     """``exc``, raised while exporting ``model_name``, as a :class:`CaptureError` that quotes it and names the
     innermost model line of its traceback (the model's forward failing on its example inputs: a config field left
     unset, an input it needs that the examples lack). Where the error is about ``None`` and the model's ``config``
-    leaves fields unset (:func:`~primepar_fx.utils.configs.unset_fields`), it names them."""
+    leaves fields unset (:func:`~primepar_fx.utils.configs.unset_note`), it names them."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _in_model(f.filename)]
     where = _source_line(frames[-1].filename, frames[-1].lineno or 0, frames[-1].name) if frames else None
     first = (str(exc).strip().splitlines() or [""])[0][:500]
     message = f"capturing {model_name} failed: {type(exc).__name__}: {first}"
     if where:
         message += f" (model source: {where})"
-    unset = unset_fields(config) if "None" in first else []
-    if unset:
-        message += f"; the model's config leaves {', '.join(unset)} unset, which a checkpoint's config sets"
+    if "None" in first:
+        message += unset_note(config, "the model's config")
     return CaptureError(message, location=where)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from primepar_fx.utils.configs import unset_fields
+from primepar_fx.utils.configs import unset_note
 
 logger = logging.getLogger(__name__)
 
@@ -253,17 +253,14 @@ def from_config(
     except ValueError as exc:
         raise ValueError(f"{where}: transformers has no causal LM for model_type {model_type!r} ({exc})") from None
     except Exception as exc:  # the model's constructor failed on this config: say which fields it may lack
-        unset = unset_fields(hf_config)
-        hint = f"; the config leaves {', '.join(unset)} unset, which a checkpoint's sets" if unset else ""
         raise ValueError(
-            f"{where}: transformers could not build its {model_type} model ({_first_line(exc)}){hint}"
+            f"{where}: transformers could not build its {model_type} model ({_first_line(exc)}){unset_note(hf_config)}"
         ) from exc
     model.train()
     logger.debug("built %s from %s (%d layers)", type(model).__name__, where, hf_config.num_hidden_layers)
     return model
 
 
-#: config fields that are null in many a real checkpoint's config.json (not worth naming when a build fails)
 def _first_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (transformers' validation errors run to several lines)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]

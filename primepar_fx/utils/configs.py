@@ -24,3 +24,10 @@ def unset_fields(config: Any) -> list[str]:
     if not isinstance(fields, dict):
         return []
     return [k for k, v in fields.items() if v is None and k not in OFTEN_NULL]
+
+
+def unset_note(config: Any, whose: str = "the config") -> str:
+    """``"; <whose> leaves a, b unset, which a checkpoint's config sets"`` for :func:`unset_fields`, or ``""``: the
+    end of an error message where a model built from ``config`` failed."""
+    unset = unset_fields(config)
+    return f"; {whose} leaves {', '.join(unset)} unset, which a checkpoint's config sets" if unset else ""
