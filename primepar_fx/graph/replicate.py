@@ -23,8 +23,12 @@ When layer 1 does not repeat layer 0 (layer 0 built a cache that later layers re
 does), three layers are captured and layers 1 and 2 are the template. When the model has no such stack, or
 neither pair repeats, the full model is captured instead. The check sees only the first layers: a model whose
 forward treats a later layer differently (say every fourth layer with another attention) must be captured whole
-(``primepar_fx.plan(..., replicate_layers=False)``, ``primepar-fx plan --full-capture``). A Hugging Face
-config's ``layer_types`` that are not all the same are detected and captured whole.
+(``primepar_fx.plan(..., replicate_layers=False)``, ``primepar-fx plan --full-capture``).
+
+A Hugging Face config's ``layer_types`` that are not all the same (sliding-window and full attention in turn, as
+Gemma 2 and GPT-OSS have) repeat with a *period* ``p``: there the unit replicated is ``p`` consecutive layers
+instead of one (two units captured, ``2p`` layers), where ``p`` divides the depth into more than two units; else
+the model is captured whole. Everything above then reads "unit" for "layer".
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import networkx as nx
 from torch import fx, nn
@@ -53,8 +58,32 @@ def _signature(module: nn.Module) -> tuple:
     return type(module), tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in tensors)
 
 
-def find_layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The ``(fqn, list)`` of the model's largest stack of more than two identical layers, or ``None``."""
+class Stack(NamedTuple):
+    """A model's layer stack: its FQN, the module list and the period of its layers' types (1: all alike)."""
+
+    fqn: str
+    layers: nn.ModuleList
+    period: int
+
+
+def layer_period(types: Sequence[Any] | None, count: int) -> int | None:
+    """The fewest layers after which ``types`` (a config's ``layer_types``) repeat where that divides the ``count``
+    layers into more than two units; 1 where there are no types or all are one; ``None`` otherwise (and where the
+    list does not have one entry per layer)."""
+    if types is None or len(set(types)) <= 1:
+        return 1
+    types = list(types)
+    if len(types) != count:
+        return None
+    for period in range(2, count // 3 + 1):
+        if count % period == 0 and all(t == types[i % period] for i, t in enumerate(types)):
+            return period
+    return None
+
+
+def find_layer_stack(model: nn.Module) -> Stack | None:
+    """The model's largest stack of more than two identical layers, with the period of its ``config.layer_types``
+    (:func:`layer_period`), or ``None``."""
     best: tuple[int, str, nn.ModuleList] | None = None
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) <= 2 or not fqn:
@@ -68,10 +97,16 @@ def find_layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     if best is None:
         return None
     types = getattr(getattr(model, "config", None), "layer_types", None)
-    if types is not None and len(set(types)) > 1:
-        log.info("layer stack %s: config.layer_types differ (%s); capturing whole", best[1], sorted(set(types)))
+    period = layer_period(types, len(best[2]))
+    if period is None:
+        log.info(
+            "layer stack %s: config.layer_types differ (%s) and do not repeat in units of more than two; capturing "
+            "whole",
+            best[1],
+            sorted(set(types)),  # type: ignore[arg-type]
+        )
         return None
-    return best[1], best[2]
+    return Stack(best[1], best[2], period)
 
 
 def _set_submodule(model: nn.Module, fqn: str, value: nn.Module) -> None:
@@ -102,11 +137,12 @@ def analyze_replicated(
     found = find_layer_stack(model)
     whole = dict(name=name, seq_max=seq_max)
     if found is not None:
-        fqn, stack = found
-        for first in (0, 1):  # layers 0 and 1 as the template, else layers 1 and 2 (layer 0 set up a cache)
-            if len(stack) <= first + 2:
+        fqn, stack, period = found
+        units = len(stack) // period
+        for first in (0, 1):  # units 0 and 1 as the template, else units 1 and 2 (layer 0 set up a cache)
+            if units <= first + 2:
                 break
-            _set_submodule(model, fqn, nn.ModuleList(list(stack)[: first + 2]))
+            _set_submodule(model, fqn, nn.ModuleList(list(stack)[: (first + 2) * period]))
             try:
                 short = graph_of(  # few layers: no FakeTensor cache
                     lambda static: capture(
@@ -117,9 +153,10 @@ def analyze_replicated(
             finally:
                 _set_submodule(model, fqn, stack)
             try:
-                return replicate(short, fqn, len(stack), first=first)
+                return replicate(short, fqn, len(stack), first=first, period=period)
             except NotRepeated as exc:
-                log.info("layer stack %s: layer %d does not repeat layer %d (%s)", fqn, first + 1, first, exc)
+                what = "layer" if period == 1 else f"unit of {period} layers"
+                log.info("layer stack %s: %s %d does not repeat %s %d (%s)", fqn, what, first + 1, what, first, exc)
         log.warning("layer stack %s does not repeat; capturing the whole model", fqn)
     # FakeTensor's dispatch cache pays where many modules of a list repeat their ops (a deep stack that does not
     # repeat exactly, or whose config says its layers differ); a shallow model is captured faster without it
@@ -156,10 +193,11 @@ class _Layout:
     per_layer: Counter  # name base -> op nodes of that name per layer (every op node, not only compute nodes)
 
 
-def _cut(short: OpGraph, fqn: str, first: int) -> _Layout:
-    """Cut the op nodes where layers ``first`` and ``first + 1`` start; a layer's unit runs to the next one's start.
+def _cut(short: OpGraph, fqn: str, first: int, period: int = 1) -> _Layout:
+    """Cut the op nodes where units ``first`` and ``first + 1`` (of ``period`` layers each) start; a unit runs to
+    the next one's start.
 
-    A unit holds the layer's own nodes and any the loop around it adds (a residual ``add`` outside the layer's
+    A unit holds its layers' own nodes and any the loop around them adds (a residual ``add`` outside the layer's
     module); the second unit is as long as the first, and the rest is after the stack. Earlier layers count as
     nodes before the stack.
     """
@@ -171,9 +209,9 @@ def _cut(short: OpGraph, fqn: str, first: int) -> _Layout:
     for base, nums in numbers.items():
         if nums[0] > 1 or nums != list(range(nums[0], nums[0] + len(nums))):  # capture() numbers densely
             raise NotRepeated(f"the {base} nodes are not numbered consecutively")
-    tags = [_layer_of(n, fqn) for n in ops]
+    tags = [None if (layer := _layer_of(n, fqn)) is None else layer // period for n in ops]
     if first not in tags or first + 1 not in tags:
-        raise NotRepeated(f"no node was traced inside layer {first} and layer {first + 1}")
+        raise NotRepeated(f"no node was traced inside unit {first} and unit {first + 1}")
     start, second = tags.index(first), tags.index(first + 1)
     third = second + (second - start)
     if tags[second:third] != [None if t is None else t + 1 for t in tags[start:second]]:
@@ -188,10 +226,13 @@ def _cut(short: OpGraph, fqn: str, first: int) -> _Layout:
     return _Layout(kept(ops[:start]), layers, kept(ops[third:]), per_layer)
 
 
-def _param_renamer(fqn: str, first: int):
-    def rename(param: str, layer: int) -> str:  # a parameter of layer ``first`` -> the same one of ``layer``
-        head = f"{fqn}.{first}."
-        return f"{fqn}.{layer}.{param[len(head) :]}" if param.startswith(head) else param
+def _param_renamer(fqn: str, first: int, period: int = 1):
+    heads = {f"{fqn}.{first * period + r}.": r for r in range(period)}  # the template unit's layers
+
+    def rename(param: str, unit: int) -> str:  # a parameter of unit ``first`` -> the same one of ``unit``
+        head = param[: param.find(".", len(fqn) + 1) + 1] if param.startswith(fqn + ".") else ""
+        r = heads.get(head)
+        return param if r is None else f"{fqn}.{unit * period + r}.{param[len(head) :]}"
 
     return rename
 
@@ -236,23 +277,28 @@ def _check_repeat(short: OpGraph, rename, first: int, cut: _Layout) -> dict[str,
     return carried
 
 
-def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0) -> OpGraph:
-    """The ``count``-layer graph from ``short``, the graph of the model with the stack ``fqn`` cut to ``first + 2``.
+def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0, period: int = 1) -> OpGraph:
+    """The ``count``-layer graph from ``short``, the graph of the model with the stack ``fqn`` cut to
+    ``(first + 2) * period`` layers.
 
-    Layers ``first`` and ``first + 1`` are the template; earlier ones stay as they were captured. Raises
-    :class:`NotRepeated` when layer ``first + 1`` does not repeat layer ``first``.
+    Units ``first`` and ``first + 1`` (each of ``period`` consecutive layers; ``period`` divides ``count``) are the
+    template; earlier ones stay as they were captured. Raises :class:`NotRepeated` when unit ``first + 1`` does not
+    repeat unit ``first``. Below, "layer" reads "unit".
 
     The steps: cut the short graph at the layers (:func:`_cut`), check that the template repeats
     (:func:`_check_repeat`), name every node of the whole graph (:func:`_name_nodes`), wire each to its inputs
     (:func:`_wire`, :func:`_digraph`) and write the parameter tables out layer by layer (:func:`_whole_table`).
     """
-    cut = _cut(short, fqn, first)
-    rename = _param_renamer(fqn, first)
+    if count % period:
+        raise ValueError(f"a period of {period} layers does not divide the {count} layers of {fqn}")
+    units = count // period
+    cut = _cut(short, fqn, first, period)
+    rename = _param_renamer(fqn, first, period)
     carried = _check_repeat(short, rename, first, cut)
-    named = _name_nodes(short, cut, rename, first, count)
-    origin, inputs = _wire(short, cut, carried, named, first, count)
+    named = _name_nodes(short, cut, rename, first, units)
+    origin, inputs = _wire(short, cut, carried, named, first, units)
     g = _digraph(named.nodes, inputs)
-    stack = LayerStack(fqn=fqn, count=count, captured=first + 2)
+    stack = LayerStack(fqn=fqn, count=count, captured=(first + 2) * period)
     log.info(
         "graph %s: %d compute nodes from %d captured (%s: %d layers)",
         short.name,
@@ -261,14 +307,14 @@ def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0) -> OpGrap
         fqn,
         count,
     )
-    layers = range(first, count)
+    layers = range(first, units)
     return OpGraph(
         short.captured,
         named.nodes,
         g,
-        _whole_table(short.param_shapes, fqn, first, layers, rename),
-        _whole_table(short.param_dtypes, fqn, first, layers, rename),
-        _whole_table(short.tied, fqn, first, layers, rename),
+        _whole_table(short.param_shapes, fqn, first, layers, rename, period),
+        _whole_table(short.param_dtypes, fqn, first, layers, rename, period),
+        _whole_table(short.tied, fqn, first, layers, rename, period),
         replicated=stack,
         origin=origin,
         inputs=inputs,
@@ -361,14 +407,15 @@ def _digraph(nodes: dict[str, OpNode], inputs: dict[str, tuple[str | None, ...]]
     return g
 
 
-def _whole_table(table: dict, fqn: str, first: int, layers: range, rename) -> dict:
-    """A table keyed by parameter FQN (shapes, dtypes, ties) for the whole graph: the template's entries layer by
-    layer, in place of the two template layers' entries; every other entry as it is."""
-    head, skip = f"{fqn}.{first}.", f"{fqn}.{first + 1}."
+def _whole_table(table: dict, fqn: str, first: int, layers: range, rename, period: int = 1) -> dict:
+    """A table keyed by parameter FQN (shapes, dtypes, ties) for the whole graph: the template's entries unit by
+    unit, in place of the two template units' entries; every other entry as it is."""
+    head = tuple(f"{fqn}.{first * period + r}." for r in range(period))
+    skip = tuple(f"{fqn}.{(first + 1) * period + r}." for r in range(period))
     template = [(k, v) for k, v in table.items() if k.startswith(head)]
     out = {}
     for key, value in table.items():
-        if key.startswith((head, skip)):
+        if key.startswith(head + skip):
             if key == template[0][0]:
                 for layer in layers:
                     for k, v in template:

@@ -13,7 +13,7 @@ from primepar_fx import analyze
 from primepar_fx import plan as make_plan
 from primepar_fx.compiler.module import compile_graph
 from primepar_fx.frontend.capture import capture, split_name
-from primepar_fx.graph.replicate import find_layer_stack
+from primepar_fx.graph.replicate import find_layer_stack, layer_period
 from primepar_fx.models import build, example_inputs, get_config
 
 LAYERS = 4
@@ -190,6 +190,28 @@ def test_more_hugging_face_families_replicate_exactly(family):
     model, ex = _hf_causal_lm(family)
     full, rep = both(model, *ex)
     assert rep.replicated is not None
+    assert_same_graph(full, rep)
+
+
+def test_the_period_of_layer_types():
+    assert layer_period(None, 6) == layer_period(["full"] * 6, 6) == 1
+    assert layer_period(["sliding", "full"] * 3, 6) == 2
+    assert layer_period(["sliding"] * 3 + ["full"], 4) is None  # no period divides 4 into three or more units
+    assert layer_period((["sliding"] * 3 + ["full"]) * 3, 12) == 4
+    assert layer_period(["sliding", "full"] * 2, 4) is None  # two units: nothing to save
+    assert layer_period(["sliding", "full", "full"] * 2, 6) is None
+    assert layer_period(["sliding", "full"] * 3, 8) is None  # not one type per layer
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_layers_whose_types_alternate_replicate_in_units(family):
+    """Sliding-window and full attention in turn: two units of two layers captured, the graph the full capture's."""
+    from primepar_fx.models.hf import build_hf_tiny, hf_example_inputs
+
+    model = build_hf_tiny(family, layers=6)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 3
+    full, rep = both(model, *hf_example_inputs(model, 2, 16))
+    assert rep.replicated is not None and (rep.replicated.count, rep.replicated.captured) == (6, 4)
     assert_same_graph(full, rep)
 
 
