@@ -27,8 +27,11 @@ forward treats a later layer differently (say every fourth layer with another at
 
 A Hugging Face config's ``layer_types`` that are not all the same (sliding-window and full attention in turn, as
 Gemma 2 and GPT-OSS have) repeat with a *period* ``p``: there the unit replicated is ``p`` consecutive layers
-instead of one (two units captured, ``2p`` layers), where ``p`` divides the depth into more than two units; else
-the model is captured whole. Everything above then reads "unit" for "layer".
+instead of one, where the depth holds more than two units; else the model is captured whole. Everything above
+then reads "unit" for "layer". A depth that ``p`` does not divide (Gemma 3's 62 layers in units of 6) ends in a
+*tail* of ``r < p`` layers, the first ``r`` of a unit: two units and the tail are captured (``2p + r`` layers),
+the tail is checked to repeat the start of the second unit, and it is written out after the last unit, before
+the nodes after the stack.
 """
 
 from __future__ import annotations
@@ -67,16 +70,16 @@ class Stack(NamedTuple):
 
 
 def layer_period(types: Sequence[Any] | None, count: int) -> int | None:
-    """The fewest layers after which ``types`` (a config's ``layer_types``) repeat where that divides the ``count``
-    layers into more than two units; 1 where there are no types or all are one; ``None`` otherwise (and where the
-    list does not have one entry per layer)."""
+    """The fewest layers after which ``types`` (a config's ``layer_types``) repeat, where the ``count`` layers hold
+    more than two such units (a tail of fewer may follow: the first layers of a unit); 1 where there are no types
+    or all are one; ``None`` otherwise (and where the list does not have one entry per layer)."""
     if types is None or len(set(types)) <= 1:
         return 1
     types = list(types)
     if len(types) != count:
         return None
     for period in range(2, count // 3 + 1):
-        if count % period == 0 and all(t == types[i % period] for i, t in enumerate(types)):
+        if all(t == types[i % period] for i, t in enumerate(types)):
             return period
     return None
 
@@ -138,11 +141,11 @@ def analyze_replicated(
     whole = dict(name=name, seq_max=seq_max)
     if found is not None:
         fqn, stack, period = found
-        units = len(stack) // period
+        units, tail = divmod(len(stack), period)
         for first in (0, 1):  # units 0 and 1 as the template, else units 1 and 2 (layer 0 set up a cache)
             if units <= first + 2:
                 break
-            _set_submodule(model, fqn, nn.ModuleList(list(stack)[: (first + 2) * period]))
+            _set_submodule(model, fqn, nn.ModuleList(list(stack)[: (first + 2) * period + tail]))
             try:
                 short = graph_of(  # few layers: no FakeTensor cache
                     lambda static: capture(
@@ -185,21 +188,22 @@ def _numbered(base: str, num: int) -> str:
 
 @dataclasses.dataclass
 class _Layout:
-    """The short graph cut into the nodes before the stack, its two layers and the nodes after it."""
+    """The short graph cut into the nodes before the stack, its two units, the tail and the nodes after it."""
 
     pre: list[str]
     layers: tuple[list[str], list[str]]
     post: list[str]
-    per_layer: Counter  # name base -> op nodes of that name per layer (every op node, not only compute nodes)
+    per_layer: Counter  # name base -> op nodes of that name per unit (every op node, not only compute nodes)
+    tail: list[str] = dataclasses.field(default_factory=list)  # the tail's nodes (the first ones of a unit)
 
 
-def _cut(short: OpGraph, fqn: str, first: int, period: int = 1) -> _Layout:
+def _cut(short: OpGraph, fqn: str, first: int, period: int = 1, tail: int = 0) -> _Layout:
     """Cut the op nodes where units ``first`` and ``first + 1`` (of ``period`` layers each) start; a unit runs to
     the next one's start.
 
     A unit holds its layers' own nodes and any the loop around them adds (a residual ``add`` outside the layer's
-    module); the second unit is as long as the first, and the rest is after the stack. Earlier layers count as
-    nodes before the stack.
+    module); the second unit is as long as the first, then come the ``tail`` layers (as long as the first unit up
+    to its layer ``tail``), and the rest is after the stack. Earlier layers count as nodes before the stack.
     """
     ops = [n for n in short.captured.gm.graph.nodes if n.op == "call_function"]
     numbers: dict[str, list[int]] = {}
@@ -209,21 +213,32 @@ def _cut(short: OpGraph, fqn: str, first: int, period: int = 1) -> _Layout:
     for base, nums in numbers.items():
         if nums[0] > 1 or nums != list(range(nums[0], nums[0] + len(nums))):  # capture() numbers densely
             raise NotRepeated(f"the {base} nodes are not numbered consecutively")
-    tags = [None if (layer := _layer_of(n, fqn)) is None else layer // period for n in ops]
+    layer_tags = [_layer_of(n, fqn) for n in ops]
+    tags = [None if layer is None else layer // period for layer in layer_tags]
     if first not in tags or first + 1 not in tags:
         raise NotRepeated(f"no node was traced inside unit {first} and unit {first + 1}")
     start, second = tags.index(first), tags.index(first + 1)
     third = second + (second - start)
     if tags[second:third] != [None if t is None else t + 1 for t in tags[start:second]]:
-        raise NotRepeated(f"layer {first + 1}'s nodes from {ops[second].name} on are not laid out as layer {first}'s")
-    if any(t is not None and t >= first for t in tags[:start]) or any(t is not None for t in tags[third:]):
+        raise NotRepeated(f"unit {first + 1}'s nodes from {ops[second].name} on are not laid out as unit {first}'s")
+    end = third
+    if tail:
+        # the tail repeats the first unit up to the start of its layer ``tail``, two units on
+        unit = layer_tags[start:second]
+        if first * period + tail not in unit:
+            raise NotRepeated(f"no node was traced inside layer {first * period + tail}")
+        end = third + unit.index(first * period + tail)
+        shifted = [None if t is None else t + 2 * period for t in layer_tags[start : start + end - third]]
+        if layer_tags[third:end] != shifted:
+            raise NotRepeated(f"the last {tail} layers are not laid out as the first {tail} of a unit")
+    if any(t is not None and t >= first for t in tags[:start]) or any(t is not None for t in tags[end:]):
         raise NotRepeated("a node of the stack lies outside its layers' units")
     kept = lambda nodes: [n.name for n in nodes if n.name in short.nodes]  # noqa: E731
     per_layer = Counter(split_name(n.name)[0] for n in ops[second:third])
     layers = (kept(ops[start:second]), kept(ops[second:third]))
     if not layers[0]:
         raise NotRepeated(f"layer {first} has no compute node")
-    return _Layout(kept(ops[:start]), layers, kept(ops[third:]), per_layer)
+    return _Layout(kept(ops[:start]), layers, kept(ops[end:]), per_layer, kept(ops[third:end]))
 
 
 def _param_renamer(fqn: str, first: int, period: int = 1):
@@ -270,11 +285,40 @@ def _check_repeat(short: OpGraph, rename, first: int, cut: _Layout) -> dict[str,
     shared = {u for n in l0 for u in _inputs(short, n).values() if u not in where and u not in carried}
     if shared & carried.keys():
         raise NotRepeated(f"{sorted(shared & carried.keys())[0]} is both carried and shared")
-    for n in cut.post:
+    for n in cut.tail + cut.post:
         for u in _inputs(short, n).values():
             if where.get(u, (1,))[0] == 0:
                 raise NotRepeated(f"{n}, after the stack, reads layer {first}'s {u}")
     return carried
+
+
+def _check_tail(short: OpGraph, rename, first: int, cut: _Layout) -> None:
+    """Check that the tail repeats the start of the second template unit: the same nodes (numbered a unit past its
+    nodes), reading the tail's own nodes where it reads its own, the second unit's where it reads the first's,
+    and the same nodes before the stack."""
+    l0, l1 = cut.layers
+    own = {n: j for j, n in enumerate(l1)}
+    before = {n: j for j, n in enumerate(l0)}
+    for j, c in enumerate(cut.tail):
+        a, b = l0[j], l1[j]
+        same = dataclasses.replace(
+            short.nodes[a], name=c, params=tuple(rename(p, first + 2) for p in short.nodes[a].params)
+        )
+        if same != short.nodes[c]:
+            raise NotRepeated(f"the tail's {c} differs from {b}")
+        base, num = split_name(b)
+        if split_name(c) != (base, num + cut.per_layer[base]):
+            raise NotRepeated(f"{c} is not numbered {cut.per_layer[base]} past {b}")
+        ins_b, ins_c = _inputs(short, b), _inputs(short, c)
+        if ins_b.keys() != ins_c.keys():
+            raise NotRepeated(f"{b} and {c} take different inputs")
+        for slot, ub in ins_b.items():
+            if ub in own:  # the unit's own node: the tail's at that place
+                want = cut.tail[own[ub]] if own[ub] < len(cut.tail) else None
+            else:  # the first unit's (carried): the second's at that place; a node before the stack: itself
+                want = l1[before[ub]] if ub in before else ub
+            if ins_c[slot] != want:
+                raise NotRepeated(f"input {slot} of {c} ({ins_c[slot]}) does not repeat input {slot} of {b} ({ub})")
 
 
 def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0, period: int = 1) -> OpGraph:
@@ -289,16 +333,20 @@ def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0, period: i
     (:func:`_check_repeat`), name every node of the whole graph (:func:`_name_nodes`), wire each to its inputs
     (:func:`_wire`, :func:`_digraph`) and write the parameter tables out layer by layer (:func:`_whole_table`).
     """
-    if count % period:
-        raise ValueError(f"a period of {period} layers does not divide the {count} layers of {fqn}")
-    units = count // period
-    cut = _cut(short, fqn, first, period)
+    units, tail = divmod(count, period)
+    cut = _cut(short, fqn, first, period, tail)
     rename = _param_renamer(fqn, first, period)
     carried = _check_repeat(short, rename, first, cut)
-    named = _name_nodes(short, cut, rename, first, units)
+    if cut.tail:
+        _check_tail(short, rename, first, cut)
+    # from here on the tail is written out as the nodes after the stack are: numbered past the units the short graph
+    # lacks, its parameters those of the model's last layers
+    later = _tail_renamer(fqn, (first + 2) * period, (units - first - 2) * period)
+    cut = dataclasses.replace(cut, post=cut.tail + cut.post, tail=[])
+    named = _name_nodes(short, cut, rename, first, units, later)
     origin, inputs = _wire(short, cut, carried, named, first, units)
     g = _digraph(named.nodes, inputs)
-    stack = LayerStack(fqn=fqn, count=count, captured=(first + 2) * period)
+    stack = LayerStack(fqn=fqn, count=count, captured=(first + 2) * period + tail)
     log.info(
         "graph %s: %d compute nodes from %d captured (%s: %d layers)",
         short.name,
@@ -312,9 +360,9 @@ def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0, period: i
         short.captured,
         named.nodes,
         g,
-        _whole_table(short.param_shapes, fqn, first, layers, rename, period),
-        _whole_table(short.param_dtypes, fqn, first, layers, rename, period),
-        _whole_table(short.tied, fqn, first, layers, rename, period),
+        _whole_table(short.param_shapes, fqn, first, layers, rename, period, later),
+        _whole_table(short.param_dtypes, fqn, first, layers, rename, period, later),
+        _whole_table(short.tied, fqn, first, layers, rename, period, later),
         replicated=stack,
         origin=origin,
         inputs=inputs,
@@ -337,7 +385,7 @@ def _layer_name(name: str, layer: int, first: int, per_layer: Counter) -> str:
     return _numbered(base, num + (layer - first) * per_layer[base])
 
 
-def _name_nodes(short: OpGraph, cut: _Layout, rename, first: int, count: int) -> _Named:
+def _name_nodes(short: OpGraph, cut: _Layout, rename, first: int, count: int, later=lambda p: p) -> _Named:
     """Every node of the whole graph, named as the full capture names it: the nodes before the stack as captured,
     the first template layer once per layer ``first .. count - 1`` (with that layer's parameters), then the nodes
     after the stack, numbered past the layers the short graph lacks."""
@@ -354,7 +402,8 @@ def _name_nodes(short: OpGraph, cut: _Layout, rename, first: int, count: int) ->
     captured = first + 2
     after = {n: _layer_name(n, count - captured + first, first, cut.per_layer) for n in cut.post}
     for n in cut.post:
-        nodes[after[n]] = dataclasses.replace(short.nodes[n], name=after[n])
+        node = short.nodes[n]
+        nodes[after[n]] = dataclasses.replace(node, name=after[n], params=tuple(later(p) for p in node.params))
     if len(nodes) != len(cut.pre) + len(layers) * len(cut.layers[0]) + len(cut.post):
         raise NotRepeated("two replicated nodes would share a name")
     return _Named(nodes, names, after)
@@ -407,9 +456,9 @@ def _digraph(nodes: dict[str, OpNode], inputs: dict[str, tuple[str | None, ...]]
     return g
 
 
-def _whole_table(table: dict, fqn: str, first: int, layers: range, rename, period: int = 1) -> dict:
+def _whole_table(table: dict, fqn: str, first: int, layers: range, rename, period: int = 1, later=lambda p: p) -> dict:
     """A table keyed by parameter FQN (shapes, dtypes, ties) for the whole graph: the template's entries unit by
-    unit, in place of the two template units' entries; every other entry as it is."""
+    unit, in place of the two template units' entries; every other entry as it is, the tail's renamed ``later``."""
     head = tuple(f"{fqn}.{first * period + r}." for r in range(period))
     skip = tuple(f"{fqn}.{(first + 1) * period + r}." for r in range(period))
     template = [(k, v) for k, v in table.items() if k.startswith(head)]
@@ -421,5 +470,18 @@ def _whole_table(table: dict, fqn: str, first: int, layers: range, rename, perio
                     for k, v in template:
                         out[rename(k, layer)] = rename(v, layer) if isinstance(v, str) else v
         else:
-            out[key] = value
+            out[later(key)] = later(value) if isinstance(value, str) else value
     return out
+
+
+def _tail_renamer(fqn: str, start: int, by: int):
+    """A parameter of the stack's layer ``start`` or later (the tail's, in the short capture) -> the same one of the
+    layer ``by`` later; any other as it is."""
+
+    def later(param: str) -> str:
+        index, dot, rest = param[len(fqn) + 1 :].partition(".") if param.startswith(fqn + ".") else ("", "", "")
+        if not dot or not index.isdigit() or int(index) < start:
+            return param
+        return f"{fqn}.{int(index) + by}.{rest}"
+
+    return later

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -125,6 +126,23 @@ def test_layers_that_do_not_repeat_are_captured_whole():
     assert_same_graph(full, rep)
 
 
+def test_units_after_a_layer_that_differs_and_a_tail_that_does_not_repeat(caplog):
+    x = torch.randn(2, 5, 8)
+    model = _Stack(9, same_layers=False)  # layer 1 differs: units 1 to 3 of two layers and the tail repeat
+    model.config = type("Config", (), {"layer_types": ["a", "b"] * 4 + ["a"]})()
+    full, rep = both(model, (x,), {})
+    assert rep.replicated is not None and (rep.replicated.count, rep.replicated.captured) == (9, 7)
+    assert_same_graph(full, rep)
+    model = _Stack(9)
+    model.config = type("Config", (), {"layer_types": ["a", "b"] * 4 + ["a"]})()
+    model.layers[6].index = 1  # the short capture's tail (units 1 and 2 from layer 2 on, then 6) is not a unit's start
+    with caplog.at_level(logging.INFO, logger="primepar_fx.graph.replicate"):
+        full, rep = both(model, (x,), {})
+    assert "the tail's" in caplog.text  # units 1 and 2 repeat; the tail does not
+    assert rep.replicated is None
+    assert_same_graph(full, rep)
+
+
 def test_no_layer_stack():
     assert find_layer_stack(_Stack(2)) is None  # two layers: nothing to save
     assert find_layer_stack(nn.Sequential(nn.Linear(4, 4))) is None
@@ -196,22 +214,24 @@ def test_more_hugging_face_families_replicate_exactly(family):
 def test_the_period_of_layer_types():
     assert layer_period(None, 6) == layer_period(["full"] * 6, 6) == 1
     assert layer_period(["sliding", "full"] * 3, 6) == 2
-    assert layer_period(["sliding"] * 3 + ["full"], 4) is None  # no period divides 4 into three or more units
+    assert layer_period(["sliding"] * 3 + ["full"], 4) is None  # four layers hold no three units of two or more
     assert layer_period((["sliding"] * 3 + ["full"]) * 3, 12) == 4
+    assert layer_period((["sliding"] * 5 + ["full"]) * 3 + ["sliding"] * 2, 20) == 6  # and a tail of two
     assert layer_period(["sliding", "full"] * 2, 4) is None  # two units: nothing to save
     assert layer_period(["sliding", "full", "full"] * 2, 6) is None
     assert layer_period(["sliding", "full"] * 3, 8) is None  # not one type per layer
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_layers_whose_types_alternate_replicate_in_units(family):
-    """Sliding-window and full attention in turn: two units of two layers captured, the graph the full capture's."""
+@pytest.mark.parametrize(("family", "layers"), [("gemma2", 6), ("gpt_oss", 7)])
+def test_layers_whose_types_alternate_replicate_in_units(family, layers):
+    """Sliding-window and full attention in turn: two units of two layers captured (and the tail of one layer
+    where the depth is odd), the graph the full capture's."""
     from primepar_fx.models.hf import build_hf_tiny, hf_example_inputs
 
-    model = build_hf_tiny(family, layers=6)
-    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 3
+    model = build_hf_tiny(family, layers=layers)
+    assert model.config.layer_types == (["sliding_attention", "full_attention"] * 4)[:layers]
     full, rep = both(model, *hf_example_inputs(model, 2, 16))
-    assert rep.replicated is not None and (rep.replicated.count, rep.replicated.captured) == (6, 4)
+    assert rep.replicated is not None and (rep.replicated.count, rep.replicated.captured) == (layers, 4 + layers % 2)
     assert_same_graph(full, rep)
 
 
