@@ -256,22 +256,30 @@ def _inputs(graph: OpGraph, node: str) -> dict[int, str]:
     return {i: u for i, u in enumerate(graph.input_names(node)) if u is not None}
 
 
+def _repeated_inputs(
+    short: OpGraph, a: str, prev: str, b: str, params: tuple[str, ...], advance: int
+) -> tuple[dict[int, str], dict[int, str]]:
+    """Check that ``b`` is ``a`` with ``params`` and numbered ``advance`` past ``prev`` (``a`` or a repeat of it);
+    return the inputs of ``prev`` and ``b`` by slot, which must be the same slots."""
+    if dataclasses.replace(short.nodes[a], name=b, params=params) != short.nodes[b]:
+        raise NotRepeated(f"{b} differs from {a}")
+    base, num = split_name(prev)
+    if split_name(b) != (base, num + advance):
+        raise NotRepeated(f"{b} is not numbered {advance} past {prev}")
+    ins_prev, ins_b = _inputs(short, prev), _inputs(short, b)
+    if ins_prev.keys() != ins_b.keys():
+        raise NotRepeated(f"{prev} and {b} take different inputs")
+    return ins_prev, ins_b
+
+
 def _check_repeat(short: OpGraph, rename, first: int, cut: _Layout) -> dict[str, int]:
     """Check that the second template layer repeats the first; return the carried inputs: node before -> index."""
     l0, l1 = cut.layers
     where = {n: (0, j) for j, n in enumerate(l0)} | {n: (1, j) for j, n in enumerate(l1)}
     carried: dict[str, int] = {}
     for a, b in zip(l0, l1):
-        na, nb = short.nodes[a], short.nodes[b]
-        same = dataclasses.replace(na, name=nb.name, params=tuple(rename(p, first + 1) for p in na.params))
-        if same != nb:
-            raise NotRepeated(f"layer {first + 1}'s {b} differs from layer {first}'s {a}")
-        base, num = split_name(a)
-        if split_name(b) != (base, num + cut.per_layer[base]):
-            raise NotRepeated(f"{b} is not numbered {cut.per_layer[base]} past {a}")
-        ins_a, ins_b = _inputs(short, a), _inputs(short, b)
-        if ins_a.keys() != ins_b.keys():
-            raise NotRepeated(f"{a} and {b} take different inputs")
+        params = tuple(rename(p, first + 1) for p in short.nodes[a].params)
+        ins_a, ins_b = _repeated_inputs(short, a, a, b, params, cut.per_layer[split_name(a)[0]])
         for slot, ub in ins_b.items():
             ua = ins_a[slot]
             layer, j = where.get(ub, (None, None))
@@ -301,17 +309,11 @@ def _check_tail(short: OpGraph, rename, first: int, cut: _Layout) -> None:
     before = {n: j for j, n in enumerate(l0)}
     for j, c in enumerate(cut.tail):
         a, b = l0[j], l1[j]
-        same = dataclasses.replace(
-            short.nodes[a], name=c, params=tuple(rename(p, first + 2) for p in short.nodes[a].params)
-        )
-        if same != short.nodes[c]:
-            raise NotRepeated(f"the tail's {c} differs from {b}")
-        base, num = split_name(b)
-        if split_name(c) != (base, num + cut.per_layer[base]):
-            raise NotRepeated(f"{c} is not numbered {cut.per_layer[base]} past {b}")
-        ins_b, ins_c = _inputs(short, b), _inputs(short, c)
-        if ins_b.keys() != ins_c.keys():
-            raise NotRepeated(f"{b} and {c} take different inputs")
+        params = tuple(rename(p, first + 2) for p in short.nodes[a].params)
+        try:
+            ins_b, ins_c = _repeated_inputs(short, a, b, c, params, cut.per_layer[split_name(a)[0]])
+        except NotRepeated as exc:
+            raise NotRepeated(f"the tail's {exc}") from None
         for slot, ub in ins_b.items():
             if ub in own:  # the unit's own node: the tail's at that place
                 want = cut.tail[own[ub]] if own[ub] < len(cut.tail) else None
