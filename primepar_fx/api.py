@@ -38,9 +38,10 @@ def analyze(
     sequence length the capture allows (default: the model config's ``max_position_embeddings`` or ``max_seq``).
 
     ``fallback="replicate"`` runs ops without a rule replicated instead of raising
-    :class:`~primepar_fx.rules.registry.MissingRuleError`. ``replicate_layers=True`` captures two layers of the
-    model's layer stack and replicates them (:mod:`primepar_fx.graph.replicate`): the same nodes, names and edges, in a
-    fraction of the time, but a graph that can be planned and not compiled.
+    :class:`~primepar_fx.rules.registry.MissingRuleError`. ``replicate_layers=True`` captures two layers (two
+    units where the config's layer types alternate) of the model's layer stack and replicates them
+    (:mod:`primepar_fx.graph.replicate`): the same nodes, names and edges, in a fraction of the time, but a graph
+    that can be planned and not compiled.
     """
     check_fallback(fallback)
     if isinstance(example_args, torch.Tensor):  # one tensor, not a tuple of them

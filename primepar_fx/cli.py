@@ -389,7 +389,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--full-capture",
         action="store_true",
-        help="export every layer instead of two replicated (for models whose later layers differ)",
+        help="export every layer instead of two (or two units) replicated (for models whose later layers differ)",
     )
     p.add_argument("--no-prime", action="store_true", help="leave P(S x S) out of the space (split-only)")
     p.add_argument(

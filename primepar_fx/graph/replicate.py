@@ -133,7 +133,7 @@ def analyze_replicated(
     fallback: str | None = None,
     seq_max: int | None = None,
 ) -> OpGraph:
-    """:func:`~primepar_fx.api.analyze` for planning: capture two layers and replicate them (see the module doc).
+    """:func:`~primepar_fx.api.analyze` for planning: capture two layers (or units) and replicate them (module doc).
 
     Falls back to capturing the whole model when it has no layer stack or its layers do not repeat.
     """
