@@ -325,15 +325,17 @@ def _check_tail(short: OpGraph, rename, first: int, cut: _Layout) -> None:
 
 def replicate(short: OpGraph, fqn: str, count: int, *, first: int = 0, period: int = 1) -> OpGraph:
     """The ``count``-layer graph from ``short``, the graph of the model with the stack ``fqn`` cut to
-    ``(first + 2) * period`` layers.
+    ``(first + 2) * period + count % period`` layers.
 
-    Units ``first`` and ``first + 1`` (each of ``period`` consecutive layers; ``period`` divides ``count``) are the
-    template; earlier ones stay as they were captured. Raises :class:`NotRepeated` when unit ``first + 1`` does not
-    repeat unit ``first``. Below, "layer" reads "unit".
+    Units ``first`` and ``first + 1`` (each of ``period`` consecutive layers) are the template; earlier ones stay as
+    they were captured; the ``count % period`` layers after them are the tail, the first layers of a unit. Raises
+    :class:`NotRepeated` when unit ``first + 1`` does not repeat unit ``first`` or the tail the start of a unit.
+    Below, "layer" reads "unit".
 
-    The steps: cut the short graph at the layers (:func:`_cut`), check that the template repeats
-    (:func:`_check_repeat`), name every node of the whole graph (:func:`_name_nodes`), wire each to its inputs
-    (:func:`_wire`, :func:`_digraph`) and write the parameter tables out layer by layer (:func:`_whole_table`).
+    The steps: cut the short graph at the layers (:func:`_cut`), check that the template and the tail repeat
+    (:func:`_check_repeat`, :func:`_check_tail`), name every node of the whole graph (:func:`_name_nodes`), wire
+    each to its inputs (:func:`_wire`, :func:`_digraph`) and write the parameter tables out layer by layer
+    (:func:`_whole_table`).
     """
     units, tail = divmod(count, period)
     cut = _cut(short, fqn, first, period, tail)
