@@ -39,6 +39,7 @@ from primepar_fx.utils.cliargs import (  # noqa: F401  (re-exported: the command
     positive_int,
     table_format,
 )
+from primepar_fx.utils.malloc import steady_malloc
 from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger("primepar_fx")
@@ -559,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: PRIMEPAR_LOG={level} is not a log level (DEBUG, INFO, WARNING, ERROR)", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    steady_malloc()  # capture and planning allocate alike from the start (utils.malloc)
     from primepar_fx.frontend.specialize import ShapeSpecializationError
     from primepar_fx.rules.registry import MissingRuleError, RuleError
     from primepar_fx.search import SearchError
@@ -574,11 +576,10 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None = None) -> None:
     """The console entry point (``primepar-fx``, ``python -m primepar_fx``): :func:`main`, then a quick exit.
 
-    A planning process ends holding millions of objects (torch's and transformers' modules, the priced graph), and
-    the interpreter's own exit collects and frees them all: about a second on a 2-core machine, after the answer is
-    printed. The exit status, the streams and the ``atexit`` handlers (logging's shutdown, finalizers) are the same
-    as a normal exit's; only that teardown is skipped (``os._exit``), as mypy's command line does. Exceptions other
-    than :class:`SystemExit` leave the usual way, with their traceback. Call :func:`main` to stay in the process.
+    A planning process ends holding millions of objects (torch's and transformers' modules, the priced graph), which
+    the interpreter's exit would free: about a second on a 2-core machine, after the answer is printed. Exit status,
+    streams and ``atexit`` handlers are a normal exit's; only that teardown is skipped (``os._exit``, as mypy's
+    command line does). Other exceptions than :class:`SystemExit` leave with their traceback. :func:`main` returns.
     """
     try:
         code: Any = main(argv)

@@ -48,6 +48,7 @@ from primepar_fx.planning.deferred import deferred_sums
 from primepar_fx.planning.priced import PricedGraph, ShareFlow, TiedSaving, frozen
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
+from primepar_fx.utils.malloc import steady_malloc
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ def price_graph(
     :class:`CostGraph` (:meth:`~_Pricing.cost_graph`).
     """
     start = time.perf_counter()
+    steady_malloc()  # the first pricing of a process as fast as the next (utils.malloc)
     levels = tuple(cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))) if canonical else None
     space = _Space(allow_prime, levels, fixed, replicate_constants, restrict)
     pricing = _Pricing(graph, mesh, cluster, values, opts, space)
