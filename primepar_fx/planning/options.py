@@ -33,10 +33,11 @@ import torch
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
-from primepar_fx.graph import check_fallback
+from primepar_fx.graph import OpGraph, check_fallback
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.planning.levers import check_choice, check_zero
+from primepar_fx.planning.levers import MICRO_BATCH_TRIES, check_choice, check_zero
 from primepar_fx.planning.plan import Plan
+from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.units import memory_budget_bytes
 
 #: The cluster for planning a job for other machines (rule 3 of :func:`default_cluster`).
@@ -154,7 +155,7 @@ class PlanOptions:
         zero: ZeRO's stage for the plan's replicated parameters (:attr:`~primepar_fx.cost.blocks.CostOptions.zero`):
             ``"auto"`` (the search runs at stage 2, which costs no time and the least memory; the plan keeps stage 0
             when it fits without), or 0, 1 or 2.
-        micro_batches: gradient accumulation (:func:`~primepar_fx.planning.planner.micro_batch_tries`): ``"auto"``
+        micro_batches: gradient accumulation (:func:`micro_batch_tries`): ``"auto"``
             (1 unless the budget binds, then the fastest of 1, 2, 4, 8 that divide the batch, stopping at the
             first that fits without recomputation), or a count that divides the batch.
         method: ``"dp"``, ``"ilp"`` or ``"auto"``.
@@ -302,3 +303,41 @@ class PlanOptions:
         if self.world_size is not None and mesh.size != self.world_size:
             raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not world size {self.world_size}")
         return mesh
+
+
+def state_floor(graph: OpGraph, opts: PlanOptions) -> tuple[float, str]:
+    """A lower bound on any plan's peak per device, and what it counts: each parameter's value, gradient and
+    optimizer state (master copy, moments) split evenly over every device, no activation, no buffer. No split,
+    ZeRO stage, recomputation or micro-batching goes below it (ZeRO-3 without a master copy keeps more: an fp32
+    copy of its shard)."""
+    costs = opts.cost_options()
+    per_element = costs.param_state_bytes
+    params, world = graph.param_count(), opts.world_size
+    what = (
+        f"the training state alone, split evenly over all {world} devices "
+        f"({dataclasses.replace(costs, zero=0).describe_state()}; "
+        f"{params:,} parameters), before any activation"
+    )
+    return params * per_element / world, what
+
+
+def check_state_floor(graph: OpGraph, opts: PlanOptions) -> None:
+    """Raise :class:`~primepar_fx.search.InfeasibleBudget` at once when :func:`state_floor` exceeds the memory
+    budget: no plan can fit, and searching the memory levers of a large model to find that out takes minutes and
+    gigabytes."""
+    floor, what = state_floor(graph, opts)
+    if opts.memory_budget is not None and floor > opts.memory_budget:
+        raise InfeasibleBudget(opts.memory_budget, floor, floor=what)
+
+
+def micro_batch_tries(opts: PlanOptions) -> list[int]:
+    """The micro-batch counts the search tries: the one asked for, or for ``"auto"`` 1 and, under a budget, the
+    counts of :data:`MICRO_BATCH_TRIES` that divide the batch. :func:`~primepar_fx.planning.planner.plan_graph`
+    searches them in order and stops at the first whose plan fits without recomputation (a slower count does not
+    stop it: the step is not unimodal in the count); the last count may be searched ahead of its turn, to bound the
+    first ones."""
+    if opts.micro_batches != "auto":
+        return [int(opts.micro_batches)]
+    if opts.memory_budget is None:
+        return [1]
+    return [m for m in MICRO_BATCH_TRIES if opts.batch % m == 0]  # type: ignore[operator]

@@ -62,8 +62,14 @@ from primepar_fx.planning.groupings import (  # noqa: F401  (re-exported)
     search_mesh,
     search_meshes,
 )
-from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
-from primepar_fx.planning.options import PlanOptions, forced_seed
+from primepar_fx.planning.levers import Recompute
+from primepar_fx.planning.options import (  # noqa: F401  (state_floor, micro_batch_tries: re-exported)
+    PlanOptions,
+    check_state_floor,
+    forced_seed,
+    micro_batch_tries,
+    state_floor,
+)
 from primepar_fx.planning.parallel import Forked, can_fork, run_forked
 from primepar_fx.planning.peak import plan_peak, solve_for_peak
 from primepar_fx.planning.plan import Baseline, Plan
@@ -176,33 +182,48 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
             probes[m] = min((v for v in done if v is not None), default=None)
         return probes[m]
 
+    def search(m: int, upper: Callable[[], float] | None = None) -> _Found | None:  # None: nothing (better) fits
+        try:
+            return _search_at(graph, opts, meshes, m, upper, pricings=pricings)
+        except InfeasibleBudget as exc:
+            infeasible.append(exc)
+        except CutOff:
+            pass  # nothing at this count beats the plan found or probed; more micro-batches still may
+        return None
+
+    # the most micro-batches, searched whole ahead of their turn where no later count's fastest plan fits as it is:
+    # they hold the least, so their plan is the likeliest to fit with few levers, and it bounds the counts before
+    ahead: dict[int, _Found | None] = {}
     searched: list[int] = []  # the counts searched, in order
     for i, m in enumerate(tries):
         searched.append(m)
 
-        def upper(i: int = i, found: _Found | None = found) -> float:
-            """The per-step objective the search at ``tries[i]`` must beat: the plan found with fewer
-            micro-batches, or, before there is one, the fastest plan of the first later count that fits as it is
-            (probes, run only when ``tries[i]`` needs the levers)."""
-            if found is not None:
-                return found.step_objective
-            for later in tries[i + 1 :] if probing else ():
+        def upper(i: int = i, found: _Found | None = found) -> float:  # noqa: B023 -- ahead: read when called
+            """The per-step objective the search at ``tries[i]`` must beat: the best plan found so far (with fewer
+            micro-batches, or with the most, ahead), or, before there is one, the fastest plan of the first later
+            count but the last that fits as it is (probes), or else the plan of the last count, the most
+            micro-batches (searched whole, ahead of its turn); run only when ``tries[i]`` needs the levers."""
+            known = [g.step_objective for g in (found, *ahead.values()) if g is not None]
+            if known:
+                return min(known)
+            for later in tries[i + 1 : -1] if probing else ():  # the last count is searched whole (below)
                 objective = probe(later)
                 if objective is not None:
                     return objective
+            if probing and i + 1 < len(tries):
+                if tries[-1] not in ahead:
+                    ahead[tries[-1]] = search(tries[-1])
+                if ahead[tries[-1]] is not None:
+                    return ahead[tries[-1]].step_objective  # type: ignore[union-attr]
             return math.inf
 
-        if probes.get(m) is not None:
+        if m in ahead:
+            got = ahead[m]
+        elif probes.get(m) is not None:
             # its fastest plan fits: the best at this count
             got = _search_at(graph, opts, meshes, m, free_only=True, pricings=pricings)
         else:
-            try:
-                got = _search_at(graph, opts, meshes, m, upper, pricings=pricings)
-            except InfeasibleBudget as exc:
-                infeasible.append(exc)
-                got = None
-            except CutOff:
-                got = None  # nothing at this count beats the plan found or probed; more micro-batches still may
+            got = search(m, upper)
         if got is None:
             continue
         if found is not None and got.step_objective >= found.step_objective:
@@ -210,6 +231,9 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         found = got
         if (got.chosen.recompute is None or not got.chosen.recompute.active) and got.costs.zero != 3:
             break  # it fits without recomputation or ZeRO-3: more micro-batches would only run smaller ones
+    for got in ahead.values():  # a count searched ahead that the loop did not reach
+        if got is not None and (found is None or got.step_objective < found.step_objective):
+            found = got
     if found is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     mesh, priced, chosen, m = found.mesh, found.priced, found.chosen, found.micro_batches
@@ -235,7 +259,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         "pricing_s": round(found.priced_s, 4),
         "search_s": round(found.searched_s, 4),
         "planning_s": round(t2 - t0, 4),  # every micro-batch count and grouping, priced and searched
-        "micro_batches_tried": sorted({*searched, *probes}),
+        "micro_batches_tried": sorted({*searched, *probes, *ahead}),
         "baselines_s": round(time.perf_counter() - t2, 4),
         "alpha": opts.alpha,
         "memory_budget": opts.memory_budget,
@@ -249,42 +273,6 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         search["groupings"] = found.tried
         search["groupings_s"] = round(t2 - t0, 4)
     return make_plan(graph, opts, mesh, ours, baselines=base, search=search, recompute=chosen.recompute, costs=costs)
-
-
-def state_floor(graph: OpGraph, opts: PlanOptions) -> tuple[float, str]:
-    """A lower bound on any plan's peak per device, and what it counts: each parameter's value, gradient and
-    optimizer state (master copy, moments) split evenly over every device, no activation, no buffer. No split,
-    ZeRO stage, recomputation or micro-batching goes below it (ZeRO-3 without a master copy keeps more: an fp32
-    copy of its shard)."""
-    costs = opts.cost_options()
-    per_element = costs.param_state_bytes
-    params, world = graph.param_count(), opts.world_size
-    what = (
-        f"the training state alone, split evenly over all {world} devices "
-        f"({dataclasses.replace(costs, zero=0).describe_state()}; "
-        f"{params:,} parameters), before any activation"
-    )
-    return params * per_element / world, what
-
-
-def check_state_floor(graph: OpGraph, opts: PlanOptions) -> None:
-    """Raise :class:`~primepar_fx.search.InfeasibleBudget` at once when :func:`state_floor` exceeds the memory
-    budget: no plan can fit, and searching the memory levers of a large model to find that out takes minutes and
-    gigabytes."""
-    floor, what = state_floor(graph, opts)
-    if opts.memory_budget is not None and floor > opts.memory_budget:
-        raise InfeasibleBudget(opts.memory_budget, floor, floor=what)
-
-
-def micro_batch_tries(opts: PlanOptions) -> list[int]:
-    """The micro-batch counts the search tries: the one asked for, or for ``"auto"`` 1 and, under a budget, the
-    counts of :data:`MICRO_BATCH_TRIES` that divide the batch. :func:`plan_graph` stops at the first whose plan
-    fits without recomputation (a slower count does not stop it: the step is not unimodal in the count)."""
-    if opts.micro_batches != "auto":
-        return [int(opts.micro_batches)]
-    if opts.memory_budget is None:
-        return [1]
-    return [m for m in MICRO_BATCH_TRIES if opts.batch % m == 0]  # type: ignore[operator]
 
 
 @dataclass

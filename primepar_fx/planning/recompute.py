@@ -443,14 +443,14 @@ def choose_recompute(
 
     def bounded(policy: Recompute) -> tuple[Chosen | None, bool]:
         """The plan under ``policy``, and whether a budgeted search found it. The policy's fastest plan without
-        a budget bounds it from below: that plan is the answer where it fits, and the policy is skipped
-        (``None``) where the bound is no faster than the best plan found; only otherwise does the budgeted
-        search (several DP runs) run."""
+        a budget bounds it from below: the policy is skipped (``None``) where the bound is no faster than the best
+        plan found or the caller's (fitting or not, it cannot win), that plan is the answer where it fits, and only
+        otherwise does the budgeted search (several DP runs) run."""
         bound = _solve_policy(layers, policy, None, alpha, method)
-        if bound.solution.memory <= memory_budget:
-            return bound, False
         if bound.solution.cost >= best_cost():
             return None, False
+        if bound.solution.memory <= memory_budget:
+            return bound, False
         return _try(layers, policy, memory_budget, alpha, method, needs, best_cost(), cuts), True
 
     if layers.selective_differs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -253,13 +254,8 @@ def test_recompute_options_are_checked() -> None:
     assert plan_peak(lp.priced, solve(lp.priced.search_graph, method="dp").choice) > 0
 
 
-@pytest.mark.parametrize("budget", [5_000_000, 4_440_000])
-def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_bounds_the_lever_search(
-    budget, monkeypatch
-) -> None:
-    """Where one batch needs recomputation to fit, the lever search at one micro-batch is told the step of two
-    micro-batches' fastest plan when that fits as it is (a probe), and skips what cannot beat it; the plan is still
-    the fastest of the counts searched one by one."""
+def _lever_cutoffs(monkeypatch) -> list[float]:
+    """The ``cutoff`` of every lever search the planner runs from now on, in the order they are called."""
     import primepar_fx.planning.planner as planner
 
     cutoffs = []
@@ -270,6 +266,17 @@ def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_boun
         return original(*args, **kwargs)
 
     monkeypatch.setattr(planner, "choose_recompute", spy)
+    return cutoffs
+
+
+@pytest.mark.parametrize("budget", [5_000_000, 4_440_000])
+def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_bounds_the_lever_search(
+    budget, monkeypatch
+) -> None:
+    """Where one batch needs recomputation to fit, the lever search at one micro-batch is told the step of two
+    micro-batches' fastest plan when that fits as it is (a probe), and skips what cannot beat it; the plan is still
+    the fastest of the counts searched one by one."""
+    cutoffs = _lever_cutoffs(monkeypatch)
     auto = plan_graph(graph(), **{**SIZES, "memory_budget": budget})
     probe = plan_graph(graph(), **{**SIZES, "memory_budget": None, "micro_batches": 2, "zero": 2})
     assert probe.recompute is None and probe.predicted.peak_memory_bytes <= budget
@@ -286,6 +293,29 @@ def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_boun
     tried = auto.search["micro_batches_tried"]  # one batch, the probe of two, and on while slower counts may not be
     assert tried[:2] == [1, 2] and set(tried) <= {1, 2, 4, 8} and auto.micro_batches in tried
     assert probe.search["micro_batches_tried"] == [2]
+
+
+def test_where_no_later_counts_fastest_plan_fits_the_most_micro_batches_are_searched_ahead_and_bound_the_first(
+    monkeypatch,
+) -> None:
+    """At 3.8 MB no count's fastest plan fits as it is (the least of them holds 3.9 MB, at four micro-batches), so
+    the probes bound nothing: the last count, eight micro-batches, is searched whole ahead of its turn, and the lever
+    search at one micro-batch is told its step. The plan is still the fastest of the counts searched one by one."""
+    budget = 3_800_000
+    cutoffs = _lever_cutoffs(monkeypatch)
+    auto = plan_graph(graph(), **{**SIZES, "memory_budget": budget})
+    monkeypatch.undo()
+    fixed = {m: plan_graph(graph(), **{**SIZES, "memory_budget": budget, "micro_batches": m}) for m in (1, 2, 4, 8)}
+    for m in (1, 2, 4, 8):  # no fastest plan fits as it is: every probe fails
+        fastest = plan_graph(graph(), **{**SIZES, "memory_budget": None, "micro_batches": m, "zero": 2})
+        assert fastest.predicted.peak_memory_bytes > budget
+    # the first lever search is the one ahead, at eight micro-batches, unbounded; the next, one micro-batch's, is
+    # told its step
+    assert cutoffs[0] == math.inf and cutoffs[1] == pytest.approx(fixed[8].predicted.step_time_s, rel=1e-12)
+    best = min(fixed.values(), key=lambda p: p.predicted.step_time_s)
+    assert auto.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-12)
+    assert auto.micro_batches == best.micro_batches == 1 and auto.predicted.peak_memory_bytes <= budget
+    assert 8 in auto.search["micro_batches_tried"]
 
 
 @pytest.mark.parametrize("budget", [5_000_000, 4_440_000])
