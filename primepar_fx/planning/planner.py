@@ -182,7 +182,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
             probes[m] = min((v for v in done if v is not None), default=None)
         return probes[m]
 
-    def search(m: int, upper: Callable[[], float] | None = None) -> _Found | None:  # None: nothing (better) fits
+    def search_count(m: int, upper: Callable[[], float] | None = None) -> _Found | None:  # None: nothing (better) fits
         try:
             return _search_at(graph, opts, meshes, m, upper, pricings=pricings)
         except InfeasibleBudget as exc:
@@ -212,7 +212,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
                     return objective
             if probing and i + 1 < len(tries):
                 if tries[-1] not in ahead:
-                    ahead[tries[-1]] = search(tries[-1])
+                    ahead[tries[-1]] = search_count(tries[-1])
                 if ahead[tries[-1]] is not None:
                     return ahead[tries[-1]].step_objective  # type: ignore[union-attr]
             return math.inf
@@ -223,7 +223,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
             # its fastest plan fits: the best at this count
             got = _search_at(graph, opts, meshes, m, free_only=True, pricings=pricings)
         else:
-            got = search(m, upper)
+            got = search_count(m, upper)
         if got is None:
             continue
         if found is not None and got.step_objective >= found.step_objective:
