@@ -5,11 +5,10 @@
     primepar-fx calibrate [--world-size N] [--quick] -o spec.toml
     primepar-fx dump MODEL --world-size N [--plan plan.json|searched|megatron|prime|...] [--batch B --seq S] -o DIR
 
-MODEL is a zoo name (``primepar-fx explain --list`` shows them), ``hf:FAMILY`` for a tiny Hugging Face model
-(gpt2, llama, opt, bloom, falcon, or any causal-LM ``model_type``; needs ``transformers``), a Hugging Face
-``config.json`` (``path/to/config.json`` or ``hf:path/to/config.json``: the model built offline on the meta
-device; ``--layers N`` keeps its first N layers), or ``package.module:callable`` returning a module, or a tuple
-``(module, args, kwargs)`` with example inputs.
+MODEL: a zoo name (``primepar-fx explain --list``), ``hf:FAMILY`` for a tiny Hugging Face model (gpt2, llama, opt,
+bloom, falcon, any causal-LM ``model_type``; needs ``transformers``), the path of a Hugging Face ``config.json``
+(``hf:`` before it optional: built offline on the meta device; ``--layers N`` keeps its first N layers), or
+``package.module:callable`` returning a module or a tuple ``(module, args, kwargs)`` with example inputs.
 """
 
 from __future__ import annotations
