@@ -23,7 +23,10 @@ How the minimum is computed:
    A long edge with few distinct rows, such as a tied embedding's from the first node to the LM head, is first
    routed through a *proxy* node with one state per distinct row (:mod:`~primepar_fx.search.proxy`), which is
    made global, so the layers between its ends stay separable and can be merged. The schedule below weighs the work
-   that is repeated for every joint strategy of the globals.
+   that is repeated for every joint strategy of the globals. The joint strategies are not a Python loop but one
+   more axis of the chain's arrays (``V[a, p]``; ``DPOptions.batch_globals``, the loop kept as the reference): the
+   arithmetic is the same, the Python around it runs once (a tied embedding's proxy has up to 64 states, and the
+   loop spent most of its time in that Python: 0.40 -> 0.15 s a minimisation for Gemma-2 on 16 GPUs).
 2. *Segments* between cut points (:mod:`~primepar_fx.search.structure`). A segment's table ``C_ij(p_i, p_j)``
    comes from the elimination engine (:mod:`~primepar_fx.search.engine`, Eq. 11-12 inside a segment).
 3. *Chaining* (Eq. 11 at segment granularity): a vector ``V_j(p_j)``, the cheapest cost of everything up to cut
@@ -83,6 +86,9 @@ class DPOptions:
     #: is stored in and per way its gradient is reduced (64 of 125 for bloom-176b on 8 GPUs): left unproxied, it
     #: holds the whole model in one segment, 17x slower there
     max_proxy_states: int = 128
+    #: run the joint strategies of the globals as one axis of the chain's arrays (one pass) rather than one pass
+    #: each (the reference; the same minimum and choice, slower: the Python around each pass is repeated)
+    batch_globals: bool = True
 
     def __post_init__(self) -> None:
         if self.layer_merge not in ("auto", "power", "none"):
@@ -151,6 +157,8 @@ class DPSolver:
         #: joint strategies of the globals: the chain runs once for each, the tables of untouched classes once
         self._repeats = self._states(self.structure.globals)
         self.items = self._schedule()
+        #: False once a fold with the globals' axis (:meth:`_forward_batched`) passed ``max_table_entries``
+        self._batched: bool | None = None
 
     # ----------------------------------------------------------------------------------------- planning
     def _plan(self, seg: Segment, matrix: bool) -> engine.Plan:
@@ -250,22 +258,36 @@ class DPSolver:
         mem = g.node_memory if memory_weight and g.node_memory is not None else None
         base = {n: g.node_cost[n] if mem is None else g.node_cost[n] + memory_weight * mem[n] for n in g.nodes}
         states = list(itertools.product(*(range(g.strategies(x)) for x in st.globals)))
+        found = None
+        if len(states) > 1 and self.options.batch_globals and self._batched is not False:
+            try:
+                found = self._forward_batched(base, states)
+            except TableTooLarge:  # a fold with the states' axis passes the limit: one state at a time from now
+                self._batched = False
+        if found is None:
+            found = self._forward_states(base, states)
+        value, assign, last, trace = found
+        if math.isinf(value):
+            raise InfeasibleGraph("every choice of strategies has infinite cost")
+        choice = dict(assign)
+        choice.update(self._backtrack(last, trace))
+        return DPResult(self.proxied.strip(choice), value)
+
+    def _forward_states(self, base: Mapping[str, np.ndarray], states: list[tuple[int, ...]]):
+        """The chain run once per joint strategy of the globals, the cheapest kept: ``(value, assignment of the
+        globals, argmin of the last vector, trace)``."""
         shared: dict = {}  # tables of classes that touch no global: the same for every joint strategy
         local: dict = {}  # tables of classes that touch globals, keyed by those globals' strategies
         best: tuple[float, dict[str, int], int, list] = (math.inf, {}, -1, [])
         for a in _progress(states, len(states), "global strategies", self.options.progress):
-            assign = dict(zip(st.globals, a))
+            assign = dict(zip(self.structure.globals, a))
             const = self._global_constant(base, assign)
             if math.isinf(const):
                 continue
             value, last, trace = self._forward(self._conditioned(base, assign), assign, _Caches(shared, local))
             if value + const < best[0]:
                 best = (value + const, assign, last, trace)
-        if math.isinf(best[0]):
-            raise InfeasibleGraph("every choice of strategies has infinite cost")
-        choice = dict(best[1])
-        choice.update(self._backtrack(best[2], best[3]))
-        return DPResult(self.proxied.strip(choice), best[0])
+        return best
 
     def _global_constant(self, base: Mapping[str, np.ndarray], assign: dict[str, int]) -> float:
         g = self.graph
@@ -331,8 +353,9 @@ class DPSolver:
         for item in self.items:
             seg = segs[item.seg]
             if item.kind == "fold":
-                res = engine.run(self._plan(seg, False), [*self._tables(seg, unary), v], chunk=chunk)
-                v, data = res.table, res
+                plan = self._plan(seg, False)
+                res = engine.run(plan, [*self._tables(seg, unary), v], chunk=chunk)
+                v, data = res.table, (plan, res.records, ())
             elif item.kind == "table":
                 res = self._class_table(seg, unary, assign, caches)
                 v, arg = minplus.vecmat(v, res.table)
@@ -346,12 +369,109 @@ class DPSolver:
         last = int(np.argmin(v))
         return float(v[last]), last, trace
 
+    # ------------------------------------------------------------------------- the globals as one axis
+    def _forward_batched(self, base: Mapping[str, np.ndarray], states: list[tuple[int, ...]]):
+        """What :meth:`_forward_states` finds, with the joint strategies of the globals as an axis of the chain's
+        vector instead of an outer loop: the vector is ``V[a, p]``, a fold runs once on tables with that axis
+        (the engine eliminates as before and keeps the axis), a class table or stack term is applied to every row
+        (one table per state where the class touches a global). The arithmetic per state is the loop's; the
+        Python around it runs once instead of once per state, which is what the loop spends its time on (64
+        states for a tied embedding's proxy). The chain stays one vector until the first node a global touches.
+        """
+        st, segs, chunk = self.structure, self.structure.segments, self._chunk
+        rows = {x: np.array([a[i] for a in states], dtype=np.intp) for i, x in enumerate(st.globals)}
+        batched = {}  # the node costs the globals' edges add to, one row per state (as _conditioned adds them)
+        for n, edges in st.touches.items():
+            if edges:
+                out = np.broadcast_to(base[n], (len(states), base[n].shape[0]))
+                for u, v in edges:
+                    e = self.graph.edge_cost[(u, v)]
+                    out = out + (e[rows[u], :] if v == n else e[:, rows[v]].T)
+                batched[n] = out
+        assigns = [dict(zip(st.globals, a)) for a in states]
+        consts = np.array([self._global_constant(base, assign) for assign in assigns])
+        caches = _Caches({}, {})
+        per_state: dict[int, dict] = {}
+
+        def unary_of(a: int, deps: tuple[str, ...] = ("",)) -> Mapping[str, np.ndarray]:
+            """State ``a``'s node costs, for a class table (``base`` where the class touches no global)."""
+            if not deps:
+                return base
+            if a not in per_state:
+                per_state[a] = {**base, **{n: t[a] for n, t in batched.items()}}
+            return per_state[a]
+
+        order = st.order
+        if not order:
+            return float(consts.min()), assigns[int(consts.argmin())], -1, []
+        first = order[0]
+        v = batched.get(first, base[first])
+        trace = []
+        for item in self.items:
+            seg = segs[item.seg]
+            if item.kind == "fold":
+                touched = tuple(bool(st.touches[n]) for n in seg.nodes[1:])
+                if v.ndim == 1 and not any(touched):
+                    plan = self._plan(seg, False)
+                    res = engine.run(plan, [*self._tables(seg, base), v], chunk=chunk)
+                    v, data = res.table, ("one", plan, res.records)
+                else:
+                    plan = self._batched_plan(seg, touched, v.ndim == 2, len(states))
+                    tables = [batched.get(n, base[n]) for n in seg.nodes[1:]]
+                    tables += [self.graph.edge_cost[e] for e in seg.edges]
+                    res = engine.run(plan, [*tables, v], chunk=chunk)
+                    v, data = res.table, ("rows", plan, res.records)
+            else:
+                deps = self._deps(segs[item.seg : item.seg + (item.stack.period if item.stack else 1)])
+                if item.kind == "table":
+                    made = [self._class_table(seg, unary_of(a, deps), assigns[a], caches) for a in _each(deps, states)]
+                    terms = [r.table for r in made]
+                else:
+                    period = segs[item.seg : item.seg + item.stack.period]
+                    made = [
+                        (
+                            self._stack_term(item.stack, unary_of(a, deps), assigns[a], caches),
+                            [self._class_table(s, unary_of(a, deps), assigns[a], caches) for s in period],
+                        )
+                        for a in _each(deps, states)
+                    ]
+                    terms = [term.table for term, _ in made]
+                v, arg = _vecmat_rows(v, terms, chunk)
+                data = ("table", arg, made)
+            trace.append((item, data))
+        if v.ndim == 1:
+            v = np.broadcast_to(v, (len(states), v.shape[0]))
+        lasts = v.argmin(axis=1)
+        totals = v[np.arange(len(states)), lasts] + consts
+        a = int(np.argmin(totals))
+        return float(totals[a]), assigns[a], int(lasts[a]), [(item, _row(data, a)) for item, data in trace]
+
+    def _batched_plan(self, seg: Segment, touched: tuple[bool, ...], rows_in: bool, states: int) -> engine.Plan:
+        """The engine plan folding ``seg`` with the states' axis: variable ``len(nodes)`` (kept, with the end)
+        is the joint strategy of the globals; it is in the scope of the incoming vector (``rows_in``) and of the
+        node costs a global touches."""
+        key = (seg.cls, "rows", rows_in, states)
+        if key not in self._plans:
+            g, nodes = self.graph, seg.nodes
+            rel = {n: i for i, n in enumerate(nodes)}
+            b = len(nodes)
+            scopes = [(b, i) if hit else (i,) for i, hit in zip(range(1, len(nodes)), touched)]
+            scopes += [(rel[u], rel[v]) for u, v in seg.edges]
+            scopes.append((b, 0) if rows_in else (0,))
+            domains = [g.strategies(n) for n in nodes] + [states]
+            limit = self.options.max_table_entries
+            self._plans[key] = engine.plan_elimination(
+                domains, scopes, (b, len(nodes) - 1), limit=limit, names=[*nodes, "(globals)"]
+            )
+        return self._plans[key]
+
     def _backtrack(self, last: int, trace: list) -> dict[str, int]:
         segs, choice, q = self.structure.segments, {}, last
         for item, data in reversed(trace):
             seg = segs[item.seg]
             if item.kind == "fold":
-                values = engine.backtrack(self._plan(seg, False), data.records, (q,))
+                plan, records, state = data
+                values = engine.backtrack(plan, records, (*state, q))
                 q = self._assign(choice, seg, values)
             elif item.kind == "table":
                 arg, res = data
@@ -379,3 +499,31 @@ class DPSolver:
         for n, p in zip(seg.nodes[1:], values[1:]):
             choice[n] = p
         return values[0]
+
+
+def _each(deps: tuple[str, ...], states: list[tuple[int, ...]]) -> range:
+    """The states a class table is made for: every one where it touches a global, else the first (shared)."""
+    return range(len(states) if deps else 1)
+
+
+def _vecmat_rows(v: np.ndarray, tables: list[np.ndarray], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~primepar_fx.search.minplus.vecmat` of every row of ``v`` (a vector is every row's) with its
+    state's table (one table: every state's): ``(w, argmin)``, rows by state, or a vector where both are one."""
+    if len(tables) == 1:
+        if v.ndim == 1:
+            return minplus.vecmat(v, tables[0])
+        return minplus.minplus(v, tables[0], chunk=chunk)
+    pairs = [minplus.vecmat(v[a] if v.ndim == 2 else v, t) for a, t in enumerate(tables)]
+    return np.stack([w for w, _ in pairs]), np.stack([j for _, j in pairs])
+
+
+def _row(data: tuple, a: int) -> tuple:
+    """A batched trace entry as :meth:`DPSolver._backtrack` reads it, for state ``a``."""
+    if data[0] == "one":
+        return data[1], data[2], ()
+    if data[0] == "rows":
+        return data[1], data[2], (a,)
+    _, arg, made = data
+    arg = arg[a] if arg.ndim == 2 else arg
+    got = made[a] if len(made) > 1 else made[0]
+    return (arg, got) if not isinstance(got, tuple) else (arg, *got)

@@ -6,6 +6,7 @@ Graphs are random costs on real shapes: chains, the paper's Fig. 6 transformer b
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import math
@@ -35,6 +36,7 @@ from primepar_fx.search import (
     solve,
     solve_budget_dp,
 )
+from primepar_fx.search import dp as dp_module
 from primepar_fx.search.budget import lean_memory_graph, memory_graph
 from primepar_fx.search.engine import backtrack, plan_elimination, run
 from primepar_fx.search.ilp import solver_name
@@ -243,6 +245,87 @@ def test_a_long_edge_with_few_distinct_rows_goes_through_a_proxy_and_keeps_the_o
     ilp = solve(graph, method="ilp", memory_budget=budget)
     assert set(dp.choice) == set(graph.nodes) and dp.memory <= budget
     assert dp.cost >= ilp.cost * (1 - REL) - REL and dp.bound <= ilp.cost * (1 + REL) + REL
+
+
+def two_masks(layers: int, *, seed: int, inf_fraction: float = 0.0) -> CostGraph:
+    """Fig. 6 layers with two global masks, read by nodes 5 and 9 of every layer, and the first layer's first node."""
+    base = fig6_stack(layers, seed=seed, max_p=3, mask=3, inf_fraction=inf_fraction)
+    nodes = ("mask2", *base.nodes)
+    sizes = {n: base.strategies(n) for n in base.nodes} | {"mask2": 2}
+    edges = [*base.edge_cost, *(("mask2", f"l{k}.n9") for k in range(layers)), ("mask2", "input")]
+    return build(nodes, sizes, edges, seed=seed + 7, inf_fraction=inf_fraction)
+
+
+def identical_layers(seed: int, *, tied: bool = False, inf_fraction: float = 0.0) -> CostGraph:
+    """Three identical layers reading a global mask, which the DP runs as a class table and a stack of them, each
+    made once per mask strategy; ``tied``: and an edge from the embedding to the head with two distinct rows."""
+    graph = transformer_graph(3, strategies=(6, 12), mask_states=3, views=1, inf_fraction=inf_fraction, seed=seed)
+    if not tied:
+        return graph
+    rows = np.random.default_rng(seed).random((2, graph.strategies("head"))) * 10.0
+    tie = rows[np.arange(graph.strategies("embed")) % 2]
+    return CostGraph(graph.nodes, graph.node_cost, dict(graph.edge_cost) | {("embed", "head"): tie}, graph.node_memory)
+
+
+GLOBAL_GRAPHS = {  # a graph and the options that make its globals
+    "mask read by every layer": (lambda seed: fig6_stack(6, seed=seed, max_p=3, mask=3), DPOptions()),
+    "tied embedding's proxy": (lambda seed: tied_stack(6, seed=seed), DPOptions(max_global_states=3, min_fanout=4)),
+    "two masks, one read by the first node": (lambda seed: two_masks(5, seed=seed), DPOptions()),
+    "identical layers reading a mask": (identical_layers, DPOptions()),
+    "identical layers, a mask and a tied embedding": (
+        lambda seed: identical_layers(seed, tied=True),
+        DPOptions(max_global_states=3),
+    ),
+    "forbidden entries": (lambda seed: identical_layers(seed, inf_fraction=0.02), DPOptions()),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("case", list(GLOBAL_GRAPHS))
+def test_the_globals_as_one_axis_find_what_one_pass_per_joint_strategy_finds(case, seed):
+    build_graph, options = GLOBAL_GRAPHS[case]
+    graph = build_graph(seed)
+    one_axis = DPSolver(graph, options)
+    each = DPSolver(graph, dataclasses.replace(options, batch_globals=False))
+    assert one_axis.structure.globals == each.structure.globals and one_axis.structure.globals
+    for weight in (0.0, 0.01):
+        try:
+            want = each.minimise(weight)
+        except InfeasibleGraph:
+            with pytest.raises(InfeasibleGraph):
+                one_axis.minimise(weight)
+            continue
+        got = one_axis.minimise(weight)
+        assert got.choice == want.choice
+        assert_close(got.value, want.value)
+        assert_close(got.value, evaluate(graph, got.choice) + weight * plan_memory(graph, got.choice))
+
+
+def test_with_every_segment_a_class_table_the_globals_axis_finds_what_one_pass_each_finds():
+    """Class tables that touch a global are made once per joint strategy and applied row by row; the schedule
+    rarely picks them on small graphs, so every segment is made one here (the DP's answer does not depend on it)."""
+    graph = identical_layers(0, tied=True)
+    options = DPOptions(max_global_states=3)
+    solvers = [DPSolver(graph, options), DPSolver(graph, dataclasses.replace(options, batch_globals=False))]
+    reference = solvers[0].minimise(0.01)
+    for solver in solvers:
+        solver.items = [dp_module._Item("table", k) for k in range(len(solver.structure.segments))]
+        assert any(solver._deps([solver.structure.segments[i.seg]]) for i in solver.items)
+    got, want = (solver.minimise(0.01) for solver in solvers)
+    assert got.choice == want.choice
+    assert_close(got.value, want.value)
+    assert_close(got.value, reference.value)
+
+
+def test_where_the_globals_axis_makes_a_table_too_large_the_dp_runs_one_joint_strategy_at_a_time():
+    graph = two_masks(5, seed=3)
+    free = DPSolver(graph)
+    largest = max(plan.peak for plan in free._plans.values())  # the plans of one joint strategy at a time
+    tight = DPSolver(graph, DPOptions(max_table_entries=largest))
+    result = tight.minimise()
+    assert tight._batched is False  # the globals' axis passed the limit
+    assert result.choice == free.minimise().choice
+    assert_close(result.value, ilp_cost(graph))
 
 
 # ------------------------------------------------------------------------------------------- memory budget
@@ -542,7 +625,6 @@ def test_where_the_ilp_is_too_large_too_auto_searches_a_narrower_space():
 
 def test_a_narrowed_search_warns_once_a_process_and_says_it_at_info_level_after(monkeypatch, caplog):
     """A plan's memory levers search many related graphs: the same narrowing is one warning, not one per search."""
-    import importlib
     import logging
 
     monkeypatch.setattr(importlib.import_module("primepar_fx.search.solve"), "_NARROWED_SAID", set())
