@@ -88,6 +88,9 @@ def solve_for_peak(
         if any(len(k) == 0 for k in keep.values()):
             continue
         search = Search(static_part(graph, buffers, keep), method=method)  # type: ignore[arg-type]
+        if free.proven_optimal and all(buffers[n][p] <= cap for n, p in free.choice.items()):
+            # the fastest plan of all lies within this cap, so it is this cap's fastest too: no DP run for it
+            search.know_minimum({n: int(np.searchsorted(keep[n], p)) for n, p in free.choice.items()})
         relaxed = search.solve()  # a lower bound for this cap, in milliseconds
         limit = cutoff if best is None else min(best[0], cutoff)
         if relaxed.cost >= limit:

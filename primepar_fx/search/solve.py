@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -146,6 +146,26 @@ class Search:
         bound = cost if proven else bound
         seconds = time.perf_counter() - start
         return Solution(choice, cost, memory, method, proven, seconds, bound, self._multipliers)
+
+    def know_minimum(self, choice: Mapping[str, int]) -> bool:
+        """Take ``choice`` (a strategy index of :attr:`graph` per node) as the DP's minimum at weight 0, where the
+        caller has proven it: e.g. the fastest plan of a larger space that lies in this one (a subset's optimum
+        is then that plan), so that neither the unbudgeted search nor a budgeted one (whose first run it is)
+        runs the DP for it. ``False`` (nothing taken) where the choice is not in this search's space."""
+        red = self.reduced
+        mapped = {}
+        for n, p in choice.items():
+            kept = red.kept.get(n)
+            if kept is None:
+                return False
+            i = int(np.searchsorted(kept, p))
+            if i == len(kept) or kept[i] != p:
+                return False
+            mapped[n] = i
+        if set(mapped) != set(red.graph.nodes):
+            return False
+        self._minima[0.0] = DPResult(mapped, evaluate(red.graph, mapped))
+        return True
 
     def _dp_solver(self) -> DPSolver:
         if self._solver is None:

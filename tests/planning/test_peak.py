@@ -16,7 +16,7 @@ from primepar_fx.models import build, example_inputs
 from primepar_fx.planning import peak
 from primepar_fx.planning.options import resolve_cluster
 from primepar_fx.planning.pricing import price_graph
-from primepar_fx.search import CutOff, budget_bound, least_memory, solve
+from primepar_fx.search import CutOff, DPSolver, budget_bound, least_memory, solve
 
 
 @functools.cache
@@ -92,3 +92,25 @@ def test_budget_bound_is_inf_where_nothing_fits_and_below_the_optimum_otherwise(
     optimum = solve(graph, method="dp", memory_budget=budget)
     assert solve(graph, method="dp").cost <= budget_bound(graph, budget) <= optimum.cost * (1 + 1e-12)
     assert np.isfinite(budget_bound(graph, budget))
+
+
+def test_a_cap_that_holds_the_fastest_plan_takes_it_as_its_fastest_without_a_dp_run(monkeypatch):
+    p = priced()
+    budget, plain = budget_and_plain()
+    buffers, fastest = peak.ring_buffers(p), p.fastest("dp")
+    caps = {float(b) for arr in buffers.values() for b in arr if b <= budget}
+    holding = {c for c in caps if all(buffers[n][q] <= c for n, q in fastest.choice.items())}
+    assert holding  # caps that hold it
+    runs = []
+    real = DPSolver.minimise
+    monkeypatch.setattr(DPSolver, "minimise", lambda self, weight=0.0: runs.append(weight) or real(self, weight))
+
+    def unweighted_runs() -> int:
+        runs.clear()
+        found = peak.solve_for_peak(p, memory_budget=budget, method="dp")
+        assert (found.choice, found.cost) == (plain.choice, plain.cost)
+        return runs.count(0.0)
+
+    taken = unweighted_runs()
+    monkeypatch.setattr(peak.Search, "know_minimum", lambda self, choice: False)  # every cap's fastest searched
+    assert taken < unweighted_runs()

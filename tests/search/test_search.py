@@ -328,6 +328,19 @@ def test_where_the_globals_axis_makes_a_table_too_large_the_dp_runs_one_joint_st
     assert_close(result.value, ilp_cost(graph))
 
 
+def test_a_known_minimum_is_taken_for_the_dp_s_and_a_choice_outside_the_space_is_refused():
+    graph = fig6_stack(2, seed=5, max_p=3, inf_fraction=0.05)
+    optimum = Search(graph, method="dp").solve()
+    told = Search(graph, method="dp")
+    assert told.know_minimum(optimum.choice)
+    assert told.solve().choice == optimum.choice and told._solver is None  # no DP was built for it
+    forbidden = next(n for n in graph.nodes if np.isinf(graph.node_cost[n]).any())
+    outside = dict(optimum.choice) | {forbidden: int(np.flatnonzero(np.isinf(graph.node_cost[forbidden]))[0])}
+    assert not Search(graph, method="dp").know_minimum(outside)  # reduce_graph dropped that strategy
+    budget = (smallest_memory(graph) + optimum.memory) / 2
+    assert_close(told.solve(memory_budget=budget).cost, Search(graph, method="dp").solve(memory_budget=budget).cost)
+
+
 # ------------------------------------------------------------------------------------------- memory budget
 def test_the_ilp_under_a_budget_finds_the_dp_s_plan():
     """A case hypothesis found: CBC with its integer preprocessing returned a plan 2.3% dearer than the DP's as
