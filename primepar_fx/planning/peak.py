@@ -81,9 +81,11 @@ def solve_for_peak(
             raise CutOff(cutoff)
     hints: tuple[float, ...] = ()
     cut = False
-    for cap in reversed(caps):  # larger caps first: their plans are the faster ones, so pruning starts early
+    # smaller caps first: where the budget binds, the static room a small cap leaves tends to be worth more than the
+    # larger ring buffers a larger one allows, so the best plan is likely found early and bounds the caps after it
+    for cap in caps:
         if cap > memory_budget:
-            continue
+            break  # so are the caps after it
         keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
         if any(len(k) == 0 for k in keep.values()):
             continue
@@ -93,16 +95,16 @@ def solve_for_peak(
             search.know_minimum({n: int(np.searchsorted(keep[n], p)) for n, p in free.choice.items()})
         relaxed = search.solve()  # a lower bound for this cap, in milliseconds
         limit = cutoff if best is None else min(best[0], cutoff)
-        if relaxed.cost >= limit:
+        if relaxed.cost >= limit:  # (a larger cap keeps more strategies: its relaxed optimum may still be lower)
             cut = cut or best is None
-            break  # a smaller cap keeps fewer strategies: its relaxed optimum is no lower
+            continue
         if relaxed.memory <= memory_budget - cap:
             sol = relaxed
         else:
             try:
                 # a cap that cannot beat the best (or the caller's) stops early
                 sol = search.solve(memory_budget=memory_budget - cap, cutoff=limit, hints=hints)
-                hints = sol.multipliers or hints  # the next cap's budget is a little larger, its plans alike
+                hints = sol.multipliers or hints  # the next cap's budget is a little smaller, its plans alike
             except InfeasibleBudget as exc:
                 smallest = min(smallest, exc.min_memory + cap)
                 continue
