@@ -14,7 +14,7 @@ How the minimum is computed:
    they tie no neighbours together in one elimination table. This is conditioning (below) on a node with one
    state, for every such node, whatever its fan-out.
 1. *Conditioning on global nodes* (:func:`~primepar_fx.search.structure.select_globals`). Each joint strategy
-   ``a`` of the global nodes is tried in an outer loop: the globals' own costs become a constant and every edge
+   ``a`` of the global nodes is tried: the globals' own costs become a constant and every edge
    ``e_{g,v}`` becomes the node cost ``e_{g,v}(a_g, .)`` of ``v``. The best ``a`` wins, so the result is exact.
    This keeps the layers identical and separable. Segment tables that touch no global are computed once; those
    that do are recomputed per ``a`` incrementally (only the engine steps downstream of the changed node costs).

@@ -13,8 +13,8 @@ distinct rows.
 (or, when ``e_uv`` has fewer distinct columns, the same with ``u`` and ``v`` swapped). For every choice of ``u``
 and ``v`` the cheapest ``w`` adds exactly ``e_uv(p_u, p_v)``, so the minimum is unchanged. The proxy has at most
 ``max_states`` states, and the DP makes it a global node (:func:`~primepar_fx.search.structure.select_globals`):
-it conditions on each state in an outer loop, the layers' cuts come back, and only the segments at the two ends
-are recomputed per state.
+it conditions on each state (all of them at once, as an axis of the chain's arrays), the layers' cuts come back,
+and only the segments at the two ends are recomputed per state.
 
 Only edges that jump at least two cut points of the graph without the candidates are proxied; elsewhere the
 engine's extra axis is cheap.

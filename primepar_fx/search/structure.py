@@ -13,7 +13,7 @@ segment, because none jumps a cut.
 layers and would merge them all into one segment. A node is made *global* when it has at least ``min_fanout``
 consumers, at most ``max_states`` strategies, and its out-edges jump at least two cut points of the graph
 without the candidates. Globals are chosen most-jumps-first while the product of their strategy counts stays at
-most ``max_product``. The DP conditions on them: it enumerates their joint strategies in an outer loop and folds
+most ``max_product``. The DP conditions on them: it tries every joint strategy of theirs (as an array axis) and folds
 their edges into their neighbours' node costs (:mod:`primepar_fx.search.dp`). Other wide nodes stay in the graph
 and the engine carries them as an extra table axis (exact, but with one larger segment).
 
