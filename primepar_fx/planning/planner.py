@@ -220,6 +220,8 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         if m in ahead:
             got = ahead[m]
         elif probes.get(m) is not None:
+            if found is not None and probes[m] >= found.step_objective:
+                break  # its fastest plan fits as it is and is no faster than the plan found: nor are more counts'
             # its fastest plan fits: the best at this count
             got = _search_at(graph, opts, meshes, m, free_only=True, pricings=pricings)
         else:

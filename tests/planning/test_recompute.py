@@ -318,6 +318,37 @@ def test_where_no_later_counts_fastest_plan_fits_the_most_micro_batches_are_sear
     assert 8 in auto.search["micro_batches_tried"]
 
 
+@pytest.mark.parametrize("budget", [4_300_000, 5_000_000])
+def test_a_count_whose_fastest_plan_fits_but_is_slower_than_the_plan_found_ends_the_search(budget, monkeypatch):
+    """One micro-batch with recomputation beats the fastest plan of a larger count that fits as it is (a probe):
+    that count is not searched again, nor are the counts after it (more micro-batches only run smaller ones), and
+    the plan is still the fastest of every count planned on its own."""
+    import primepar_fx.planning.planner as planner
+
+    searched = []
+    original = planner._search_at
+
+    def spy(graph, opts, meshes, m, upper=None, **kwargs):
+        searched.append((m, kwargs.get("free_only", False)))
+        return original(graph, opts, meshes, m, upper, **kwargs)
+
+    monkeypatch.setattr(planner, "_search_at", spy)
+    auto = plan_graph(graph(), **{**SIZES, "memory_budget": budget})
+    monkeypatch.undo()
+    probes = [m for m, free in searched if free]  # each later count's fastest plan, up to the first that fits
+    assert auto.micro_batches == 1 and auto.recompute is not None
+    assert len(probes) == len(set(probes))  # the count that fits is not searched again after its probe
+    assert max(m for m, _ in searched) == max(probes)  # nor any count after it
+    fixed = []
+    for m in (1, 2, 4, 8):
+        try:
+            fixed.append(plan_graph(graph(), **{**SIZES, "memory_budget": budget, "micro_batches": m}))
+        except InfeasibleBudget:
+            pass
+    best = min(fixed, key=lambda p: p.predicted.step_time_s)
+    assert auto.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-12)
+
+
 @pytest.mark.parametrize("budget", [5_000_000, 4_440_000])
 def test_a_count_probed_and_then_searched_is_priced_once(budget, monkeypatch) -> None:
     """Two micro-batches' probe and then their search price the same mesh at the same sizes: the second reads the
