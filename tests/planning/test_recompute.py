@@ -269,6 +269,17 @@ def _lever_cutoffs(monkeypatch) -> list[float]:
     return cutoffs
 
 
+def _fastest_fixed(budget: float, counts: tuple[int, ...]):
+    """The fastest of the plans with each of ``counts`` micro-batches forced (those that fit the budget)."""
+    fixed = []
+    for m in counts:
+        try:
+            fixed.append(plan_graph(graph(), **{**SIZES, "memory_budget": budget, "micro_batches": m}))
+        except InfeasibleBudget:
+            pass
+    return min(fixed, key=lambda p: p.predicted.step_time_s)
+
+
 @pytest.mark.parametrize("budget", [5_000_000, 4_440_000])
 def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_bounds_the_lever_search(
     budget, monkeypatch
@@ -281,13 +292,7 @@ def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_boun
     probe = plan_graph(graph(), **{**SIZES, "memory_budget": None, "micro_batches": 2, "zero": 2})
     assert probe.recompute is None and probe.predicted.peak_memory_bytes <= budget
     assert cutoffs[0] == pytest.approx(probe.predicted.step_time_s, rel=1e-12)  # the probe's step
-    fixed = []
-    for m in (1, 2):
-        try:
-            fixed.append(plan_graph(graph(), **{**SIZES, "memory_budget": budget, "micro_batches": m}))
-        except InfeasibleBudget:
-            pass
-    fastest = min(fixed, key=lambda p: p.predicted.step_time_s)
+    fastest = _fastest_fixed(budget, (1, 2))
     assert auto.predicted.step_time_s == pytest.approx(fastest.predicted.step_time_s, rel=1e-12)
     assert auto.micro_batches == fastest.micro_batches and auto.predicted.peak_memory_bytes <= budget
     tried = auto.search["micro_batches_tried"]  # one batch, the probe of two, and on while slower counts may not be
@@ -339,13 +344,7 @@ def test_a_count_whose_fastest_plan_fits_but_is_slower_than_the_plan_found_ends_
     assert auto.micro_batches == 1 and auto.recompute is not None
     assert len(probes) == len(set(probes))  # the count that fits is not searched again after its probe
     assert max(m for m, _ in searched) == max(probes)  # nor any count after it
-    fixed = []
-    for m in (1, 2, 4, 8):
-        try:
-            fixed.append(plan_graph(graph(), **{**SIZES, "memory_budget": budget, "micro_batches": m}))
-        except InfeasibleBudget:
-            pass
-    best = min(fixed, key=lambda p: p.predicted.step_time_s)
+    best = _fastest_fixed(budget, (1, 2, 4, 8))
     assert auto.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-12)
 
 
