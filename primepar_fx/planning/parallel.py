@@ -12,11 +12,13 @@ and :func:`primepar_fx.plan` ask for one process per core (:func:`default_worker
 
 from __future__ import annotations
 
+import contextlib
+import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 
 def can_fork() -> bool:
@@ -92,6 +94,84 @@ def run_forked(
     finally:
         for fork in forks:
             fork.stop()
+
+
+class Found(Protocol):
+    """What :func:`search_forked` needs of a search's result."""
+
+    @property
+    def cost(self) -> float | None:
+        """The cost of the plan found, or ``None`` where nothing (better) was."""
+
+    def portable(self) -> Found:
+        """This, made fit to send to another process (what does not pickle left out, for the receiver to restore)."""
+
+    def lite(self) -> Found:
+        """This without its plan (its cost and what it says of its search kept): what a worker sends of a result
+        that another of its results beats."""
+
+
+R = TypeVar("R", bound=Found)
+
+
+def search_forked(
+    items: Sequence[int],
+    search: Callable[[int, Callable[[], float]], R],
+    *,
+    bound: Callable[[int], float | None],
+    best: float,
+    ceiling: float,
+    workers: int,
+) -> Iterator[tuple[int, R | None]]:
+    """A branch and bound over ``items`` on ``workers`` processes (this one included, as :func:`run_forked`):
+    ``search(i, cutoff)`` finds item ``i``'s plan, or says that it found none cheaper than ``cutoff()``, which is
+    the cheapest found so far by any process, or ``ceiling`` (a plan the caller has) where that is cheaper. The
+    cheapest found is shared (a value in shared memory that each process lowers as it finds a cheaper plan), so an
+    item whose ``bound(i)`` is no cheaper than it is skipped, as it would be one after another. ``best``: the
+    cheapest the caller found before.
+
+    Yields ``(i, result)``, ``None`` for a skipped item; a worker sends its cheapest result whole
+    (:meth:`Found.portable`: the first of equal costs in the order of ``items``) and the others
+    :meth:`Found.lite`, so the cheapest of all, the first of equal costs in that order, arrives whole. An item
+    whose worker raised or died is searched here again (to raise here, or to get it). Which results are found
+    can depend on the timing (a search that starts after a cheaper plan is found is cut off sooner), but the
+    cheapest is what one process finds: every search is exact below its cutoff, and each cutoff is at least it.
+    """
+    forks = workers > 1 and len(items) > 1 and can_fork()
+    # the cheapest plan found and the position in ``items`` of its item (-1: the caller's), under one lock
+    shared = multiprocessing.get_context("fork").Array("d", [best, -1.0]) if forks else [best, -1.0]
+    position = {i: k for k, i in enumerate(items)}
+
+    def cheapest() -> tuple[float, float]:
+        return shared[0], shared[1]
+
+    def job(i: int) -> R | None:
+        cost, source = cheapest()
+        lower = bound(i)
+        if lower is not None and (lower > cost or (lower == cost and source < position[i])):
+            return None  # its fastest plan is no cheaper than a plan found (one process: found before it)
+
+        def cutoff() -> float:  # a plan as cheap as one found for an item after this one beats it (it comes first)
+            cost, source = cheapest()
+            return min(cost if source < position[i] else math.nextafter(cost, math.inf), ceiling)
+
+        found = search(i, cutoff)
+        if found.cost is not None:
+            with shared.get_lock() if forks else contextlib.nullcontext():  # type: ignore[union-attr]
+                if (found.cost, position[i]) < (shared[0], shared[1]):
+                    shared[0], shared[1] = found.cost, position[i]
+        return found
+
+    def send(done: list[tuple[int, bool, Any]]) -> list[tuple[int, bool, Any]]:
+        costed = [(value.cost, position[i], i) for i, ok, value in done if ok and value is not None]
+        whole = min(((c, k, i) for c, k, i in costed if c is not None), default=(None, None, None))[2]
+        return [
+            (i, ok, value.portable() if i == whole else value.lite()) if ok and value is not None else (i, ok, value)
+            for i, ok, value in done
+        ]
+
+    for i, ok, value in run_forked(job, items, workers, finish=send):
+        yield i, value if ok else job(i)
 
 
 class Forked:

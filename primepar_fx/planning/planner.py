@@ -42,6 +42,7 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.planning.baselines import data_parallel_assignment
+from primepar_fx.planning.choose import choose_levers
 from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
     FSDP_GATHERED_LAYERS,
     best_fsdp,
@@ -70,8 +71,7 @@ from primepar_fx.planning.options import (  # noqa: F401  (state_floor, micro_ba
     micro_batch_tries,
     state_floor,
 )
-from primepar_fx.planning.parallel import Forked, can_fork, run_forked
-from primepar_fx.planning.peak import plan_peak, solve_for_peak
+from primepar_fx.planning.parallel import Forked, can_fork, run_forked, search_forked
 from primepar_fx.planning.plan import Baseline, Plan
 from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
@@ -182,9 +182,11 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
             probes[m] = min((v for v in done if v is not None), default=None)
         return probes[m]
 
-    def search_count(m: int, upper: Callable[[], float] | None = None) -> _Found | None:  # None: nothing (better) fits
+    def search_count(
+        m: int, upper: Callable[[], float] | None = None, ready: Callable[[], bool] | None = None
+    ) -> _Found | None:  # None: nothing (better) fits
         try:
-            return _search_at(graph, opts, meshes, m, upper, pricings=pricings)
+            return _search_at(graph, opts, meshes, m, upper, pricings=pricings, ready=ready)
         except InfeasibleBudget as exc:
             infeasible.append(exc)
         except CutOff:
@@ -217,6 +219,10 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
                     return ahead[tries[-1]].step_objective  # type: ignore[union-attr]
             return math.inf
 
+        def ready(found: _Found | None = found) -> bool:  # noqa: B023 -- ahead: read when called
+            """Whether upper() answers from a plan found, without a search of its own."""
+            return found is not None or any(g is not None for g in ahead.values())
+
         if m in ahead:
             got = ahead[m]
         elif probes.get(m) is not None:
@@ -225,7 +231,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
             # its fastest plan fits: the best at this count
             got = _search_at(graph, opts, meshes, m, free_only=True, pricings=pricings)
         else:
-            got = search_count(m, upper)
+            got = search_count(m, upper, ready)
         if got is None:
             continue
         if found is not None and got.step_objective >= found.step_objective:
@@ -296,6 +302,26 @@ class _Found:
         return self.chosen.solution.cost * self.micro_batches
 
 
+@dataclass
+class _Searched:
+    """One mesh's search in :func:`_search_at`: the plan's per-micro-batch cost where it found one, or why not."""
+
+    seconds: float
+    cost: float | None = None
+    chosen: Chosen | None = None  # None also where a worker sent only the cost (planning.parallel.Found.lite)
+    stage: int = 0
+    priced_s: float = 0.0
+    searched_s: float = 0.0
+    min_memory: float | None = None  # nothing fits: the least any of its plans needs
+    cut: bool = False  # nothing that fits beats the plan to beat
+
+    def portable(self) -> _Searched:
+        return self if self.chosen is None else dataclasses.replace(self, chosen=self.chosen.detached())
+
+    def lite(self) -> _Searched:
+        return dataclasses.replace(self, chosen=None)
+
+
 def _search_at(
     graph: OpGraph,
     opts: PlanOptions,
@@ -305,6 +331,7 @@ def _search_at(
     *,
     free_only: bool = False,
     pricings: KeptPricings | None = None,
+    ready: Callable[[], bool] | None = None,
 ) -> _Found:
     """The search on every mesh of ``meshes`` with ``m`` micro-batches of ``opts.batch / m`` (priced at that
     batch), the cheapest kept; raises :class:`InfeasibleBudget` with the least any mesh needs.
@@ -312,7 +339,9 @@ def _search_at(
     ``upper()``: the per-step objective of a plan the caller has (called only when a mesh needs the memory
     levers); a mesh whose plans cannot beat it is not searched, and :class:`~primepar_fx.search.CutOff` is raised
     when none can. ``free_only``: keep only meshes whose fastest plan fits as it is (no levers searched).
-    ``pricings``: the pricings made so far, read where this search would make one again, and added to."""
+    ``pricings``: the pricings made so far, read where this search would make one again, and added to.
+    ``ready()``: whether ``upper()`` would answer without a search of its own (with workers, the meshes that need the
+    levers are then searched side by side from the first)."""
     if opts.batch % m:  # type: ignore[operator]
         raise ValueError(f"micro_batches={m} does not divide the batch of {opts.batch}")
     values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
@@ -361,57 +390,92 @@ def _search_at(
             progress=opts.progress,
         )
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
-    best, entries, infeasible, cut = None, {}, [], False
+    best: _Found | None = None
+    infeasible: list[InfeasibleBudget] = []
+    cut, asked, searched = False, False, False  # searched: in this process, since the last collection
+    entries: dict[int, dict[str, Any]] = {}
+    for i in order:
+        entries[i] = {"digits": list(meshes[i].digits), "objective": None}
+        if bounds[i] is not None:
+            entries[i]["bound"] = bounds[i] * m  # type: ignore[operator]
 
     def limit() -> float:  # per micro-batch
+        nonlocal asked
+        asked = True  # upper() is known from now on
         own = math.inf if best is None else best.chosen.solution.cost
         return min(own, math.inf if upper is None else upper() / m)
 
-    searched = False  # since the last collection (a skipped mesh leaves no garbage to collect)
-    for i in tqdm(order, desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False):
+    def search(
+        i: int, cutoff: Callable[[], float], shown: bool = opts.progress, threads: int | None = None
+    ) -> _Searched:
+        """Mesh ``i``'s plan with the levers it needs, or why it has none."""
+        nonlocal searched
         if searched and (opts.memory_budget is not None or opts.alpha):
             collect()  # the last mesh's lever search left cyclic garbage (planning runs with the collector paused)
-            searched = False
+        searched = True
         mesh, start = meshes[i], time.perf_counter()
-        entry: dict[str, Any] = {"digits": list(mesh.digits), "objective": None}
-        if bounds[i] is not None:
-            entry["bound"] = bounds[i] * m  # type: ignore[operator]
-        entries[i] = entry
-        if best is not None and bounds[i] is not None and bounds[i] >= best.chosen.solution.cost:  # type: ignore[operator]
-            entry["seconds"] = 0.0  # its fastest plan is no faster than the best found: not searched
-            kept.pop(i, None)
-            continue
         if i in kept:  # priced and searched for its bound, before this search started (its fastest plan is kept)
             priced, priced_s = kept.pop(i)
             start -= priced_s + priced.fastest(opts.method).seconds
         else:
-            priced = price(mesh)
+            priced = price(mesh, progress=shown, threads=threads)
             priced_s = priced.seconds  # the time it took, also where it was made before (a probe's, read again)
             start = time.perf_counter() - priced_s
-        searched = True
+        reprice = functools.partial(price, mesh, progress=shown, threads=threads)
         try:
-            chosen, stage = _choose_levers(
-                graph, priced, values, costs, opts, limit, free_only=free_only, reprice=functools.partial(price, mesh)
+            chosen, stage = choose_levers(
+                graph, priced, values, costs, opts, cutoff, free_only=free_only, reprice=reprice
             )
         except InfeasibleBudget as exc:
             if len(meshes) == 1:
                 raise
-            infeasible.append(exc)
-            entry["seconds"] = round(time.perf_counter() - start, 4)
-            continue
+            return _Searched(time.perf_counter() - start, min_memory=exc.min_memory)
         except CutOff:
-            cut = True
-            entry["seconds"] = round(time.perf_counter() - start, 4)
-            continue
-        sol = chosen.solution
-        entry |= {"objective": sol.cost * m, "seconds": round(time.perf_counter() - start, 4)}
-        if best is None or sol.cost < best.chosen.solution.cost:
-            searched_s = time.perf_counter() - start - priced_s
-            best = _Found(
-                mesh, chosen.priced, chosen, priced_s, searched_s, dataclasses.replace(costs, zero=stage), m, []
-            )
+            return _Searched(time.perf_counter() - start, cut=True)
+        seconds = time.perf_counter() - start
+        return _Searched(seconds, chosen.solution.cost, chosen, stage, priced_s, seconds - priced_s)
+
+    def take(i: int, got: _Searched | None) -> None:
+        nonlocal best, cut
+        entry = entries[i]
+        entry["seconds"] = 0.0 if got is None else round(got.seconds, 4)  # None: its bound could not win
+        if got is None or got.cut:
+            cut = cut or got is not None
+        elif got.min_memory is not None:
+            infeasible.append(InfeasibleBudget(opts.memory_budget, got.min_memory))  # type: ignore[arg-type]
         else:
-            del priced  # only the cheapest grouping's pricing is kept (its split-only baseline is read off it)
+            entry["objective"] = got.cost * m  # type: ignore[operator]
+            if got.chosen is not None and (best is None or got.cost < best.chosen.solution.cost):  # type: ignore[operator]
+                got.chosen.attach(graph)  # a worker's comes without it
+                at = dataclasses.replace(costs, zero=got.stage)
+                best = _Found(meshes[i], got.chosen.priced, got.chosen, got.priced_s, got.searched_s, at, m, [])
+
+    # Under a budget the levers weigh many DP runs per mesh: with workers the meshes are searched side by side once
+    # the plan to beat is known (upper() read, or ready to answer at once), each process cutting off at the cheapest
+    # plan found by any (planning.parallel.search_forked); the cheapest of all is the one a single process finds.
+    side = workers > 1 and not free_only and opts.memory_budget is not None
+    with tqdm(total=len(order), desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False) as bar:
+        for k, i in enumerate(order):
+            if side and len(order) - k > 1 and (asked or (ready is not None and ready())):
+                found = search_forked(
+                    order[k:],
+                    lambda j, cutoff: search(j, cutoff, shown=False, threads=1),
+                    bound=lambda j: bounds[j],
+                    best=math.inf if best is None else best.chosen.solution.cost,
+                    ceiling=math.inf if upper is None else upper() / m,
+                    workers=workers,
+                )
+                done = dict(found)
+                for j in order[k:]:  # in the order one process searches them: the first of equal plans kept
+                    take(j, done[j])
+                    bar.update()
+                break
+            if best is not None and bounds[i] is not None and bounds[i] >= best.chosen.solution.cost:  # type: ignore[operator]
+                kept.pop(i, None)
+                take(i, None)  # its fastest plan is no faster than the best found: not searched
+            else:
+                take(i, search(i, limit))
+            bar.update()
     if best is not None:
         best.tried.extend(entries[i] for i in range(len(meshes)))
     elif cut:
@@ -419,70 +483,6 @@ def _search_at(
     if best is None:
         raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in infeasible))  # type: ignore[arg-type]
     return best
-
-
-def _choose_levers(
-    graph: OpGraph,
-    priced: PricedGraph,
-    values: dict,
-    costs: CostOptions,
-    opts: PlanOptions,
-    cutoff: Callable[[], float] | None = None,
-    *,
-    free_only: bool = False,
-    reprice: Callable[[CostOptions], PricedGraph] | None = None,
-) -> tuple[Chosen, int]:
-    """The plan's recomputation and solution on one mesh, and its ZeRO stage.
-
-    A stage asked for is priced as it is. ``"auto"``: stage 0 when the fastest plan fits the budget without it;
-    else stage 2, which moves the bytes of stage 0 in the same time and holds less, so every plan that fits at
-    stage 0 fits at stage 2 as fast (it is the stage to weigh against recomputation and slower partitions); and
-    where nothing fits at stage 2, stage 3 (the parameters split too, gathered around their uses: more bytes
-    sent, so it is the last resort), priced again by ``reprice(costs)``.
-    ``priced`` is priced at ``costs``' stage. ``cutoff()``: the objective of a plan the caller has (asked only
-    when the levers are searched; :class:`~primepar_fx.search.CutOff` when nothing that fits beats it).
-    ``free_only``: :class:`~primepar_fx.search.CutOff` where the fastest plan does not fit as it is.
-    """
-
-    def choose(p: PricedGraph, c: CostOptions) -> Chosen:
-        return choose_recompute(
-            graph,
-            p,
-            values,
-            c,
-            choice=opts.recompute,
-            memory_budget=opts.memory_budget,
-            alpha=opts.alpha,
-            method=opts.method,
-            cutoff=math.inf if cutoff is None else cutoff(),
-        )
-
-    if opts.zero != "auto":
-        return choose(priced, costs), costs.zero
-    if opts.memory_budget is None and opts.alpha == 0:  # nothing to weigh stage 2's memory against
-        return choose(priced, costs), 0
-    whole = dataclasses.replace(costs, zero=0)
-    if opts.alpha == 0:
-        priced.fastest(opts.method)  # found once: the pricing at stage 0 below keeps it, and its search graph
-    unsharded = priced.with_memory(whole)
-    free = solve_for_peak(unsharded, memory_budget=None, alpha=opts.alpha, method=opts.method)
-    if opts.alpha == 0:  # the fastest plan fits as it is, or with its replicas' state split
-        if plan_peak(unsharded, free.choice) <= opts.memory_budget:  # type: ignore[operator]
-            return Chosen(free, unsharded, None), 0
-        if plan_peak(priced, free.choice) <= opts.memory_budget:  # type: ignore[operator]
-            return Chosen(free, priced, None), costs.zero
-    if free_only:
-        raise CutOff(math.inf)
-    try:
-        return choose(priced, costs), costs.zero
-    except InfeasibleBudget as exc:
-        if reprice is None:
-            raise
-        third = dataclasses.replace(costs, zero=3)
-        try:
-            return choose(reprice(third), third), 3
-        except InfeasibleBudget as at_three:  # the least either needs
-            raise InfeasibleBudget(opts.memory_budget, min(exc.min_memory, at_three.min_memory)) from None  # type: ignore[arg-type]
 
 
 def _options(graph: OpGraph, options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptions:

@@ -38,6 +38,7 @@ layers costs time but frees memory for faster partitions).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -88,6 +89,21 @@ class LayerPricing:
         self._memo: dict[tuple, list[NodeCost]] = {}
         self._edges: dict[tuple, tuple] = {}  # _edge_again's, by the ids of its arrays
         self._applied: tuple[Recompute, PricedGraph] | None = None  # apply's last
+
+    def detached(self) -> LayerPricing:
+        """A copy without the graph (a captured graph does not pickle) and without the memos (rebuilt as read):
+        what a worker process sends back (:func:`~primepar_fx.planning.parallel.search_forked`); the receiver gives
+        it the graph again (:meth:`attach`) before reading it."""
+        out = copy.copy(self)
+        out.graph = None  # type: ignore[assignment]
+        out._how, out._memo, out._edges, out._applied = {}, {}, {}, None
+        return out
+
+    def attach(self, graph: OpGraph) -> None:
+        """Give a :meth:`detached` copy its graph again (the one it was priced from, as the receiver holds it)."""
+        if self.graph is not None and self.graph is not graph:
+            raise ValueError("attach: this recomputation pricing has another graph already")
+        self.graph = graph
 
     @property
     def selective_differs(self) -> bool:
@@ -292,6 +308,16 @@ class Chosen:
     #: the recomputation pricing ``priced`` was applied from (its ``priced`` is the pricing before), where a policy
     #: is active: what :func:`restricted` prices a subspace from
     layers: LayerPricing | None = None
+
+    def detached(self) -> Chosen:
+        """This, fit to send to another process: its recomputation pricing without the graph
+        (:meth:`LayerPricing.detached`); :meth:`attach` gives it back."""
+        return self if self.layers is None else dataclasses.replace(self, layers=self.layers.detached())
+
+    def attach(self, graph: OpGraph) -> None:
+        """Give a :meth:`detached` plan's recomputation pricing its graph again."""
+        if self.layers is not None:
+            self.layers.attach(graph)
 
 
 def _solve_policy(

@@ -228,3 +228,34 @@ def test_a_counts_probe_finds_each_groupings_fastest_plan_in_worker_processes_as
     assert len(probed) == 2 and str(os.getpid()) in probed  # the count of 2 was probed in both processes
     assert two.to_dict()["nodes"] == one.to_dict()["nodes"] and two.search["objective"] == one.search["objective"]
     assert two.to_dict()["baselines"] == one.to_dict()["baselines"]
+
+
+def test_the_groupings_lever_searches_run_side_by_side_and_find_the_plan_of_one_process(tmp_path, monkeypatch):
+    """Under a budget every grouping whose fastest plan does not fit weighs the memory levers (many DP runs); with
+    workers, once the plan to beat is known, the groupings are searched in both processes, each cut off at the
+    cheapest plan any has found (planning.parallel.search_forked). The plan is the one-process plan exactly."""
+    if not can_fork():
+        pytest.skip("no fork on this platform: planning runs in one process")
+    import primepar_fx.planning.planner as planner
+
+    spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
+    kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, method="dp")
+    fastest = plan_graph(graph(), **kw, memory_budget=None, workers=1)
+    budget = int(0.6 * fastest.to_dict()["predicted"]["peak_memory_bytes"])
+    one = plan_graph(graph(), **kw, memory_budget=budget, workers=1)
+    log, choose_levers = tmp_path / "levers.txt", planner.choose_levers
+
+    def logged(graph, priced, values, costs, opts, cutoff=None, **kwargs):  # noqa: ANN001, ANN202 -- every process
+        if not kwargs.get("free_only"):
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()} {costs.micro_batches} {list(priced.mesh.digits)}\n")
+        return choose_levers(graph, priced, values, costs, opts, cutoff, **kwargs)
+
+    monkeypatch.setattr(planner, "choose_levers", logged)
+    two = plan_graph(graph(), **kw, memory_budget=budget, workers=2)
+    searched = [line.split(" ", 2) for line in log.read_text().splitlines()]
+    assert {pid for pid, _, _ in searched} > {str(os.getpid())}  # a worker searched levers too
+    assert two.to_dict()["nodes"] == one.to_dict()["nodes"] and two.search["objective"] == one.search["objective"]
+    assert two.digits == one.digits and two.recompute == one.recompute
+    assert two.search["micro_batches_tried"] == one.search["micro_batches_tried"]
+    assert two.to_dict()["baselines"] == one.to_dict()["baselines"]

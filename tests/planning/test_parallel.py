@@ -1,10 +1,13 @@
 """Planning pieces in forked workers (``planning.parallel``): ``run_forked`` gives every item's result once, the
 same as in one process, this process's items in order first; a worker's error comes back as a message for the
 caller to run again here; where there is nothing to share out, no process is forked. ``Forked`` runs one job
-beside the caller: its value, its error or its death as a message, or stopped when no longer needed."""
+beside the caller: its value, its error or its death as a message, or stopped when no longer needed.
+``search_forked`` is a branch and bound over such workers that finds what one process finds."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import time
@@ -12,7 +15,7 @@ import time
 import pytest
 
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.parallel import Forked, can_fork, default_workers, run_forked
+from primepar_fx.planning.parallel import Forked, can_fork, default_workers, run_forked, search_forked
 
 forking = pytest.mark.skipif(not can_fork(), reason="no fork on this platform")
 STATE = {"scale": 3}  # set before the fork: a worker sees the planner's memory as it was
@@ -137,3 +140,78 @@ def test_a_forked_job_no_longer_needed_is_stopped():
     start = time.perf_counter()
     job.stop()
     assert time.perf_counter() - start < 10 and not job._process.is_alive()
+
+
+@dataclasses.dataclass
+class Plan:
+    """A stand-in for a mesh's search result (``planning.parallel.Found``): its cost, the plan, who found it."""
+
+    cost: float | None
+    plan: str | None
+    pid: int
+    sent: bool = False
+
+    def portable(self) -> Plan:
+        return dataclasses.replace(self, sent=True)
+
+    def lite(self) -> Plan:
+        return dataclasses.replace(self, plan=None)
+
+
+def branch_and_bound(costs: list[float], workers: int, **kw):
+    """``search_forked`` over items whose plan costs ``costs[i]`` (found where it beats the cutoff, as a lever
+    search does), each bounded by itself: {item: result or None where skipped}, and the cutoffs each saw."""
+    seen = {}
+
+    def search(i: int, cutoff) -> Plan:
+        time.sleep(0.05)  # the items spread over the processes
+        limit = seen[i] = cutoff()
+        return Plan(costs[i], f"plan {i}", os.getpid()) if costs[i] < limit else Plan(None, None, os.getpid())
+
+    got = dict(search_forked(range(len(costs)), search, bound=lambda i: costs[i], workers=workers, **kw))
+    return got, seen
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_a_branch_and_bound_side_by_side_finds_the_first_cheapest_plan_whole(workers):
+    if workers > 1 and not can_fork():
+        pytest.skip("no fork on this platform")
+    costs = [5.0, 3.0, 6.0, 3.0, 4.0, 3.0, 8.0]
+    got, _ = branch_and_bound(costs, workers, best=math.inf, ceiling=math.inf)
+    assert sorted(got) == list(range(len(costs)))
+    found = {i: r for i, r in got.items() if r is not None and r.cost is not None}
+    assert min(found, key=lambda i: (found[i].cost, i)) == 1 and found[1].plan == "plan 1"  # the first of the 3s
+    assert all(r.plan is None or r.pid == os.getpid() or r.sent for r in found.values())  # a worker's sent whole
+    for pid in {r.pid for r in found.values()} - {os.getpid()}:  # a worker sends its cheapest whole, the rest lite
+        whole = [i for i, r in found.items() if r.pid == pid and r.plan is not None]
+        assert whole == [min((r.cost, i) for i, r in found.items() if r.pid == pid)[1]]
+    if workers == 1:  # one after another: an item is searched only where its bound beats the plans before it
+        assert [i for i in range(len(costs)) if got[i] is not None] == [0, 1]
+        assert found.keys() == {0, 1}
+
+
+def test_the_callers_plan_skips_and_its_ceiling_and_each_plan_found_cut_off_what_follows():
+    got, seen = branch_and_bound([5.0, 3.0, 6.0, 3.5], 1, best=4.0, ceiling=2.5)
+    assert got[0] is None and got[2] is None  # bounds no cheaper than the caller's plan: skipped
+    assert seen == {1: 2.5, 3: 2.5} and got[1].cost is None and got[3].cost is None  # cut off at the ceiling
+    got, seen = branch_and_bound([3.0, 2.0, 2.5], 1, best=math.inf, ceiling=10.0)
+    assert seen == {0: 10.0, 1: 3.0} and got[1].cost == 2.0 and got[2] is None
+
+
+@forking
+def test_an_earlier_item_as_cheap_as_a_later_ones_plan_is_kept_as_one_process_keeps_it():
+    """The worker's item (the second) finds 3.0 while this process's first item is searching: the first's cutoff is
+    then just above 3.0, so its own plan of 3.0 is found, and it comes first, as one process would keep it."""
+    seen = {}
+
+    def search(i: int, cutoff) -> Plan:
+        if i == 0:
+            start = time.monotonic()
+            while cutoff() == math.inf and time.monotonic() - start < 30:  # until the worker has found its plan
+                time.sleep(0.01)
+        limit = seen[i] = cutoff()
+        return Plan(3.0, f"plan {i}", os.getpid()) if 3.0 < limit else Plan(None, None, os.getpid())
+
+    got = dict(search_forked([0, 1], search, bound=lambda i: 2.0, best=math.inf, ceiling=math.inf, workers=2))
+    assert seen[0] == math.nextafter(3.0, math.inf)
+    assert got[0].cost == got[1].cost == 3.0 and got[0].plan == "plan 0" and got[1].sent

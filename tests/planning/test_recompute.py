@@ -256,16 +256,16 @@ def test_recompute_options_are_checked() -> None:
 
 def _lever_cutoffs(monkeypatch) -> list[float]:
     """The ``cutoff`` of every lever search the planner runs from now on, in the order they are called."""
-    import primepar_fx.planning.planner as planner
+    import primepar_fx.planning.choose as choose
 
     cutoffs = []
-    original = planner.choose_recompute
+    original = choose.choose_recompute
 
     def spy(*args, **kwargs):
         cutoffs.append(kwargs["cutoff"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "choose_recompute", spy)
+    monkeypatch.setattr(choose, "choose_recompute", spy)
     return cutoffs
 
 
