@@ -491,3 +491,44 @@ def test_a_budgeted_plan_is_never_slower_than_its_split_only_baseline() -> None:
         assert ours.predicted.step_time_s <= split.predicted.step_time_s * (1 + 1e-12), share
         if ours.search.get("split_only_kept"):
             assert ours.predicted == split.predicted and not ours.search["proven_optimal"]
+
+
+def test_a_plan_sent_from_a_worker_without_its_graph_reads_as_before_once_the_graph_is_given_back() -> None:
+    """A worker process sends its plan back pickled (planning.parallel.search_forked): the captured graph does not
+    pickle, so the plan's recomputation pricing leaves it (and its memos) out, and the planner gives it back. The
+    plan read then (a policy's costs, its split-only subspace) is the plan before it was sent."""
+    import pickle
+
+    lp, free, full = layers(), plan(recompute="none"), plan(recompute="full")
+    budget = (full.predicted.peak_memory_bytes + free.predicted.peak_memory_bytes) // 2
+    spec, values = resolve_cluster("cpu-gloo"), {B: SIZES["batch"], S: SIZES["seq"]}
+    priced = price_graph(graph(), spec.mesh(4), spec, values, CostOptions())
+    opts = dict(memory_budget=budget, alpha=0.0, method="dp")
+    chosen = choose_recompute(graph(), priced, values, CostOptions(), choice="full", **opts)
+    assert chosen.recompute.active and chosen.layers is not None
+    with pytest.raises(Exception):  # noqa: B017 -- the graph does not pickle (whatever torch raises)
+        pickle.dumps(chosen)
+    sent = pickle.loads(pickle.dumps(chosen.detached()))
+    assert chosen.layers.graph is graph() and sent.layers.graph is None  # the plan sent from is left whole
+    sent.attach(graph())
+    split_only = lambda seq: not seq.prime  # noqa: E731
+    again = restricted(
+        graph(), sent.priced, split_only, values, CostOptions(), recompute=sent.recompute, layers=sent.layers, **opts
+    )
+    before = restricted(
+        graph(),
+        chosen.priced,
+        split_only,
+        values,
+        CostOptions(),
+        recompute=chosen.recompute,
+        layers=chosen.layers,
+        **opts,
+    )
+    assert again[1] == before[1] and again[0].solution.choice == before[0].solution.choice
+    assert again[0].solution.cost == before[0].solution.cost
+    policy = Recompute.uniform(lp.units.stack, len(lp.units), "full", 1)
+    a, b = sent.layers.apply(policy).search_graph, chosen.layers.apply(policy).search_graph
+    assert a.node_cost.keys() == b.node_cost.keys() and all((a.node_cost[n] == b.node_cost[n]).all() for n in a.nodes)
+    with pytest.raises(ValueError, match="another graph"):
+        sent.attach(object())  # type: ignore[arg-type]
