@@ -83,7 +83,10 @@ READING = """## Reading the results
   two workers), at 64 and 128 in 20 s (12.2 s and 22.8-23.6 s). Measured again on 2026-12-05 (fifth session,
   not in this table), with index sets intersected as products (docs/planning.md) and the machine in faster and
   slower spells: 32 GPUs 5.1-6.5 s in 9 runs, 6.8-7.6 s in 5 later ones; 64 GPUs 8.5-11.8 s; 128 GPUs 15.9-19.6 s
-  in 7 runs, 20.4 and 21.8 s in 2: near the targets, not robustly within them. At 32 GPUs capture takes 1.3-1.4
+  in 7 runs, 20.4 and 21.8 s in 2: near the targets, not robustly within them. On 2026-12-06, in a quiet spell (a
+  20-million-step Python loop 1.33-1.36 s): 32 GPUs 5.5-5.7 s in 3 runs, 64 GPUs 8.0 s, 128 GPUs 15.5 s, opt-175b
+  and bloom-176b at 32 GPUs 3.3 s and 3.7 s; in busier spells that day (the loop 1.4-2.2 s) 32 GPUs 5.6-7.6 s.
+  At 32 GPUs capture takes 1.3-1.4
   s (torch.export of two layers with symbolic B and S: 1.0-1.3 s of it, against about 0.5 s for the same export at
   fixed sizes)
   and the five groupings 6.3-6.5 s: about 1.6 s of pricing and 0.25 s of search each alone, 2.0-2.4 s of pricing
