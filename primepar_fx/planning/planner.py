@@ -71,7 +71,7 @@ from primepar_fx.planning.options import (  # noqa: F401  (state_floor, micro_ba
     micro_batch_tries,
     state_floor,
 )
-from primepar_fx.planning.parallel import Forked, can_fork, run_forked, search_forked
+from primepar_fx.planning.parallel import Forked, can_fork, search_forked
 from primepar_fx.planning.plan import Baseline, Plan
 from primepar_fx.planning.priced import PricedGraph
 from primepar_fx.planning.pricing import price_graph
@@ -166,7 +166,8 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     # a count's fastest plan's per-step objective where it fits as it is, else None; only the number is kept, and
     # the plan is found again if that count is reached (from the pricings kept meanwhile, where they still are)
     probes: dict[int, float | None] = {}
-    pricings = KeptPricings(max(2 * len(meshes), len(tries)))  # one mesh: every count's pricing, probed then searched
+    # every mesh's pricing at up to four counts (a count's probe, then its search; one mesh: every count's)
+    pricings = KeptPricings(max(4 * len(meshes), len(tries)))
 
     def fits(m: int, i: int) -> float | None:  # mesh i's fastest plan's per-step objective where it fits as it is
         try:
@@ -175,10 +176,9 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
             return None
 
     def probe(m: int) -> float | None:
-        if m not in probes:  # the meshes side by side where there are workers (a worker's pricings stay in it)
+        if m not in probes:  # the meshes side by side where there are workers (their pricings sent back)
             workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
-            job = functools.partial(fits, m)
-            done = [value if ok else job(i) for i, ok, value in run_forked(job, range(len(meshes)), workers)]
+            done = pricings.run_forked(functools.partial(fits, m), m, meshes, workers)
             probes[m] = min((v for v in done if v is not None), default=None)
         return probes[m]
 

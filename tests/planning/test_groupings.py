@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import math
 import os
+import time
 
 import pytest
 
@@ -259,3 +260,41 @@ def test_the_groupings_lever_searches_run_side_by_side_and_find_the_plan_of_one_
     assert two.digits == one.digits and two.recompute == one.recompute
     assert two.search["micro_batches_tried"] == one.search["micro_batches_tried"]
     assert two.to_dict()["baselines"] == one.to_dict()["baselines"]
+
+
+@dataclasses.dataclass
+class FakePricing:
+    """Stands for a PricedGraph in KeptPricings: its size and the process that made it."""
+
+    nbytes: int
+    pid: int
+
+    def array_nbytes(self) -> int:
+        return self.nbytes
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pricings_a_worker_makes_for_a_count_come_back_and_are_kept_here(workers):
+    """A count's probe prices every grouping side by side: what a worker priced for that count comes back with
+    its results (``KeptPricings.run_forked``), so that the count's search reads it instead of pricing it again;
+    what it priced for another count does not."""
+    if workers > 1 and not can_fork():
+        pytest.skip("no fork on this platform")
+    from primepar_fx.planning.groupings import KeptPricings
+
+    meshes = [DeviceMesh((2, 2, 4)), DeviceMesh((4, 2, 2)), DeviceMesh((2, 4, 2))]
+    kept = KeptPricings(entries=10)
+
+    def job(i: int) -> int:
+        time.sleep(0.3)  # (the items spread over the processes)
+        kept.put((2, meshes[i], "costs"), FakePricing(10 + i, os.getpid()))
+        kept.put((4, meshes[i], "costs"), FakePricing(20 + i, os.getpid()))  # another count's: stays there
+        return i * i
+
+    assert kept.run_forked(job, 2, meshes, workers) == [0, 1, 4]  # in order, wherever they ran
+    at_2 = {mesh: kept.get((2, mesh, "costs")) for mesh in meshes}
+    assert all(p is not None for p in at_2.values()) and kept.held >= 10 + 11 + 12
+    if workers > 1:
+        assert len({p.pid for p in at_2.values()}) == 2  # both processes priced some, and this one keeps them all
+    made_here = {mesh for mesh, p in at_2.items() if p.pid == os.getpid()}
+    assert {m for m in meshes if kept.get((4, m, "costs")) is not None} == made_here
