@@ -142,8 +142,12 @@ def search_forked(
     shared = multiprocessing.get_context("fork").Array("d", [best, -1.0]) if forks else [best, -1.0]
     position = {i: k for k, i in enumerate(items)}
 
+    def locked() -> contextlib.AbstractContextManager:
+        return shared.get_lock() if forks else contextlib.nullcontext()  # type: ignore[union-attr]
+
     def cheapest() -> tuple[float, float]:
-        return shared[0], shared[1]
+        with locked():  # the two read together
+            return shared[0], shared[1]
 
     def job(i: int) -> R | None:
         cost, source = cheapest()
@@ -157,7 +161,7 @@ def search_forked(
 
         found = search(i, cutoff)
         if found.cost is not None:
-            with shared.get_lock() if forks else contextlib.nullcontext():  # type: ignore[union-attr]
+            with locked():
                 if (found.cost, position[i]) < (shared[0], shared[1]):
                     shared[0], shared[1] = found.cost, position[i]
         return found
