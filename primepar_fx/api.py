@@ -97,7 +97,8 @@ def plan(
     ``fallback="replicate"`` runs ops without a rule replicated. ``grouped``: past three device digits
     (16 or more GPUs on 4-GPU nodes) the search runs on the digits merged into three: every such grouping, the
     cheapest plan kept (``None``, the default, or ``"all"``), only the leading digits merged (``True`` or
-    ``"leading"``), or the full mesh (``False``); see :func:`~primepar_fx.planning.groupings.search_meshes`.
+    ``"leading"``), or the full mesh and then every grouping (``False``); see
+    :func:`~primepar_fx.planning.groupings.search_meshes`.
     ``progress`` shows the pricing's progress bars on stderr.
     ``grad_dtype`` (default: ``dtype``), ``master_weights`` (an fp32 copy of every parameter; default: when
     ``dtype`` is 16 bits) and ``state_dtype`` (the optimizer's two moments, default fp32) say what a device keeps

@@ -508,7 +508,10 @@ def _add_plan_parser(sub: Any) -> None:
         "the default), or the leading (inter-node) digits merged only (leading, what --grouped alone means)",
     )
     grouping.add_argument(
-        "--no-grouped", dest="grouped", action="store_false", help="search the full mesh (slow past 3 digits)"
+        "--no-grouped",
+        dest="grouped",
+        action="store_false",
+        help="search the full mesh (slow past 3 digits), then every grouping; the cheapest plan kept",
     )
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument(

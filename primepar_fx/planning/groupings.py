@@ -49,9 +49,17 @@ def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: Cluster
     (K across two groups of nodes, B across four) and P(S x S) across nodes; two groupings whose digits have the
     same radices made of the same network levels relabel devices of each other, so one of them is searched. The
     leading grouping comes first, so a tie keeps it.
+
+    ``False`` past :data:`GROUPED_DIGITS` digits: ``mesh`` first, then every grouping. A plan on a grouping is a
+    plan on ``mesh``, but where the full mesh's DP tables are too large the search narrows them
+    (:mod:`primepar_fx.search.solve`) and its plan can lose to a grouping's: BLOOM-176B on 32 V100s
+    (``v100-paper``, B = 16, S = 2048), 19,562.8 ms a step narrowed against 19,406.8 ms on ``2x4x4``. The cheapest
+    is kept, a tie keeping ``mesh``'s, so the full space's plan is never worse than a grouping's.
     """
-    if grouped is False or len(mesh.digits) <= GROUPED_DIGITS:
+    if len(mesh.digits) <= GROUPED_DIGITS:
         return [mesh]
+    if grouped is False:
+        return [mesh, *search_meshes(mesh, "all", cluster)]
     if grouped is True or grouped == "leading":
         return [mesh.grouped(GROUPED_DIGITS)]
     if grouped is not None and grouped != "all":

@@ -165,7 +165,7 @@ class PlanOptions:
         grouped: past three device digits, which meshes the search runs on
             (:func:`~primepar_fx.planning.groupings.search_meshes`): ``None`` or ``"all"`` every grouping of the digits
             into three, the cheapest plan kept; ``True`` or ``"leading"`` only the leading digits merged; ``False``
-            the full mesh.
+            the full mesh, then every grouping, the cheapest plan kept.
         canonical: search one sequence per class of equivalent ones.
         fallback: ``"replicate"`` runs ops without a dimension rule replicated; ``None`` raises.
         progress: show the pricing's progress bars on stderr.

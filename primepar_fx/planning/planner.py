@@ -380,15 +380,21 @@ def _search_at(
     bounds: list[float | None] = [None] * len(meshes)
     kept: dict[int, tuple[PricedGraph, float]] = {}
     workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
-    if len(meshes) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
-        bounds, kept = grouping_bounds(
-            meshes,
+    # The full mesh past GROUPED_DIGITS digits (searched with the groupings when it is asked for) is priced for its
+    # search only: its pricing is large and slow, and it comes first (no bound) so a tie keeps it.
+    grouped = [i for i, mesh in enumerate(meshes) if len(mesh.digits) <= GROUPED_DIGITS]
+    if len(grouped) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
+        found_bounds, found_kept = grouping_bounds(
+            [meshes[i] for i in grouped],
             # side by side in processes, each on one thread: threads beside them would compete for the cores
             lambda mesh, shown: price(mesh, progress=shown, threads=1 if workers > 1 else None),
             method=opts.method,
-            workers=workers,
+            workers=min(workers, len(grouped)),
             progress=opts.progress,
         )
+        for j, i in enumerate(grouped):
+            bounds[i] = found_bounds[j]
+        kept = {grouped[j]: got for j, got in found_kept.items()}
     order = sorted(range(len(meshes)), key=lambda i: -math.inf if bounds[i] is None else bounds[i])
     best: _Found | None = None
     infeasible: list[InfeasibleBudget] = []

@@ -49,8 +49,26 @@ from primepar_fx.planning.priced import PricedGraph, ShareFlow, TiedSaving, froz
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
 from primepar_fx.utils.malloc import steady_malloc
+from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger(__name__)
+
+#: bytes the pricing holds per entry of a distinct edge matrix (its seconds and bytes, both directions and Forward
+#: alone, the net of a fused reduce-scatter, the consumers' share); measured: two llama2-70b layers on the full
+#: 16-device mesh, 1.38e7 entries, peak resident memory 0.36 -> 1.84 GB (107 B an entry)
+BYTES_PER_ENTRY = 100
+
+
+class SpaceTooLarge(ValueError):
+    """The edge matrices of a partition space would not fit this machine's memory (raised before they are priced)."""
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (``None`` where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def default_workers() -> int:
@@ -141,8 +159,9 @@ def price_graph(
 
     The steps, each a method of :class:`_Pricing`: bind every node's sequences and price them
     (:meth:`~_Pricing.bind_nodes`), find the data-flow edges and the distinct re-layouts and reduce-scatter fusions
-    they need (:meth:`~_Pricing.find_flows`), price those (:meth:`~_Pricing.price_relayouts`), fill in each edge's
-    matrices (:meth:`~_Pricing.edge_matrices`, :meth:`~_Pricing.add_shared_parameters`) and assemble the
+    they need (:meth:`~_Pricing.find_flows`; first, that their matrices fit this machine's memory, else
+    :class:`SpaceTooLarge`: :meth:`~_Pricing.check_size`), price those (:meth:`~_Pricing.price_relayouts`), fill
+    in each edge's matrices (:meth:`~_Pricing.edge_matrices`, :meth:`~_Pricing.add_shared_parameters`) and assemble the
     :class:`CostGraph` (:meth:`~_Pricing.cost_graph`).
     """
     start = time.perf_counter()
@@ -151,7 +170,7 @@ def price_graph(
     space = _Space(allow_prime, levels, fixed, replicate_constants, restrict)
     pricing = _Pricing(graph, mesh, cluster, values, opts, space)
     pricing.bind_nodes(progress)
-    pricing.find_flows()
+    pricing.find_flows(physical_memory())
     pricing.price_relayouts(default_workers() if workers is None else workers)
     pricing.edge_matrices(progress)
     pricing.add_shared_parameters()
@@ -290,19 +309,38 @@ class _Pricing:
         self.entry[name], self.strategies[name], self.costs[name], self.partitions[name] = self.node_cache[key]
 
     # ---------------------------------------------------------------------------------------------- the edges
-    def find_flows(self) -> None:
-        """Step 2: every data-flow edge with its cache key; each distinct key's layouts and the directions they
-        re-lay out; the edges where an all-reduce may fuse with the re-layout."""
+    def find_flows(self, memory: int | None = None) -> None:
+        """Step 2: every data-flow edge with its cache key (and the edges where an all-reduce may fuse with the
+        re-layout); once :meth:`check_size` has passed them against ``memory``, each distinct key's layouts and
+        the directions they re-lay out."""
         for u, v, data in self.graph.graph.edges(data=True):
             pu, pv = self.graph.nodes[u], self.graph.nodes[v]
             k_in, k_out = data["dst_in"], out_index(pv)
             if pv.dims.inputs[k_in] is None or not pu.dims.outputs:
                 continue
             item = tensor_itemsize(self.graph.fx_node(u), k_out, self.opts)
-            key = (self.entry[u], self.entry[v], k_out, k_in, item)
-            self._add_flow(u, v, k_in, k_out, key)
+            self._add_flow(u, v, k_in, k_out, (self.entry[u], self.entry[v], k_out, k_in, item))
+        self.check_size(memory)
+        for u, v, k_in, k_out, key, _ in self.flows:
             if key not in self.layouts:
                 self._add_layouts(u, v, k_in, k_out, key)
+
+    def check_size(self, memory: int | None) -> None:
+        """Before any edge is laid out or priced: that the distinct edge matrices fit in ``memory`` bytes, else one
+        clear error (the full 32-device mesh of llama2-70b would need ~32 GiB; docs/benchmarks/search_time.md)."""
+        sizes: dict[tuple, int] = {}
+        for u, v, _, _, key, _ in self.flows:
+            sizes.setdefault(key, len(self.strategies[u]) * len(self.strategies[v]))
+        need = sum(sizes.values()) * BYTES_PER_ENTRY
+        if memory is not None and need > memory:
+            widest = max(self.strategies, key=lambda n: len(self.strategies[n]))
+            raise SpaceTooLarge(
+                f"the partition space on device digits {self.mesh.digits} is too large to price here: its "
+                f"{len(sizes)} distinct edge matrices have {sum(sizes.values()):,} entries (about "
+                f"{format_bytes(need)}; node {widest} alone has {len(self.strategies[widest])} strategies), more "
+                f"than this machine's {format_bytes(memory)}. Search the groupings of the digits (the default past "
+                f"3 digits), fewer digits, or the canonical subspace"
+            )
 
     def _add_flow(self, u: str, v: str, k_in: int, k_out: int, key: tuple) -> None:
         """Record edge ``u -> v`` and, when an all-reduce at either end may fuse with its re-layout, what pricing

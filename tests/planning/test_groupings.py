@@ -57,7 +57,8 @@ def test_groupings_of_32_devices_are_every_coarsening_into_three_less_relabeling
     assert meshes[0] == full.grouped(3) == search_meshes(full, "leading", spec)[0]
     for mesh in meshes:
         runs_of(full, mesh)
-    assert search_meshes(full, False, spec) == [full] and search_meshes(spec.mesh(8), None, spec) == [spec.mesh(8)]
+    assert search_meshes(full, False, spec) == [full, *meshes]  # the full mesh asked for, then the groupings
+    assert search_meshes(spec.mesh(8), None, spec) == search_meshes(spec.mesh(8), False, spec) == [spec.mesh(8)]
     with pytest.raises(ValueError, match="grouped must be"):
         search_meshes(full, "some", spec)
     with pytest.raises(ValueError, match="grouped must be"):
@@ -99,6 +100,46 @@ def test_the_plan_is_the_best_grouping_and_each_grouping_is_its_own_search():
     leading = plan_graph(graph(), grouped="leading", **kw)
     assert leading.digits == (4, 2, 2) and "groupings" not in leading.search
     assert plan.predicted.step_time_s <= leading.predicted.step_time_s * (1 + 1e-12)
+
+
+def _narrow_the_full_mesh(monkeypatch, limit: int) -> None:
+    """The search of every pricing with a node of more than 200 strategies (the full 16-device mesh here, not a
+    grouping) with DP tables of at most ``limit`` entries and no ILP: narrowed below the limit."""
+    import primepar_fx.planning.priced as priced_module
+    from primepar_fx.search import solve
+    from primepar_fx.search.dp import DPOptions
+
+    def narrowed(search_graph, method="auto", **kw):
+        if max(search_graph.strategies(n) for n in search_graph.nodes) > 200:
+            kw.update(options=DPOptions(max_table_entries=limit), ilp_max_pairs=0, ilp_max_variables=10)
+        return solve(search_graph, method=method, **kw)
+
+    monkeypatch.setattr(priced_module, "solve", narrowed)
+
+
+def test_the_full_mesh_asked_for_is_searched_with_the_groupings_and_the_cheapest_plan_kept(monkeypatch):
+    """``grouped=False`` past three digits: the full mesh first, then the groupings. Searched exactly, the full
+    mesh's plan is no worse than any grouping's (a grouping's plans are plans on it) and a tie keeps it; where its
+    tables are too large and the search narrows them, its plan (not proven) can lose to a grouping's, which is then
+    kept: the plan of the full space is never worse than a grouping's."""
+    spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
+    kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, baselines=False, grouped=False, workers=1)
+    exact = plan_graph(graph(), **kw)
+    listed = exact.search["groupings"]
+    assert [tuple(t["digits"]) for t in listed] == [spec.mesh(16).digits] + [
+        m.digits for m in search_meshes(spec.mesh(16), None, spec)
+    ]
+    assert exact.digits == spec.mesh(16).digits and exact.search["proven_optimal"]
+    assert all(exact.search["objective"] <= t["bound"] * (1 + 1e-12) for t in listed[1:])
+
+    _narrow_the_full_mesh(monkeypatch, 1000)
+    plan = plan_graph(graph(), **kw)
+    full, *groupings = plan.search["groupings"]
+    assert full["objective"] > exact.search["objective"] * (1 + 1e-9)  # narrowed: worse than the optimum
+    assert plan.digits != spec.mesh(16).digits and plan.search["objective"] == pytest.approx(
+        min(t["objective"] for t in groupings if t["objective"] is not None), rel=1e-12
+    )
+    assert plan.search["objective"] == pytest.approx(exact.search["objective"], rel=1e-12)
 
 
 @pytest.mark.parametrize("digits", [(2, 4, 2), (2, 2, 4)])
