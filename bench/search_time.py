@@ -110,12 +110,13 @@ READING = """## Reading the results
   * Pricing the full 32-GPU mesh is out of reach on this machine, exact DP or not (2026-12-06): llama2-70b's
     distinct edge matrices there have 340,578,184 entries (77 matrices; 7,723 strategies on the widest node),
     25 times the 13.8 million of the full 16-GPU mesh, whose pricing alone (`price_graph`, one process) took
-    10.4 s and 1.84 GB at the peak: about 4 minutes and 32 GiB at 32 GPUs, forty times the issue's 6 s before
+    10.4 s and 1.84 GB at the peak: about 4 minutes and 32-48 GiB at 32 GPUs, forty times the issue's 6 s before
     any search, and more memory than this 24 GB machine has (a run of `--no-grouped` passed 18 GB of resident
     memory within a minute and was stopped). `--no-grouped` now refuses such a space before laying out an edge
     (`SpaceTooLarge`: 17 s, most of it enumerating and pricing the 7,723 strategies' nodes). BLOOM-176B's full
-    32-GPU mesh fits: planned in 232 s, narrowed, at 19,562.8 ms a step, where the five groupings give
-    19,406.8 ms in 3.6 s; `--no-grouped` now searches the groupings after the full mesh and keeps the cheapest.
+    32-GPU mesh (1.5x10^8 entries) just fits: over 21.5 GB at the peak, planned in 232 s, narrowed, at
+    19,562.8 ms a step, where the five groupings give 19,406.8 ms in 3.6 s; `--no-grouped` now searches the
+    groupings after the full mesh and keeps the cheapest.
 * **DP time is the search graph's**: what the planner solves, the priced graph with the virtual nodes that share
   a fan-out re-layout (`planning/sharing.py`): 0.05-0.19 s at 4-8 GPUs, summed over the groupings 0.35-1.6 s past
   that. A tied embedding (OPT, BLOOM) had once made it 2-3 s: its edge to the LM head had 64 distinct rows, past

@@ -53,10 +53,12 @@ from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-#: bytes the pricing holds per entry of a distinct edge matrix (its seconds and bytes, both directions and Forward
-#: alone, the net of a fused reduce-scatter, the consumers' share); measured: two llama2-70b layers on the full
-#: 16-device mesh, 1.38e7 entries, peak resident memory 0.36 -> 1.84 GB (107 B an entry)
-BYTES_PER_ENTRY = 100
+#: bytes the pricing holds at its peak per entry of a distinct edge matrix (its seconds and bytes, both directions
+#: and Forward alone, the net of a fused reduce-scatter, the consumers' share, and the re-layouts' temporaries, which
+#: grow with the world). Measured, resident memory over the ~0.36 GB before pricing: two layers on the full mesh of
+#: 16 devices, llama2-70b 1.48 GB for 1.38e7 entries (107 B an entry), BLOOM-176B 0.52 GB for 6.96e6 (75 B); BLOOM-176B
+#: on 32 devices passed 21.5 GB for 1.51e8 (143 B) and was stopped there
+BYTES_PER_ENTRY = 150
 
 
 class SpaceTooLarge(ValueError):
@@ -327,7 +329,7 @@ class _Pricing:
 
     def check_size(self, memory: int | None) -> None:
         """Before any edge is laid out or priced: that the distinct edge matrices fit in ``memory`` bytes, else one
-        clear error (the full 32-device mesh of llama2-70b would need ~32 GiB; docs/benchmarks/search_time.md)."""
+        clear error (the full 32-device mesh of llama2-70b would need ~48 GiB; docs/benchmarks/search_time.md)."""
         sizes: dict[tuple, int] = {}
         for u, v, _, _, key, _ in self.flows:
             sizes.setdefault(key, len(self.strategies[u]) * len(self.strategies[v]))

@@ -304,7 +304,7 @@ def _split_only(g, world: int):
 
 
 def test_a_space_whose_edge_matrices_would_not_fit_in_memory_is_refused_before_they_are_priced(monkeypatch, capsys):
-    """The full 32-device mesh of llama2-70b would hold 3.4e8 edge-matrix entries (~32 GiB; the 16-device one
+    """The full 32-device mesh of llama2-70b would hold 3.4e8 edge-matrix entries (~48 GiB; the 16-device one
     1.4e7): pricing stops before any re-layout is priced, naming the digits, the entries, the widest node and what
     to search instead; at exactly the memory it needs it goes on. The command line prints the one error."""
     from primepar_fx.cli import main
