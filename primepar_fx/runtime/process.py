@@ -30,7 +30,14 @@ def release() -> None:
 
 
 def exit_worker(code: int = 0) -> None:
-    """Leave this worker process at once with ``code``: flush stdio and skip interpreter teardown (module doc)."""
+    """Leave this worker process at once with ``code``: flush stdio and skip interpreter teardown (module doc).
+
+    The finalizers a normal exit runs first are run: they unlink the named semaphores this process made (tqdm makes
+    one with its first progress bar, shown or not), which would otherwise outlive it and make the resource tracker
+    warn of "leaked semaphore objects" when the parent exits."""
+    from multiprocessing import util
+
+    util._run_finalizers(0)  # what multiprocessing's atexit hook runs first (no public API does this alone)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
