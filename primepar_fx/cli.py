@@ -246,9 +246,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"wrote {write_report(args.report, graph, plan)}")
     took = plan.search
     if "groupings" in took:  # past three digits: each grouping priced and searched, the cheapest kept
-        kept = "x".join(map(str, plan.digits))
+        from primepar_fx.planning.groupings import GROUPED_DIGITS
+
+        kept, listed = "x".join(map(str, plan.digits)), took["groupings"]
+        full = len(listed[0]["digits"]) > GROUPED_DIGITS  # --no-grouped: the full mesh first, then the groupings
+        meshes = f"the full mesh and {len(listed) - 1}" if full else f"{len(listed)}"
         searched = (
-            f"{len(took['groupings'])} groupings of the digits priced and searched {took['groupings_s']:.2f} s "
+            f"{meshes} groupings of the digits priced and searched {took['groupings_s']:.2f} s "
             f"({kept} kept: pricing {took['pricing_s']:.2f} s, search {took['search_s']:.2f} s)"
         )
     else:

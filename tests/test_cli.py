@@ -232,6 +232,12 @@ def test_plan_searches_every_grouping_past_three_digits(capsys, tmp_path) -> Non
     with pytest.raises(SystemExit):
         main([*base, "--grouped", "all", "--no-grouped"])
     assert "not allowed with" in capsys.readouterr().err
+    full = tmp_path / "full.json"  # the full mesh, then the groupings; never worse than the best of them
+    rc, _, err = run(capsys, *base, "--no-grouped", "-o", str(full))
+    assert rc == 0 and "the full mesh and 3 groupings of the digits priced and searched" in err, err
+    listed = Plan.load(full).search["groupings"]
+    assert [g["digits"] for g in listed] == [[2, 2, 2, 2], [4, 2, 2], [2, 2, 4], [2, 4, 2]]
+    assert Plan.load(full).search["objective"] <= every.search["objective"] * (1 + 1e-12)
 
 
 def test_plan_rejects_an_unreadable_memory_budget(capsys) -> None:
