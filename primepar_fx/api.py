@@ -70,6 +70,7 @@ def plan(
     baselines: bool = True,
     fallback: str | None = None,
     grouped: bool | str | None = None,
+    group_digits: int = 3,
     progress: bool = False,
     replicate_layers: bool = True,
     grad_dtype: Any = None,
@@ -98,7 +99,8 @@ def plan(
     (16 or more GPUs on 4-GPU nodes) the search runs on the digits merged into three: every such grouping, the
     cheapest plan kept (``None``, the default, or ``"all"``), only the leading digits merged (``True`` or
     ``"leading"``), or the full mesh and then every grouping (``False``); see
-    :func:`~primepar_fx.planning.groupings.search_meshes`.
+    :func:`~primepar_fx.planning.groupings.search_meshes`. ``group_digits`` (above 3) adds the groupings into 4, ...,
+    that many digits to the default's, finer and slower.
     ``progress`` shows the pricing's progress bars on stderr.
     ``grad_dtype`` (default: ``dtype``), ``master_weights`` (an fp32 copy of every parameter; default: when
     ``dtype`` is 16 bits) and ``state_dtype`` (the optimizer's two moments, default fp32) say what a device keeps
@@ -132,6 +134,7 @@ def plan(
         baselines=baselines,
         fallback=fallback,
         grouped=grouped,
+        group_digits=group_digits,
         progress=progress,
         grad_dtype=grad_dtype,
         master_weights=master_weights,

@@ -199,6 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         digits=args.digits,
         canonical=args.canonical,
         grouped=args.grouped,
+        group_digits=args.group_digits,
         fallback=args.fallback,
         progress=sys.stderr.isatty(),
         workers=default_workers() if args.workers is None else args.workers,
@@ -516,6 +517,14 @@ def _add_plan_parser(sub: Any) -> None:
         dest="grouped",
         action="store_false",
         help="search the full mesh (slow past 3 digits), then every grouping; the cheapest plan kept",
+    )
+    pl.add_argument(
+        "--group-digits",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="with the groupings of every digit (the default), also search those into 4..N digits: finer plans, "
+        "slower (32 GPUs, N=4: ~1 minute); N >= the mesh's digits: the full mesh",
     )
     pl.add_argument("--no-baselines", action="store_true", help="skip pricing Megatron / data-parallel / split-only")
     pl.add_argument(

@@ -238,6 +238,12 @@ def test_plan_searches_every_grouping_past_three_digits(capsys, tmp_path) -> Non
     listed = Plan.load(full).search["groupings"]
     assert [g["digits"] for g in listed] == [[2, 2, 2, 2], [4, 2, 2], [2, 2, 4], [2, 4, 2]]
     assert Plan.load(full).search["objective"] <= every.search["objective"] * (1 + 1e-12)
+    # --group-digits 4 of four digits is the full mesh; it goes with the groupings of every digit only
+    rc, _, err = run(capsys, *base, "--group-digits", "4", "-o", str(full))
+    assert rc == 0 and "the full mesh and 3 groupings of the digits priced and searched" in err, err
+    assert Plan.load(full).search["group_digits"] == 4
+    rc, _, err = run(capsys, *base, "--group-digits", "4", "--grouped", "leading")
+    assert rc == 2 and "group_digits=4 adds groupings to grouped='all', not to grouped='leading'" in err, err
 
 
 def test_plan_rejects_an_unreadable_memory_budget(capsys) -> None:

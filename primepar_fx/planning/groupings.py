@@ -37,7 +37,9 @@ def search_mesh(mesh: DeviceMesh, grouped: bool | str | None) -> DeviceMesh:
     return mesh.grouped(GROUPED_DIGITS) if grouped else mesh
 
 
-def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: ClusterSpec) -> list[DeviceMesh]:
+def search_meshes(
+    mesh: DeviceMesh, grouped: bool | str | None, cluster: ClusterSpec, digits: int = GROUPED_DIGITS
+) -> list[DeviceMesh]:
     """The meshes the free search runs on, the plan kept being the cheapest of theirs.
 
     With at most :data:`GROUPED_DIGITS` digits, or ``grouped=False``: ``mesh`` itself (the full space). Past that
@@ -47,18 +49,27 @@ def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: Cluster
     the leading (inter-node) digits (:meth:`~primepar_fx.partition.DeviceMesh.grouped`): every split across nodes
     is of one dim. ``"all"`` (the default, ``None``) is every grouping, which also has mixed splits across nodes
     (K across two groups of nodes, B across four) and P(S x S) across nodes; two groupings whose digits have the
-    same radices made of the same network levels relabel devices of each other, so one of them is searched. The
-    leading grouping comes first, so a tie keeps it.
+    same radices made of the same network levels relabel each other's plans of splits, so one of them is searched:
+    the one with a pair of consecutive equal digits for P(S x S) where only one has it (:func:`_relabels`). The
+    leading grouping comes first, so a tie keeps it (unless another one relabels its plans and has such a pair).
 
     ``False`` past :data:`GROUPED_DIGITS` digits: ``mesh`` first, then every grouping. A plan on a grouping is a
     plan on ``mesh``, but where the full mesh's DP tables are too large the search narrows them
     (:mod:`primepar_fx.search.solve`) and its plan can lose to a grouping's: BLOOM-176B on 32 V100s
     (``v100-paper``, B = 16, S = 2048), 19,562.8 ms a step narrowed against 19,406.8 ms on ``2x4x4``. The cheapest
     is kept, a tie keeping ``mesh``'s, so the full space's plan is never worse than a grouping's.
+
+    ``digits`` above :data:`GROUPED_DIGITS` (with ``"all"``) adds the groupings into 4, ..., ``digits`` digits after
+    those into three, finer and slower: each 4-digit grouping of 32 devices has ~1,300 sequences per node (the full
+    16-device space's) and takes ~20 s to price and search for llama2-70b, against ~1.5 s for a 3-digit one, and
+    finds a plan 3.7% faster (``docs/benchmarks/search_time.md``). A tie keeps the coarser grouping's plan.
+    ``digits`` at least ``mesh``'s is the full mesh, as ``False``.
     """
     if len(mesh.digits) <= GROUPED_DIGITS:
         return [mesh]
-    if grouped is False:
+    if digits < GROUPED_DIGITS:
+        raise ValueError(f"the groupings have at least {GROUPED_DIGITS} digits, got {digits}")
+    if grouped is False or (digits >= len(mesh.digits) and grouped in (None, "all")):
         return [mesh, *search_meshes(mesh, "all", cluster)]
     if grouped is True or grouped == "leading":
         return [mesh.grouped(GROUPED_DIGITS)]
@@ -66,16 +77,45 @@ def search_meshes(mesh: DeviceMesh, grouped: bool | str | None, cluster: Cluster
         raise ValueError(f"grouped must be None, True, False or one of {list(GROUPINGS)}, got {grouped!r}")
     levels = [cluster.group_level(mesh, (p,)) for p in range(len(mesh.digits))]
     n = len(mesh.digits)
-    leading = tuple(range(n - GROUPED_DIGITS + 1, n))  # the cuts between runs of mesh.grouped(GROUPED_DIGITS)
-    cuts = [leading, *(c for c in itertools.combinations(range(1, n), GROUPED_DIGITS - 1) if c != leading)]
-    out, seen = [], set()
-    for cut in cuts:
-        runs = list(zip((0, *cut), (*cut, n)))
-        key = tuple(sorted((math.prod(mesh.digits[a:b]), _level_parts(mesh, levels, a, b)) for a, b in runs))
-        if key not in seen:
-            seen.add(key)
-            out.append(DeviceMesh(tuple(math.prod(mesh.digits[a:b]) for a, b in runs)))
-    return out
+    out: list[DeviceMesh | None] = []  # None: left out after all, for a later one that has its plans and more
+    pairs: list[tuple] = []  # per grouping kept, its P(S x S) pairs
+    alike: dict[tuple, list[int]] = {}  # the groupings kept per multiset of digits (radix, network levels)
+    for k in range(GROUPED_DIGITS, digits + 1):
+        leading = tuple(range(n - k + 1, n))  # the cuts between runs of mesh.grouped(k)
+        for cut in [leading, *(c for c in itertools.combinations(range(1, n), k - 1) if c != leading)]:
+            spans = zip((0, *cut), (*cut, n))
+            runs = [(math.prod(mesh.digits[a:b]), _level_parts(mesh, levels, a, b)) for a, b in spans]
+            grouping, own = DeviceMesh(tuple(r for r, _ in runs)), _prime_pairs(runs)
+            same = [j for j in alike.setdefault(tuple(sorted(runs)), []) if out[j] is not None]
+            if any(_relabels(pairs[j], own) for j in same):
+                continue  # its plans are relabelings of a kept one's
+            weaker = [j for j in same if _relabels(own, pairs[j])]
+            for j in weaker[1:]:
+                out[j] = None
+            if weaker:  # in the place of the first it has every plan of, so the order stays
+                out[weaker[0]], pairs[weaker[0]] = grouping, own
+            else:
+                alike[tuple(sorted(runs))].append(len(out))
+                out.append(grouping)
+                pairs.append(own)
+    return [m for m in out if m is not None]
+
+
+def _prime_pairs(runs: list[tuple[int, tuple]]) -> tuple:
+    """The pairs of consecutive digits of equal radix, by (radix, network levels), that a P(S x S) can take."""
+    return tuple(sorted((runs[i], runs[i + 1]) for i in range(len(runs) - 1) if runs[i][0] == runs[i + 1][0]))
+
+
+def _relabels(kept: tuple, other: tuple) -> bool:
+    """Whether every plan of a grouping with P(S x S) pairs ``other`` is a relabeling of a plan of one with the
+    same digits (radices and network levels) in another order and pairs ``kept``.
+
+    Devices relabeled by a permutation of digits of equal radix and levels give plans of splits alone the same
+    costs, so groupings with the same digits have the same split-only plans. A P(S x S) takes two consecutive
+    digits of one radix, which another order may lack (``2x4x4`` has the pair ``4x4`` across and inside nodes,
+    ``4x2x4`` none): a grouping with at most one pair, which the kept one has too, is then a relabeling (its pair
+    onto that one, the other digits onto the others); with more pairs it is searched, to be safe."""
+    return len(other) <= 1 and set(other) <= set(kept)
 
 
 class KeptPricings:
@@ -176,7 +216,10 @@ def grouping_bounds(
         return [(i, ok, (cost, priced, priced_s) if ok and i == j else value) for i, ok, value in done]
 
     bounds: list[float | None] = [None] * len(meshes)
-    found = run_forked(bound, range(len(meshes)), workers, finish=send_own)
+    # the meshes of most digits first: they take the longest (a 4-digit grouping ~10x a 3-digit one), and the
+    # processes then share out the quick ones (longest processing time first)
+    items = sorted(range(len(meshes)), key=lambda i: -len(meshes[i].digits))
+    found = run_forked(bound, items, workers, finish=send_own)
     for i, ok, value in tqdm(found, "groupings' bounds", len(meshes), disable=not progress, leave=False):
         if ok and isinstance(value, tuple):  # a worker's cheapest, with its pricing
             value, priced, priced_s = value

@@ -166,6 +166,8 @@ class PlanOptions:
             (:func:`~primepar_fx.planning.groupings.search_meshes`): ``None`` or ``"all"`` every grouping of the digits
             into three, the cheapest plan kept; ``True`` or ``"leading"`` only the leading digits merged; ``False``
             the full mesh, then every grouping, the cheapest plan kept.
+        group_digits: with ``grouped`` ``None`` or ``"all"``, also the groupings into 4, ..., this many digits
+            (finer, slower; at least the mesh's digits: the full mesh); 3, the default, the groupings into three.
         canonical: search one sequence per class of equivalent ones.
         fallback: ``"replicate"`` runs ops without a dimension rule replicated; ``None`` raises.
         progress: show the pricing's progress bars on stderr.
@@ -192,6 +194,7 @@ class PlanOptions:
     baselines: bool = True
     digits: tuple[int, ...] | None = None
     grouped: bool | str | None = None
+    group_digits: int = 3
     canonical: bool = False
     fallback: str | None = None
     progress: bool = False
@@ -232,6 +235,11 @@ class PlanOptions:
             raise ValueError(f"workers must be a whole number >= 1, got {w!r}")
         if self.grouped not in (None, True, False, "leading", "all"):
             raise ValueError(f"grouped must be None, True, False, 'leading' or 'all', got {self.grouped!r}")
+        g = self.group_digits
+        if isinstance(g, bool) or not isinstance(g, int) or g < 3:
+            raise ValueError(f"group_digits must be a whole number >= 3, got {g!r}")
+        if g != 3 and self.grouped not in (None, "all"):
+            raise ValueError(f"group_digits={g} adds groupings to grouped='all', not to grouped={self.grouped!r}")
         if self.digits is not None:
             if not self.digits or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 for d in self.digits):
                 raise ValueError(f"digits must be radices >= 2, got {self.digits!r}")

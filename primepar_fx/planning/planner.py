@@ -158,7 +158,7 @@ def _forks(opts: PlanOptions) -> bool:
 
 
 def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Forked | None) -> Plan:
-    meshes = search_meshes(full, opts.grouped, opts.cluster)
+    meshes = search_meshes(full, opts.grouped, opts.cluster, opts.group_digits)
     t0 = time.perf_counter()
     found, infeasible = None, []
     tries = micro_batch_tries(opts)
@@ -275,6 +275,8 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
         "canonical": opts.canonical,
         "grouped": mesh != full,
     }
+    if opts.group_digits != GROUPED_DIGITS:
+        search["group_digits"] = opts.group_digits
     if kept_split:
         search["split_only_kept"] = True  # the split-only search's plan beat the one the search found
     if len(meshes) > 1:  # the proof of optimality is within the grouping; the others are listed with their optima
@@ -382,7 +384,8 @@ def _search_at(
     workers = min(opts.workers, len(meshes)) if _forks(opts) else 1
     # The full mesh past GROUPED_DIGITS digits (searched with the groupings when it is asked for) is priced for its
     # search only: its pricing is large and slow, and it comes first (no bound) so a tie keeps it.
-    grouped = [i for i, mesh in enumerate(meshes) if len(mesh.digits) <= GROUPED_DIGITS]
+    full = opts.mesh() if len(meshes) > 1 else None
+    grouped = [i for i, mesh in enumerate(meshes) if mesh != full]
     if len(grouped) > 1 and opts.alpha == 0 and not free_only and (opts.memory_budget is not None or workers > 1):
         found_bounds, found_kept = grouping_bounds(
             [meshes[i] for i in grouped],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import time
@@ -61,18 +62,60 @@ def test_groupings_of_32_devices_are_every_coarsening_into_three_less_relabeling
     assert search_meshes(spec.mesh(8), None, spec) == search_meshes(spec.mesh(8), False, spec) == [spec.mesh(8)]
     with pytest.raises(ValueError, match="grouped must be"):
         search_meshes(full, "some", spec)
+    # finer: the groupings into three, then those into four (one relabeling left out: 2x4x2x2 of 4x2x2x2)
+    finer = search_meshes(full, None, spec, 4)
+    assert [m.digits for m in finer] == [m.digits for m in meshes] + [(4, 2, 2, 2), (2, 2, 2, 4), (2, 2, 4, 2)]
+    for mesh in finer:
+        runs_of(full, mesh)
+    assert search_meshes(full, "all", spec, 5) == search_meshes(full, False, spec)  # all five digits: the full mesh
+    with pytest.raises(ValueError, match="at least 3 digits"):
+        search_meshes(full, None, spec, 2)
+    for bad, match in (({"group_digits": 2}, ">= 3"), ({"group_digits": 4, "grouped": "leading"}, "not to grouped")):
+        with pytest.raises(ValueError, match=match):
+            PlanOptions.make(cluster=spec, world_size=32, **bad)
     with pytest.raises(ValueError, match="grouped must be"):
         PlanOptions.make(cluster=spec, world_size=32, grouped="some")
 
 
-def test_two_groupings_that_relabel_devices_have_the_same_optimum():
+def test_two_groupings_that_relabel_devices_have_the_same_split_only_optimum():
     """(2, 4, 4) and (4, 2, 4) at 32 devices: two inter-node digits and one intra-node digit of 4, in another
-    order; only one is searched, which is exact only if the other's optimum is the same."""
+    order. Their plans of splits alone relabel each other's, so their split-only optima are equal; (2, 4, 4) also
+    has the pair 4x4 that a P(S x S) takes and (4, 2, 4) none, so only (2, 4, 4) is searched, which is exact
+    because (4, 2, 4)'s optimum is its split-only one."""
     spec = load_cluster("v100-paper")
     kw = dict(world_size=32, cluster=spec, batch=BATCH, seq=SEQ, baselines=False, grouped=False, method="dp")
-    a = plan_graph(graph(), digits=(2, 4, 4), **kw)
-    b = plan_graph(graph(), digits=(4, 2, 4), **kw)
+    a = plan_graph(graph(), digits=(2, 4, 4), allow_prime=False, **kw)
+    b = plan_graph(graph(), digits=(4, 2, 4), allow_prime=False, **kw)
     assert a.search["objective"] == pytest.approx(b.search["objective"], rel=1e-12)
+    assert plan_graph(graph(), digits=(4, 2, 4), **kw).search["objective"] == b.search["objective"]
+    assert plan_graph(graph(), digits=(2, 4, 4), **kw).search["objective"] <= a.search["objective"]
+
+
+def test_of_groupings_with_the_same_digits_the_one_a_p_s_x_s_can_pair_is_kept():
+    """The one searched of two groupings that relabel each other's splits is the one with a pair of consecutive
+    equal digits for P(S x S) (the other's plans are relabelings of its split-only ones): ``8x4x4`` over
+    ``4x8x4`` at 128 V100s, ``4x4x2`` over ``4x2x4`` at 32 A100s in nodes of 8 (the first met of each was kept
+    before); groupings with different pairs are both searched."""
+    from primepar_fx.planning.groupings import _level_parts, _prime_pairs
+
+    v100, a100 = load_cluster("v100-paper"), load_cluster("a100-dgx")
+    at128 = [m.digits for m in search_meshes(v100.mesh(128), None, v100)]
+    assert (8, 4, 4) in at128 and (4, 8, 4) not in at128 and len(at128) == 11
+    at32 = [m.digits for m in search_meshes(a100.mesh(32), None, a100)]
+    assert (4, 4, 2) in at32 and (4, 2, 4) not in at32 and len(at32) == 5
+    for spec, n in ((v100, 64), (v100, 128), (a100, 32), (a100, 128)):
+        full = spec.mesh(n)
+        levels = [spec.group_level(full, (p,)) for p in range(len(full.digits))]
+        every = []  # every grouping into three: its digits and its (radix, network levels) per digit
+        for cut in itertools.combinations(range(1, len(full.digits)), 2):
+            spans = zip((0, *cut), (*cut, len(full.digits)))
+            every.append([(math.prod(full.digits[a:b]), _level_parts(full, levels, a, b)) for a, b in spans])
+        kept = {m.digits for m in search_meshes(full, None, spec)}
+        searched = [runs for runs in every if tuple(r for r, _ in runs) in kept]
+        for runs in every:  # each one left out: the splits of one kept, and its P(S x S) pair too if it has one
+            twins = [t for t in searched if sorted(t) == sorted(runs)]
+            assert twins, (n, runs)
+            assert not _prime_pairs(runs) or any(_prime_pairs(t) == _prime_pairs(runs) for t in twins), (n, runs)
 
 
 def test_the_plan_is_the_best_grouping_and_each_grouping_is_its_own_search():
