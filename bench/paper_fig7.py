@@ -79,6 +79,12 @@ READING = """## Reading the results (where we fall short of the paper, and why)
     split parameters more than Megatron's tensor parallelism gain (bloom-176b at 32 GPUs on `v100-paper`: 31% to
     22% of Megatron's peak), and data-parallel plans of the 7B models lose their edge (opt-6.7b at 4 GPUs: 82% to
     98%).
+* **The groupings into three leave some of the space unsearched at 32 GPUs.** The rows above search the
+  planner's default, the five groupings of the 32 GPUs' digits into three (seconds each); the full mesh cannot
+  be priced on this machine (llama2-70b: 3.4x10^8 edge-matrix entries, about 48 GiB; search_time.md). Searching
+  the groupings into four as well (`--group-digits 4`, a minute) finds llama2-70b on `v100-paper` a plan 3.7%
+  faster, 8,580.6 against 8,914.2 ms a step (1.13x Megatron instead of 1.09x), OPT-175B 0.8% faster and
+  BLOOM-176B nothing (2026-12-06, not in the table).
 * **Our gains come from splits, not from P(S×S).** The split-only column is within 0.06 of ours at 32 GPUs on
   every preset, and the 32-GPU plans on `v100-edr` and `v100-fig9` have no P(S×S) node: the gain over Megatron is
   choosing per operator which dim each group of nodes splits, which Megatron's data x tensor split cannot
