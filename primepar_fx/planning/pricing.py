@@ -48,7 +48,7 @@ from primepar_fx.planning.deferred import deferred_sums
 from primepar_fx.planning.priced import PricedGraph, ShareFlow, TiedSaving, frozen
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
-from primepar_fx.utils.malloc import steady_malloc
+from primepar_fx.utils.malloc import physical_memory, steady_malloc
 from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -63,14 +63,6 @@ BYTES_PER_ENTRY = 150
 
 class SpaceTooLarge(ValueError):
     """The edge matrices of a partition space would not fit this machine's memory (raised before they are priced)."""
-
-
-def physical_memory() -> int | None:
-    """This machine's memory in bytes (``None`` where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def default_workers() -> int:
