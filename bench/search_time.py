@@ -117,11 +117,11 @@ READING = """## Reading the results
     32-GPU mesh (1.5x10^8 entries) just fits: over 21.5 GB at the peak, planned in 232 s, narrowed, at
     19,562.8 ms a step, where the five groupings give 19,406.8 ms in 3.6 s; `--no-grouped` now searches the
     groupings after the full mesh and keeps the cheapest.
-  * Between the two, `--group-digits 4` also searches the groupings into four digits (up to 1,263 sequences per
-    node at 32 GPUs): llama2-70b at 32 GPUs then keeps `4x2x2x2` at 8,580.6 ms a step against 8,914.2 ms on
-    `2x4x4` (3.7% faster; 56-58 s), OPT-175B 20,080.2 against 20,238.5 ms (0.8%; 163 s), BLOOM-176B the same
-    `2x4x4` plan (218 s; its 4-digit searches narrow). The groupings into three, the 6-second search, leave that
-    much on the table at 32 GPUs (2026-12-06, two workers, `--memory-budget none`; docs/planning.md).
+  * Between the two, `--group-digits 4` also searches the groupings into four digits (up to 1,263 sequences per node
+    at 32 GPUs): llama2-70b at 32 GPUs then keeps `4x2x2x2` at 8,580.6 ms a step against 8,914.2 ms on `2x4x4` (3.7%
+    faster; 56-58 s), OPT-175B 20,080.2 against 20,238.5 ms (0.8%; 163 s), BLOOM-176B the same `2x4x4` plan (218 s;
+    it has P(S×S) on the `4x4` pair, which no 4-digit grouping has). The groupings into three, the 6-second search,
+    leave that much on the table at 32 GPUs (2026-12-06, two workers, `--memory-budget none`; docs/planning.md).
   * The *digits* column's `4x8x4` at 128 GPUs is now searched as `8x4x4`, which has the same plans of splits
     (relabeled) and a `4x4` pair for P(S×S) besides (docs/planning.md): llama2-70b 2,955.925 ms and OPT-175B
     6,706.164 ms a step either way (2026-12-06, `--memory-budget none`), neither with a P(S×S) node.

@@ -53,11 +53,12 @@ def search_meshes(
     the one with a pair of consecutive equal digits for P(S x S) where only one has it (:func:`_relabels`). The
     leading grouping comes first, so a tie keeps it (unless another one relabels its plans and has such a pair).
 
-    ``False`` past :data:`GROUPED_DIGITS` digits: ``mesh`` first, then every grouping. A plan on a grouping is a
-    plan on ``mesh``, but where the full mesh's DP tables are too large the search narrows them
-    (:mod:`primepar_fx.search.solve`) and its plan can lose to a grouping's: BLOOM-176B on 32 V100s
-    (``v100-paper``, B = 16, S = 2048), 19,562.8 ms a step narrowed against 19,406.8 ms on ``2x4x4``. The cheapest
-    is kept, a tie keeping ``mesh``'s, so the full space's plan is never worse than a grouping's.
+    ``False`` past :data:`GROUPED_DIGITS` digits: ``mesh`` first, then every grouping. A grouping's plans of splits
+    are plans on ``mesh``, but its P(S x S) on merged digits (a ring over their devices) is not in ``mesh``'s space,
+    and where the full mesh's DP tables are too large the search narrows them (:mod:`primepar_fx.search.solve`):
+    either way the full mesh's plan can lose to a grouping's. BLOOM-176B on 32 V100s (``v100-paper``, B = 16,
+    S = 2048): 19,562.8 ms a step narrowed, against 19,406.8 ms on ``2x4x4`` with P(S x S) on its ``4x4``. The
+    cheapest is kept, a tie keeping ``mesh``'s, so the plan is never worse than a grouping's.
 
     ``digits`` above :data:`GROUPED_DIGITS` (with ``"all"``) adds the groupings into 4, ..., ``digits`` digits after
     those into three, finer and slower: each 4-digit grouping of 32 devices has ~1,300 sequences per node (the full

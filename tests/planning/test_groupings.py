@@ -162,9 +162,9 @@ def _narrow_the_full_mesh(monkeypatch, limit: int) -> None:
 
 def test_the_full_mesh_asked_for_is_searched_with_the_groupings_and_the_cheapest_plan_kept(monkeypatch):
     """``grouped=False`` past three digits: the full mesh first, then the groupings. Searched exactly, the full
-    mesh's plan is no worse than any grouping's (a grouping's plans are plans on it) and a tie keeps it; where its
-    tables are too large and the search narrows them, its plan (not proven) can lose to a grouping's, which is then
-    kept: the plan of the full space is never worse than a grouping's."""
+    mesh's plan is no worse than any grouping's here (a grouping's plans of splits are plans on it) and a tie keeps
+    it; where its tables are too large and the search narrows them, its plan (not proven) can lose to a grouping's,
+    which is then kept: the plan of the full space is never worse than a grouping's."""
     spec = dataclasses.replace(load_cluster("v100-edr"), num_devices=16)
     kw = dict(world_size=16, cluster=spec, batch=BATCH, seq=SEQ, baselines=False, grouped=False, workers=1)
     exact = plan_graph(graph(), **kw)
