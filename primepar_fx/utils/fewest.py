@@ -51,7 +51,7 @@ def fewest(value: Callable[[int], float], limit: float, lo: int, hi: int) -> int
 def _crossing(seen: dict[int, float], limit: float, lo: int, hi: int) -> int:
     """A probe in ``[lo, hi - 1]`` where a line meets ``limit``: the line through the largest ``k`` seen that does not
     fit and ``hi`` (the least that does), else through ``hi`` and the next that fits above it; the middle where
-    neither exists or the line is flat."""
+    neither exists or the line is flat (or so nearly flat that its crossing is past any float: a fall of 5e-324)."""
     below = [k for k, v in seen.items() if k < hi and v > limit]
     above = [k for k in seen if k > hi]
     if below:
@@ -62,5 +62,7 @@ def _crossing(seen: dict[int, float], limit: float, lo: int, hi: int) -> int:
         return (lo + hi) // 2
     if not seen[a] > seen[b]:
         return (lo + hi) // 2
-    k = math.ceil(a + (seen[a] - limit) * (b - a) / (seen[a] - seen[b]))  # the first k on or past the crossing
-    return min(max(k, lo), hi - 1)
+    crossing = a + (seen[a] - limit) * (b - a) / (seen[a] - seen[b])
+    if not math.isfinite(crossing):
+        return (lo + hi) // 2
+    return min(max(math.ceil(crossing), lo), hi - 1)  # the first k on or past the crossing

@@ -55,6 +55,13 @@ def test_even_steps_take_at_most_four_probes(count, share):
     assert len(calls) <= 4 < math.ceil(math.log2(count)) + 1  # bisection: hi and log2(count) more
 
 
+def test_a_fall_too_small_for_a_line_halves_instead():
+    """Two values 5e-324 apart (hypothesis found it): the line's crossing is past any float, so the probe is the
+    middle, not an overflow."""
+    assert probed([0.0, -5e-324, -5e-324], 1.0, 0, 2)[0] == 0
+    assert probed([2.0, 0.0, -5e-324], 1.0, 0, 2)[0] == 1
+
+
 def test_nothing_fits_and_an_empty_range():
     assert probed([5.0, 4.0, 3.0], 2.0, 0, 2) == (None, [2])
     with pytest.raises(ValueError, match="empty range"):
