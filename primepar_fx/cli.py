@@ -245,25 +245,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from primepar_fx.report.html import write_report
 
         print(f"wrote {write_report(args.report, graph, plan)}")
-    took = plan.search
-    if "groupings" in took:  # past three digits: each grouping priced and searched, the cheapest kept
-        from primepar_fx.planning.groupings import GROUPED_DIGITS
+    from primepar_fx.planning.groupings import search_times
 
-        kept, listed = "x".join(map(str, plan.digits)), took["groupings"]
-        full = len(listed[0]["digits"]) > GROUPED_DIGITS  # --no-grouped: the full mesh first, then the groupings
-        meshes = f"the full mesh and {len(listed) - 1}" if full else f"{len(listed)}"
-        searched = (
-            f"{meshes} groupings of the digits priced and searched {took['groupings_s']:.2f} s "
-            f"({kept} kept: pricing {took['pricing_s']:.2f} s, search {took['search_s']:.2f} s)"
-        )
-    else:
-        searched = f"pricing {took['pricing_s']:.2f} s, search {took['search_s']:.2f} s"
-    counts = took.get("micro_batches_tried", [])
-    if len(counts) > 1:
-        searched += f" (micro-batch counts {', '.join(map(str, counts))} tried: {took['planning_s']:.2f} s)"
     print(
-        f"planned in {time.perf_counter() - t0:.1f} s: model {built_s:.2f} s, capture {captured_s:.2f} s, {searched}, "
-        f"baselines {took['baselines_s']:.2f} s",
+        f"planned in {time.perf_counter() - t0:.1f} s: model {built_s:.2f} s, capture {captured_s:.2f} s, "
+        f"{search_times(plan.search, plan.digits)}, baselines {plan.search['baselines_s']:.2f} s",
         file=sys.stderr,
     )
     return 0

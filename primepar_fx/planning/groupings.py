@@ -102,6 +102,27 @@ def search_meshes(
     return [m for m in out if m is not None]
 
 
+def search_times(search: dict[str, Any], digits: tuple[int, ...]) -> str:
+    """Where a plan's search went, for the ``plan`` command's last line, from its ``search`` record: each grouping
+    priced and searched (past three digits; with ``--no-grouped`` the full mesh first) or the one pricing and
+    search, and the micro-batch counts tried."""
+    if "groupings" in search:
+        listed = search["groupings"]
+        full = len(listed[0]["digits"]) > GROUPED_DIGITS  # --no-grouped: the full mesh first, then the groupings
+        meshes = f"the full mesh and {len(listed) - 1}" if full else f"{len(listed)}"
+        kept = "x".join(map(str, digits))
+        out = (
+            f"{meshes} groupings of the digits priced and searched {search['groupings_s']:.2f} s "
+            f"({kept} kept: pricing {search['pricing_s']:.2f} s, search {search['search_s']:.2f} s)"
+        )
+    else:
+        out = f"pricing {search['pricing_s']:.2f} s, search {search['search_s']:.2f} s"
+    counts = search.get("micro_batches_tried", [])
+    if len(counts) > 1:
+        out += f" (micro-batch counts {', '.join(map(str, counts))} tried: {search['planning_s']:.2f} s)"
+    return out
+
+
 def _prime_pairs(runs: list[tuple[int, tuple]]) -> tuple:
     """The pairs of consecutive digits of equal radix, by (radix, network levels), that a P(S x S) can take."""
     return tuple(sorted((runs[i], runs[i + 1]) for i in range(len(runs) - 1) if runs[i][0] == runs[i + 1][0]))
