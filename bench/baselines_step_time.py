@@ -605,7 +605,7 @@ READING_GPT2 = """## Reading the results
     (read when the caller reads the loss; the count of targets needs no message, every rank counts the shifted
     labels whole from the inputs) and two buckets. The learned position table's lookup has no batch dimension and
     runs replicated, so the gradient of its output is summed over the batch ranks; that sum waits for the end of
-    backward (`DeferredGradients`, priced on the lookup's edge, `planning/deferred.py`) and travels in the last
+    backward (`DeferredGradients`, priced on the lookup's edge, `pricing/deferred.py`) and travels in the last
     gradient bucket's message (`GradientBuckets.join`), so it costs no message of its own.
   * `primepar (no options)` plans on this machine as its ranks measured it and picks the same traffic (20241 KiB
     in 3 messages): **1.01x** DDP (283 ms; mean 293), target (<= 1.0x) **missed** by the median of this run, by

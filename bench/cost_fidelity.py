@@ -62,8 +62,8 @@ from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs
 from primepar_fx.planning.baselines import config_name, megatron_configs
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.record.plan import Plan
 from primepar_fx.runtime.testing import spawn
 from primepar_fx.search import InfeasibleBudget
 

@@ -32,7 +32,7 @@ from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.planning.groupings import search_meshes
-from primepar_fx.planning.pricing import price_graph
+from primepar_fx.pricing.price import price_graph
 from primepar_fx.search import DPOptions, TableTooLarge, evaluate, reduce_graph, solve
 from primepar_fx.search.ilp import solve_ilp, solver_name
 

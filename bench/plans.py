@@ -13,9 +13,9 @@ from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import config_name, megatron_assignment, megatron_configs
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import Summary, make_plan, summarize
-from primepar_fx.planning.pricing import price_graph
+from primepar_fx.pricing.price import price_graph
+from primepar_fx.record.plan import Plan
 
 
 def price_fixed(

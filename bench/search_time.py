@@ -33,7 +33,7 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import enumerate_sequences
 from primepar_fx.planning.groupings import search_meshes
-from primepar_fx.planning.pricing import price_graph
+from primepar_fx.pricing.price import price_graph
 from primepar_fx.search import SearchError, solve
 from primepar_fx.search.ilp import ilp_size
 
@@ -126,7 +126,7 @@ READING = """## Reading the results
     (relabeled) and a `4x4` pair for P(S×S) besides (docs/planning.md): llama2-70b 2,955.925 ms and OPT-175B
     6,706.164 ms a step either way (2026-12-06, `--memory-budget none`), neither with a P(S×S) node.
 * **DP time is the search graph's**: what the planner solves, the priced graph with the virtual nodes that share
-  a fan-out re-layout (`planning/sharing.py`): 0.05-0.19 s at 4-8 GPUs, summed over the groupings 0.35-1.6 s past
+  a fan-out re-layout (`pricing/sharing.py`): 0.05-0.19 s at 4-8 GPUs, summed over the groupings 0.35-1.6 s past
   that. A tied embedding (OPT, BLOOM) had once made it 2-3 s: its edge to the LM head had 64 distinct rows, past
   the 32 states a proxy could have, so the DP held the whole model in one segment; proxies have up to 128 states
   (`search/dp.py`).

@@ -18,7 +18,7 @@ from primepar_fx.frontend.capture import Captured, capture
 from primepar_fx.frontend.specialize import ShapeSpecializationError, StaticSeqWarning
 from primepar_fx.graph import OpGraph, OpNode, build_graph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Prime, Replicate, Split
-from primepar_fx.planning.plan import Plan
+from primepar_fx.record.plan import Plan
 from primepar_fx.report.explain import Explanation, explain_choice
 from primepar_fx.rules.registry import MissingRuleError, register_rule
 

@@ -13,9 +13,9 @@ from primepar_fx.frontend.capture import capture, config_seq_max
 from primepar_fx.graph import OpGraph, check_fallback, graph_of
 from primepar_fx.graph.replicate import analyze_replicated
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.parallel import default_workers
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import plan_graph
+from primepar_fx.planning.workers import default_workers
+from primepar_fx.record.plan import Plan
 from primepar_fx.report.explain import Explanation, explain_choice
 from primepar_fx.utils.gcpause import gc_paused
 
@@ -105,7 +105,7 @@ def plan(
     ``grad_dtype`` (default: ``dtype``), ``master_weights`` (an fp32 copy of every parameter; default: when
     ``dtype`` is 16 bits) and ``state_dtype`` (the optimizer's two moments, default fp32) say what a device keeps
     per parameter besides it: by default 16 bytes a parameter in every dtype, as mixed-precision Adam keeps.
-    ``recompute``: activation recomputation per layer (:mod:`~primepar_fx.planning.recompute`): ``"auto"`` (the
+    ``recompute``: activation recomputation per layer (:mod:`~primepar_fx.levers.recompute`): ``"auto"`` (the
     default: none when the fastest plan fits the budget, else the fastest of none, selective and full on the
     fewest first layers that fit), or ``"none"``, ``"selective"``, ``"full"`` on every layer.
     ``zero``: ZeRO's stage for the parameters the plan replicates (:mod:`~primepar_fx.runtime.zero`): ``"auto"``
@@ -115,7 +115,7 @@ def plan(
     default: 1 unless the budget binds, then the fastest of 1, 2, 4, 8 that divide the batch) or a count; the
     compiled module splits the batch itself (:mod:`~primepar_fx.compiler.microbatch`).
     ``workers``: processes that price and search the groupings of the digits side by side (forked, where the
-    platform can fork: :mod:`~primepar_fx.planning.parallel`); ``None`` (the default) is one per core.
+    platform can fork: :mod:`~primepar_fx.planning.workers`); ``None`` (the default) is one per core.
     ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
     Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the

@@ -27,8 +27,8 @@ import torch
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.planning.options import DEVICE_MEMORY_RESERVE, PlanOptions, parse_plan
-from primepar_fx.planning.parallel import default_workers
-from primepar_fx.planning.plan import Plan
+from primepar_fx.planning.workers import default_workers
+from primepar_fx.record.plan import Plan
 from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.cliargs import (  # noqa: F401  (re-exported: the command line's names)
     digit_list,

@@ -154,7 +154,7 @@ def test_plan_warns_when_it_does_not_fit_or_splits_nothing(capsys, tmp_path) -> 
 
 def test_plan_searches_within_the_device_memory_by_default(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """No --memory-budget: 90% of the device's memory; a job no plan fits in says what it needs and what helps."""
-    from primepar_fx.planning.plan import Plan
+    from primepar_fx.record.plan import Plan
 
     argv = ["plan", "gpt2-tiny", "--batch", "65536", "--seq", "128", "-n", "2", "--cluster", "cpu-gloo"]
     rc, _, err = run(capsys, *argv, "--no-baselines")
@@ -180,7 +180,7 @@ def test_explain_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
-    from primepar_fx.planning.plan import Plan
+    from primepar_fx.record.plan import Plan
 
     out = tmp_path / "plan.json"
     rc, text, _ = run(capsys, "plan", "gpt2-tiny", "--world-size", "4", "--batch", "8", "--seq", "64", "-o", str(out))
@@ -205,7 +205,7 @@ def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
 
 
 def test_plan_searches_every_grouping_past_three_digits(capsys, tmp_path) -> None:
-    from primepar_fx.planning.plan import Plan
+    from primepar_fx.record.plan import Plan
 
     base = [
         "plan",
@@ -292,7 +292,7 @@ def test_explain_and_plan_fold_identical_layers_unless_asked_for_every_node(caps
 
 def test_plan_for_more_devices_than_a_preset_names_adds_its_nodes(capsys, tmp_path) -> None:
     """h100-dgx names 4 DGX nodes (32 GPUs); -n 64 plans for 8 of them, -n 36 is not a whole number of nodes."""
-    from primepar_fx.planning.plan import Plan
+    from primepar_fx.record.plan import Plan
 
     base = ["plan", "gpt2-tiny", "--batch", "64", "--seq", "16", "--no-baselines", "--cluster", "h100-dgx"]
     out = tmp_path / "plan.json"
@@ -310,7 +310,7 @@ CONFIG_7B = "tests/data/llama-2-7b-config.json"
 def test_plan_takes_a_hugging_face_config_file_cut_to_its_first_layers(capsys, tmp_path) -> None:
     """A checkpoint's config.json, as a user has it: the model built offline on the meta device, ``--layers`` for
     a quick look; the plan names the file and has the real model's widths."""
-    from primepar_fx.planning.plan import Plan
+    from primepar_fx.record.plan import Plan
 
     out = tmp_path / "plan.json"
     argv = ["plan", CONFIG_7B, "-n", "2", "--batch", "2", "--seq", "256", "--dtype", "bf16", "--layers", "1"]
@@ -349,7 +349,7 @@ def test_a_model_whose_seq_cannot_stay_symbolic_is_planned_at_the_seq_asked_for(
     """GPT-Neo slices its causal-mask buffer by the sequence length, so it is captured at a fixed S: the plan is
     made at ``--seq``, and the one warning names that length and the model line. A ``--seq`` longer than the
     default example's is the examples' length, so the model is captured once; a shorter one is captured again."""
-    from primepar_fx.planning.plan import Plan
+    from primepar_fx.record.plan import Plan
 
     out = tmp_path / "plan.json"
     with pytest.warns(StaticSeqWarning) as said, caplog.at_level(logging.INFO, logger="primepar_fx"):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from primepar_fx.examples import train
-from primepar_fx.planning.plan import Plan
+from primepar_fx.record.plan import Plan
 
 TIMEOUT = 300
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s+loss\s+(\S+)\s+time\s+\S+ ms\s+sent\s+[\d,]+ B$", re.M)

@@ -25,8 +25,8 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
 from primepar_fx.planning.options import PlanOptions, parse_plan
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.record.plan import Plan
 from primepar_fx.runtime.groups import ProcessGroups
 
 log = logging.getLogger(__name__)

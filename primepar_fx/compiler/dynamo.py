@@ -32,7 +32,7 @@ from primepar_fx.compiler.module import rank_graph_for
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.planning.options import PlanOptions, parse_plan
-from primepar_fx.planning.plan import Plan
+from primepar_fx.record.plan import Plan
 from primepar_fx.report.trace import trace_plan
 
 log = logging.getLogger(__name__)

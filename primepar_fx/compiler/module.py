@@ -48,6 +48,7 @@ from primepar_fx.compiler.agree import (
 )
 from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
 from primepar_fx.compiler.microbatch import run_micro_batches, split_inputs
+from primepar_fx.compiler.zero3 import zero3_units
 from primepar_fx.cost.blocks import ZERO_STAGES
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
@@ -55,8 +56,7 @@ from primepar_fx.graph import OpGraph, graph_of
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes.localize import RankGraph, localize
 from primepar_fx.planning.options import PlanOptions, parse_plan
-from primepar_fx.planning.plan import Plan
-from primepar_fx.planning.recompute import zero3_units
+from primepar_fx.record.plan import Plan
 from primepar_fx.report.trace import trace_plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.gradsync import GradientBuckets

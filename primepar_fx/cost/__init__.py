@@ -13,6 +13,6 @@
 * :mod:`primepar_fx.cost.scatter` — when an all-reduce and the re-layout after it are one reduce-scatter.
 * :mod:`primepar_fx.cost.blocks` — :class:`~primepar_fx.cost.blocks.CostOptions` and the bytes of one device's block.
 
-The whole graph is priced in :mod:`primepar_fx.planning.pricing`; cluster specs are fitted to a machine by
+The whole graph is priced in :mod:`primepar_fx.pricing.price`; cluster specs are fitted to a machine by
 :mod:`primepar_fx.calibrate`.
 """

@@ -9,7 +9,7 @@ gradient of a column-parallel linear all-reduced and then split by sequence for 
 
 :func:`scatters` is the test the graph passes apply (:func:`primepar_fx.passes.collectives.fuse_reduce_scatters`,
 which emits the fused pair) to one layout pair; :func:`scatters_many` is the same test on set numbers, one held
-layout against many needed ones, which the cost model (:mod:`primepar_fx.planning.pricing`) applies to every strategy
+layout against many needed ones, which the cost model (:mod:`primepar_fx.pricing.price`) applies to every strategy
 pair. ``tests/cost/test_scatter.py`` checks that the two agree on the hand cases and on every linear pair of a 2x2x2
 mesh, so the plan's predicted bytes stay the bytes the ranks send. :func:`fusable_forward` and
 :func:`fusable_backward` are the conditions on the graph both apply first: a plain sum all-reduce that the passes

@@ -10,7 +10,7 @@ sum. This is what DTensor and Megatron-LM do: one all-gather of the sequence-spl
 summed gradient.
 
 The rule, which the graph pass (:func:`primepar_fx.passes.share.share_relayouts`) applies and the plan's
-prediction (:func:`primepar_fx.planning.summary.summarize`) prices, is all or nothing per tensor: the consumers of
+prediction (:func:`primepar_fx.pricing.summary.summarize`) prices, is all or nothing per tensor: the consumers of
 a producer's output that the cost model prices (a data-flow edge each) share when there are at least two, none
 reads the tensor twice, and :func:`signature` is the same for all of them. The first consumer in graph order keeps
 its re-layout and all-reduce (and their fusion into a reduce-scatter, :mod:`primepar_fx.cost.scatter`); every other

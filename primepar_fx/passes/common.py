@@ -38,7 +38,7 @@ class RankContext:
     fallbacks: list[str] = field(default_factory=list)
     #: parameters arrive whole on every call (the torch.compile path) instead of as this rank's shards
     whole_params: bool = False
-    #: the plan's activation recomputation (a ``planning.levers.Recompute``: ``stack``, ``layers``, ``active``;
+    #: the plan's activation recomputation (a ``record.levers.Recompute``: ``stack``, ``layers``, ``active``;
     #: read by passes/recompute.py); ``None``: none
     recompute: Any = None
     #: parameter placeholder -> the sum of its gradient that the gradient buckets do (passes/gradsync.py)

@@ -55,7 +55,7 @@ def deferrable(
     """The positions (among its node arguments) of ``node``'s parameters when the sum over ``digits`` of the
     gradient of ``consumer``'s input ``k``, which ``node`` produces, may wait for the end of backward
     (:class:`~primepar_fx.runtime.pending.DeferredGradients`), else ``None``. The rules of
-    :mod:`primepar_fx.planning.deferred`, which prices it, read from the plan, so every rank decides alike:
+    :mod:`primepar_fx.pricing.deferred`, which prices it, read from the plan, so every rank decides alike:
     ``node`` is a plain op that only ``consumer`` reads, computed alike on every rank of the group (its partition
     replicates those digits) with no collective of its own, nothing is re-laid out between the two, and its inputs
     with a gradient are parameters that only it reads."""

@@ -1,4 +1,4 @@
-"""Pass 10: activation recomputation, as the plan says (:class:`~primepar_fx.planning.levers.Recompute`).
+"""Pass 10: activation recomputation, as the plan says (:class:`~primepar_fx.record.levers.Recompute`).
 
 Each recomputed layer of the plan becomes one node of the rank graph: a submodule holding the layer's nodes (its
 planned nodes and every node the earlier passes put between them: re-layouts, collectives, ring products) called

@@ -3,7 +3,7 @@
 A parameter is stored in the Forward-start layout of its first reader, so that reader needs no traffic and a rank
 holds only its own slices (a P(S x S) weight: one block per rank, no copies). A later reader of the same parameter
 (tied embeddings) fetches its block from there, as the cost model prices it
-(:func:`primepar_fx.planning.pricing.shared_parameters`). :class:`~primepar_fx.compiler.module.PrimeParModule` cuts the
+(:func:`primepar_fx.pricing.price.shared_parameters`). :class:`~primepar_fx.compiler.module.PrimeParModule` cuts the
 tensors by these layouts.
 
 On the ``torch.compile`` path parameters arrive whole on every call (``ctx.whole_params``): their layout is then

@@ -9,7 +9,7 @@ When every planned consumer of a producer's value has the same :func:`~primepar_
 input it reads (the rule and why it is exact: :mod:`primepar_fx.cost.share`), the first consumer's chain is kept
 and the others read its end: the forward re-layout runs once, autograd sums the consumers' gradients at the shared
 node, and the all-reduce and the backward re-layout run once on the sum. The plan prices exactly this
-(:func:`primepar_fx.planning.summary.summarize`), so the bytes the ranks send stay the predicted bytes. The pass runs
+(:func:`primepar_fx.pricing.summary.summarize`), so the bytes the ranks send stay the predicted bytes. The pass runs
 before :func:`~primepar_fx.passes.collectives.fuse_reduce_scatters`, which then fuses the one shared all-reduce with
 the backward re-layout into a reduce-scatter, as it would for a single consumer.
 
@@ -17,7 +17,7 @@ A parameter that several nodes read (tied embeddings) is stored in its first rea
 (:mod:`~primepar_fx.passes.shard`); every later reader with the first's signature reads the first's all-reduce, so
 that the summed gradient is all-reduced once (and, a parameter's only use then, it goes to the gradient buckets,
 :mod:`~primepar_fx.passes.gradsync`). This one is pairwise, each later reader with the first, as the plan prices it
-(:class:`~primepar_fx.planning.priced.TiedSaving`).
+(:class:`~primepar_fx.pricing.priced.TiedSaving`).
 """
 
 from __future__ import annotations

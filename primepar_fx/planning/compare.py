@@ -17,49 +17,22 @@ from primepar_fx.frontend.moe import MOE_EXPERTS
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import layer_units
+from primepar_fx.levers.choices import MICRO_BATCH_TRIES
+from primepar_fx.levers.recompute import Chosen, LayerPricing, layer_pricing, restricted
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
-from primepar_fx.planning.levers import MICRO_BATCH_TRIES, Recompute
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.parallel import Forked
-from primepar_fx.planning.plan import Baseline, Predicted
-from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.recompute import Chosen, LayerPricing, layer_pricing, restricted
-from primepar_fx.planning.summary import Summary, per_step, summarize
+from primepar_fx.planning.workers import Forked
+from primepar_fx.pricing.fixed import price_assignments
+from primepar_fx.pricing.priced import PricedGraph
+from primepar_fx.pricing.summary import Summary, per_step, summarize
+from primepar_fx.record.levers import Recompute
+from primepar_fx.record.plan import Baseline, Predicted
 
 log = logging.getLogger(__name__)
 
 #: a baseline found at some micro-batch count: ``(config, ...)``, its prediction read by the caller
 Found = tuple[Any, ...]
-
-
-def price_fixed(
-    graph: OpGraph, assignment: dict[str, PartitionSeq], mesh: DeviceMesh, cluster: ClusterSpec, values, opts
-) -> Summary:
-    priced, (choice,) = price_assignments(graph, [assignment], mesh, cluster, values, opts)
-    return summarize(graph, priced, choice, opts)
-
-
-def price_assignments(
-    graph: OpGraph,
-    assignments: Sequence[Mapping[str, PartitionSeq]],
-    mesh: DeviceMesh,
-    cluster: ClusterSpec,
-    values,
-    opts,
-) -> tuple[PricedGraph, list[dict[str, int]]]:
-    """One pricing of every node's distinct sequences over ``assignments`` (a sequence for every node), and each
-    assignment as a choice of strategies in it. Costs are per sequence and per pair of sequences, so
-    :func:`summarize` of a choice gives what pricing its assignment alone gives, and the graph is walked once
-    instead of once per assignment."""
-    union: dict[str, dict[PartitionSeq, int]] = {}  # per node, its distinct sequences in order of first use
-    for assignment in assignments:
-        for name in graph.nodes:
-            seqs = union.setdefault(name, {})
-            seqs.setdefault(assignment[name], len(seqs))
-    priced = price_graph(graph, mesh, cluster, values, opts, fixed={n: list(s) for n, s in union.items()})
-    return priced, [{n: union[n][a[n]] for n in graph.nodes} for a in assignments]
 
 
 def best_megatron(
@@ -83,7 +56,7 @@ def best_megatron(
     bytes as the all-reduce it replaces, so it ties in time and is kept only where the configuration fits with it
     and not without. Every one of those is also tried with Megatron-LM's activation recomputation of every layer,
     full and (where the model keeps attention scores) selective (``"recompute": "full"``), priced like ours
-    (:mod:`~primepar_fx.planning.recompute`); the fastest that fits wins, fewer levers breaking ties.
+    (:mod:`~primepar_fx.levers.recompute`); the fastest that fits wins, fewer levers breaking ties.
     ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
     state).
     """
@@ -281,8 +254,8 @@ def best_megatron_micro_batches(
 ) -> tuple[dict[str, Any], Summary, dict[str, PartitionSeq]]:
     """Megatron-LM's gradient accumulation: the best configuration of :func:`best_megatron` at ``m`` micro-batches
     of ``B / m`` (activations of one micro-batch held, gradients reduced once a step: ``CostOptions.micro_batches``),
-    priced as the whole step (:func:`~primepar_fx.planning.summary.per_step`), for the counts of
-    :data:`~primepar_fx.planning.levers.MICRO_BATCH_TRIES` that leave every data-parallel rank a whole sample.
+    priced as the whole step (:func:`~primepar_fx.pricing.summary.per_step`), for the counts of
+    :data:`~primepar_fx.levers.choices.MICRO_BATCH_TRIES` that leave every data-parallel rank a whole sample.
     ``whole`` is the best at one micro-batch. As for our plans, more micro-batches are tried only while the best so
     far needs recomputation or does not fit, and not after one that is slower; the fastest that fits wins (config
     ``"micro_batches"``)."""
@@ -305,7 +278,7 @@ def best_micro_batches(
     batch: int, whole: Found, find: Callable[[int], Found | None], predicted: Callable[[Found], Predicted]
 ) -> Found:
     """A baseline's gradient accumulation: ``whole`` (``(config, ...)`` at one micro-batch) or ``find(m)`` at ``m``
-    micro-batches, priced per step, for the counts of :data:`~primepar_fx.planning.levers.MICRO_BATCH_TRIES` that
+    micro-batches, priced per step, for the counts of :data:`~primepar_fx.levers.choices.MICRO_BATCH_TRIES` that
     divide ``batch`` (``find`` returns ``None`` for a count the baseline cannot run). More micro-batches are tried
     while the best so far recomputes or does not fit, past a count that is slower too (the step is not unimodal in
     the count, as for our plans: :func:`~primepar_fx.planning.planner.plan_graph`); the fastest that fits wins."""
@@ -391,7 +364,7 @@ def split_only(
 ) -> tuple[Chosen, bool]:
     """The split-only baseline: our search on ``priced`` (micro-batches and ZeRO stage of ``costs``, the budget of
     ``opts``, the recomputation policy ``recompute`` that ``layers`` applied to it) run on the strategies without
-    P(S x S), and whether its plan fits (:func:`~primepar_fx.planning.recompute.restricted`)."""
+    P(S x S), and whether its plan fits (:func:`~primepar_fx.levers.recompute.restricted`)."""
     values = {B: opts.batch // costs.micro_batches, S: opts.seq}  # type: ignore[operator]
     return restricted(
         graph,

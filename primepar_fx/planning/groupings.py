@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.planning.parallel import run_forked
-from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.planning.workers import run_forked
+from primepar_fx.pricing.priced import PricedGraph
 
 GROUPED_DIGITS = 3  # with more digits the full space passes ~700 sequences per node (16 devices: see search_time.md)
 GROUPINGS = ("leading", "all")
@@ -159,7 +159,7 @@ class KeptPricings:
         return [(key, priced) for key, priced in self._items.items() if key[:2] == (m, mesh)]
 
     def run_forked(self, job: Callable[[int], Any], m: int, meshes: list[DeviceMesh], workers: int) -> list[Any]:
-        """``job(i)`` for each mesh at ``m`` micro-batches (:func:`~primepar_fx.planning.parallel.run_forked`), in
+        """``job(i)`` for each mesh at ``m`` micro-batches (:func:`~primepar_fx.planning.workers.run_forked`), in
         order; what a worker's jobs priced and kept here (in its copy) comes back with its results and is kept here
         too, so that a later search of that count reads it instead of pricing it again (pickled through the pipe:
         13.6 MB for a llama2-70b grouping at 64 GPUs, against 1-2 s to price it)."""
@@ -206,7 +206,7 @@ def grouping_bounds(
     progress: bool,
 ) -> tuple[list[float | None], dict[int, tuple[PricedGraph, float]]]:
     """Each mesh's fastest plan's cost (per micro-batch, no budget), found on ``workers`` processes (this one
-    included: :func:`~primepar_fx.planning.parallel.run_forked`), and the pricings kept for the searches that
+    included: :func:`~primepar_fx.planning.workers.run_forked`), and the pricings kept for the searches that
     follow: ``{mesh index: (pricing, seconds it took)}``, as long as they stay under :data:`KEEP_PRICED` bytes.
 
     ``price(mesh, progress)`` prices one mesh. A worker keeps only its cheapest mesh's pricing and sends it back

@@ -33,11 +33,11 @@ import torch
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
-from primepar_fx.graph import OpGraph, check_fallback
+from primepar_fx.graph import check_fallback
+from primepar_fx.levers.choices import check_choice, check_zero
+from primepar_fx.levers.choose import LeverOptions
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.planning.levers import MICRO_BATCH_TRIES, check_choice, check_zero
-from primepar_fx.planning.plan import Plan
-from primepar_fx.search import InfeasibleBudget
+from primepar_fx.record.plan import Plan
 from primepar_fx.utils.units import memory_budget_bytes
 
 #: The cluster for planning a job for other machines (rule 3 of :func:`default_cluster`).
@@ -149,7 +149,7 @@ class PlanOptions:
         grad_dtype, master_weights, state_dtype: what a device keeps per parameter element besides the parameter
             (:class:`~primepar_fx.cost.blocks.CostOptions`): gradients in ``grad_dtype`` (``None``: ``dtype``), an
             fp32 master copy (``None``: when ``dtype`` is 16 bits), optimizer moments in ``state_dtype``.
-        recompute: activation recomputation (:mod:`~primepar_fx.planning.recompute`): ``"auto"`` (none unless the
+        recompute: activation recomputation (:mod:`~primepar_fx.levers.recompute`): ``"auto"`` (none unless the
             budget needs it, then the fastest mode that fits), or ``"none"``, ``"selective"`` or ``"full"`` on every
             layer of the stack.
         zero: ZeRO's stage for the plan's replicated parameters (:attr:`~primepar_fx.cost.blocks.CostOptions.zero`):
@@ -172,7 +172,7 @@ class PlanOptions:
         fallback: ``"replicate"`` runs ops without a dimension rule replicated; ``None`` raises.
         progress: show the pricing's progress bars on stderr.
         workers: processes that price and search the groupings of the digits side by side (forked,
-            :mod:`~primepar_fx.planning.parallel`; 1, the default, plans in this process alone, as
+            :mod:`~primepar_fx.planning.workers`; 1, the default, plans in this process alone, as
             :func:`~primepar_fx.compile` does on every rank).
     """
 
@@ -299,6 +299,10 @@ class PlanOptions:
             zero=2 if self.zero == "auto" else self.zero,  # type: ignore[arg-type]
         )
 
+    def levers(self) -> LeverOptions:
+        """What these options ask of the memory levers."""
+        return LeverOptions(self.recompute, self.zero, self.memory_budget, self.alpha, self.method)
+
     def replace(self, **changes: Any) -> PlanOptions:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -312,40 +316,3 @@ class PlanOptions:
             raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not world size {self.world_size}")
         return mesh
 
-
-def state_floor(graph: OpGraph, opts: PlanOptions) -> tuple[float, str]:
-    """A lower bound on any plan's peak per device, and what it counts: each parameter's value, gradient and
-    optimizer state (master copy, moments) split evenly over every device, no activation, no buffer. No split,
-    ZeRO stage, recomputation or micro-batching goes below it (ZeRO-3 without a master copy keeps more: an fp32
-    copy of its shard)."""
-    costs = opts.cost_options()
-    per_element = costs.param_state_bytes
-    params, world = graph.param_count(), opts.world_size
-    what = (
-        f"the training state alone, split evenly over all {world} devices "
-        f"({dataclasses.replace(costs, zero=0).describe_state()}; "
-        f"{params:,} parameters), before any activation"
-    )
-    return params * per_element / world, what
-
-
-def check_state_floor(graph: OpGraph, opts: PlanOptions) -> None:
-    """Raise :class:`~primepar_fx.search.InfeasibleBudget` at once when :func:`state_floor` exceeds the memory
-    budget: no plan can fit, and searching the memory levers of a large model to find that out takes minutes and
-    gigabytes."""
-    floor, what = state_floor(graph, opts)
-    if opts.memory_budget is not None and floor > opts.memory_budget:
-        raise InfeasibleBudget(opts.memory_budget, floor, floor=what)
-
-
-def micro_batch_tries(opts: PlanOptions) -> list[int]:
-    """The micro-batch counts the search tries: the one asked for, or for ``"auto"`` 1 and, under a budget, the
-    counts of :data:`MICRO_BATCH_TRIES` that divide the batch. :func:`~primepar_fx.planning.planner.plan_graph`
-    searches them in order and stops at the first whose plan fits without recomputation (a slower count does not
-    stop it: the step is not unimodal in the count); the last count may be searched ahead of its turn, to bound the
-    first ones."""
-    if opts.micro_batches != "auto":
-        return [int(opts.micro_batches)]
-    if opts.memory_budget is None:
-        return [1]
-    return [m for m in MICRO_BATCH_TRIES if opts.batch % m == 0]  # type: ignore[operator]

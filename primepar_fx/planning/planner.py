@@ -1,7 +1,7 @@
-"""From a priced graph to a :class:`~primepar_fx.planning.plan.Plan`: search, read back, and price the baselines.
+"""From a priced graph to a :class:`~primepar_fx.record.plan.Plan`: search, read back, and price the baselines.
 
 :func:`plan_graph` runs the search (:func:`primepar_fx.search.solve`) over the graph priced by
-:func:`~primepar_fx.planning.pricing.price_graph`, then prices three baselines with the same cost model so the
+:func:`~primepar_fx.pricing.price.price_graph`, then prices three baselines with the same cost model so the
 comparison is like for like:
 
 * ``megatron``: every data-parallel x model-parallel split of the device digits, with and without sequence
@@ -9,7 +9,7 @@ comparison is like for like:
 * ``data_parallel``: the batch split over every digit.
 * ``split_only``: our own search with P(S x S) left out (the space Alpa and GSPMD-style planners search).
 
-:func:`forced_plan` builds a full :class:`~primepar_fx.planning.plan.Plan` without the free search, to run or compare a
+:func:`forced_plan` builds a full :class:`~primepar_fx.record.plan.Plan` without the free search, to run or compare a
 named strategy: ``"megatron"`` (the configuration :func:`price_baselines` picks; ``"megatron-sp"`` the best one
 with sequence parallelism), ``"data_parallel"``,
 ``"prime"`` (P(S x S) on every node where it is legal, the rest searched) or ``"random:SEED"`` (a seeded,
@@ -40,50 +40,26 @@ from tqdm.auto import tqdm
 from primepar_fx.cost.model import CostOptions, clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
+from primepar_fx.levers.choices import micro_batch_tries
+from primepar_fx.levers.choose import choose_levers
+from primepar_fx.levers.floor import check_state_floor
+from primepar_fx.levers.recompute import Chosen, choose_recompute, layer_pricing
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.planning.baselines import data_parallel_assignment
-from primepar_fx.planning.choose import choose_levers
-from primepar_fx.planning.compare import (  # noqa: F401  (re-exported)
-    FSDP_GATHERED_LAYERS,
-    best_fsdp,
-    best_megatron,
-    fixed_baselines,
-    plan_baselines,
-    price_assignments,
-    price_baselines,
-    price_fixed,
-    split_only_search,
-    variant_summary,
-)
-from primepar_fx.planning.groupings import (  # noqa: F401  (re-exported)
-    GROUPED_DIGITS,
-    GROUPINGS,
-    KeptPricings,
-    grouping_bounds,
-    search_mesh,
-    search_meshes,
-)
-from primepar_fx.planning.levers import Recompute
-from primepar_fx.planning.options import (  # noqa: F401  (state_floor, micro_batch_tries: re-exported)
-    PlanOptions,
-    check_state_floor,
-    forced_seed,
-    micro_batch_tries,
-    state_floor,
-)
-from primepar_fx.planning.parallel import Forked, can_fork, search_forked
-from primepar_fx.planning.plan import Baseline, Plan
-from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.recompute import Chosen, choose_recompute, layer_pricing
-from primepar_fx.planning.summary import Summary, per_step, summarize  # noqa: F401  (re-exported)
+from primepar_fx.planning.compare import best_megatron, fixed_baselines, plan_baselines, split_only_search
+from primepar_fx.planning.groupings import GROUPED_DIGITS, KeptPricings, grouping_bounds, search_meshes
+from primepar_fx.planning.options import PlanOptions, forced_seed
+from primepar_fx.planning.workers import Forked, can_fork, search_forked
+from primepar_fx.pricing.fixed import price_assignments
+from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.priced import PricedGraph
+from primepar_fx.pricing.summary import Summary, per_step, summarize
+from primepar_fx.record.levers import Recompute
+from primepar_fx.record.plan import Baseline, Plan
 from primepar_fx.search import CutOff, InfeasibleBudget
 from primepar_fx.utils.gcpause import collect, gc_paused
 
 log = logging.getLogger(__name__)
-
-# (the names tests have always imported from here)
-_price_fixed, _price_assignments = price_fixed, price_assignments
 
 #: torch dtype -> the dtype key a plan of a model with such parameters is priced at by default
 _MODEL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -134,7 +110,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     opts = _options(graph, options, kwargs)
     full = opts.mesh()
     if opts.memory_budget is not None:
-        check_state_floor(graph, opts)
+        check_state_floor(graph, opts.cost_options(), opts.world_size, opts.memory_budget)
     # with workers, Megatron's, data parallelism's and FSDP's plans are priced in a fork while the search runs, at a
     # lower priority: it runs on the cores the search's own workers leave idle (the last grouping's, the levers')
     early = (
@@ -161,7 +137,7 @@ def _plan_graph(graph: OpGraph, opts: PlanOptions, full: DeviceMesh, early: Fork
     meshes = search_meshes(full, opts.grouped, opts.cluster, opts.group_digits)
     t0 = time.perf_counter()
     found, infeasible = None, []
-    tries = micro_batch_tries(opts)
+    tries = micro_batch_tries(opts.micro_batches, opts.memory_budget, opts.batch)
     probing = len(tries) > 1 and opts.zero == opts.recompute == "auto"
     # a count's fastest plan's per-step objective where it fits as it is, else None; only the number is kept, and
     # the plan is found again if that count is reached (from the pricings kept meanwhile, where they still are)
@@ -310,7 +286,7 @@ class _Searched:
 
     seconds: float
     cost: float | None = None
-    chosen: Chosen | None = None  # None also where a worker sent only the cost (planning.parallel.Found.lite)
+    chosen: Chosen | None = None  # None also where a worker sent only the cost (planning.workers.Found.lite)
     stage: int = 0
     priced_s: float = 0.0
     searched_s: float = 0.0
@@ -376,7 +352,7 @@ def _search_at(
     # without a budget bounds all of that from below (recomputation only adds time, ZeRO-2 none), so the meshes are
     # searched in the order of that bound, and those whose bound is no faster than the best plan found are skipped.
     # The pricing of a bound is the search's, so it is kept for it, as long as those kept stay under KEEP_PRICED.
-    # With workers the bounds are found side by side (planning.parallel), also without a budget, where the bound is
+    # With workers the bounds are found side by side (planning.workers), also without a budget, where the bound is
     # the search: only the best mesh is searched then, on its bound's pricing: this process's, or the one a worker
     # sends back with its bounds (each worker sends its cheapest grouping's, which is likely to be searched).
     bounds: list[float | None] = [None] * len(meshes)
@@ -433,7 +409,7 @@ def _search_at(
         reprice = functools.partial(price, mesh, progress=shown, threads=threads)
         try:
             chosen, stage = choose_levers(
-                graph, priced, values, costs, opts, cutoff, free_only=free_only, reprice=reprice
+                graph, priced, values, costs, opts.levers(), cutoff, free_only=free_only, reprice=reprice
             )
         except InfeasibleBudget as exc:
             if len(meshes) == 1:
@@ -461,7 +437,7 @@ def _search_at(
 
     # Under a budget the levers weigh many DP runs per mesh: with workers the meshes are searched side by side once
     # the plan to beat is known (upper() read, or ready to answer at once), each process cutting off at the cheapest
-    # plan found by any (planning.parallel.search_forked); the cheapest of all is the one a single process finds.
+    # plan found by any (planning.workers.search_forked); the cheapest of all is the one a single process finds.
     side = workers > 1 and not free_only and opts.memory_budget is not None
     with tqdm(total=len(order), desc="groupings", disable=not opts.progress or len(meshes) == 1, leave=False) as bar:
         for k, i in enumerate(order):

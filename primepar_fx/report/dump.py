@@ -3,9 +3,9 @@
 :func:`dump` writes into a folder:
 
 * ``captured.txt``: the captured ATen graph (``print_readable``);
-* ``plan.json``: the plan (:meth:`~primepar_fx.planning.plan.Plan.save`);
+* ``plan.json``: the plan (:meth:`~primepar_fx.record.plan.Plan.save`);
 * ``nodes.md``: one row per node: op, symbolic output shape, partition, predicted time per phase, communication
-  bytes per kind and memory (the plan's :class:`~primepar_fx.planning.plan.CostBreakdown`);
+  bytes per kind and memory (the plan's :class:`~primepar_fx.record.plan.CostBreakdown`);
 * ``rank{r}.py``: each rank's rewritten code (``print_readable`` of its GraphModule);
 * ``passes.md``: the op counts after each graph pass (rank 0's);
 * ``report.html``: all of it on one self-contained page (:mod:`primepar_fx.report.html`);
@@ -34,7 +34,7 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.planning.options import CPU_CLUSTER, resolve_cluster
-from primepar_fx.planning.plan import COMM_KINDS, PHASES, MiB, Plan
+from primepar_fx.record.plan import COMM_KINDS, PHASES, MiB, Plan
 from primepar_fx.report.explain import fmt_count, fmt_shape, price_plan
 from primepar_fx.report.html import MAX_GRAPH_NODES, partition_colours, write_report
 from primepar_fx.report.svg import Box, layered_graph

@@ -2,7 +2,7 @@
 
 * :func:`explain_table` (``primepar-fx explain``): a per-node table of the captured graph and the size of its
   partition space.
-* :func:`explain_choice`: why one node of a :class:`~primepar_fx.planning.plan.Plan` got its partition. The node's legal
+* :func:`explain_choice`: why one node of a :class:`~primepar_fx.record.plan.Plan` got its partition. The node's legal
   sequences are priced with the plan's cost model (:func:`~primepar_fx.cost.model.node_cost`, Eq. 7) and with the
   redistribution to and from its neighbours (:func:`~primepar_fx.cost.model.edge_cost_matrix`, Eq. 8-9), every
   other node held at the plan's choice::
@@ -14,7 +14,7 @@
 
   An edge's cost in the priced graph is net of what fusing an all-reduce with the re-layout after it into a
   reduce-scatter saves (:mod:`primepar_fx.cost.scatter`). The parts of an :class:`Option` attribute that saving as
-  :func:`~primepar_fx.planning.summary.summarize` does for a plan: the re-layout counts whole in the redistribution, and
+  :func:`~primepar_fx.pricing.summary.summarize` does for a plan: the re-layout counts whole in the redistribution, and
   the saving comes off the collectives of the node that runs the all-reduce: this node's (``collective_s``,
   ``node_s``, ``comm_bytes``) or a neighbour's (``neighbour_collective_s``). The objective is unchanged.
 
@@ -34,12 +34,12 @@ from primepar_fx.cost.model import CostOptions, NodeCost
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
+from primepar_fx.levers.recompute import layer_pricing
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.planning.options import resolve_cluster
-from primepar_fx.planning.plan import MiB, Plan
-from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.recompute import layer_pricing
+from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.priced import PricedGraph
+from primepar_fx.record.plan import MiB, Plan
 from primepar_fx.rules.spec import OpDims, Shape
 from primepar_fx.utils.tables import fold_repeats
 
@@ -151,7 +151,7 @@ def price_plan(
 
     ``free`` gets every legal sequence (the plan's own first among equals, added if the enumeration lacks it).
     ``cluster`` defaults to the plan's (a preset name or a spec file path). A plan's recomputed layers are priced
-    with their recomputation (:mod:`~primepar_fx.planning.recompute`).
+    with their recomputation (:mod:`~primepar_fx.levers.recompute`).
     """
     spec = resolve_cluster(cluster or plan.cluster)
     plan.check_model((n.name, n.op) for n in graph.nodes.values())
@@ -336,7 +336,7 @@ class _EdgeParts:
 
     ``edge_s`` are the edges' costs as the search sees them, net of reduce-scatter savings; ``redis_b`` the bytes
     they move, mean per device. The reduce-scatter savings (:mod:`primepar_fx.cost.scatter`) are attributed as
-    :func:`~primepar_fx.planning.summary.summarize` does, off the collectives of the node that runs the all-reduce
+    :func:`~primepar_fx.pricing.summary.summarize` does, off the collectives of the node that runs the all-reduce
     (the producer in Forward, the consumer in Backward), not off the redistribution: ``own_s`` and ``own_b`` where
     that node is the explained one, ``others_s`` where it is a neighbour.
     """

@@ -34,7 +34,7 @@ from primepar_fx.graph.layers import layer_units
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.dsi import OpPartition
 from primepar_fx.partition.seq import PartitionSeq, Prime, Replicate, Split
-from primepar_fx.planning.plan import PHASES, MiB, Plan
+from primepar_fx.record.plan import PHASES, MiB, Plan
 from primepar_fx.report.explain import explain_rows, fmt_count
 from primepar_fx.report.picture import linear_op, render_svg
 from primepar_fx.report.svg import bar_chart

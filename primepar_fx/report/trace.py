@@ -4,7 +4,7 @@ With ``TORCH_TRACE=DIR`` set, torch writes a structured log per rank into ``DIR`
 pages. :func:`trace_plan` adds three artifacts to it, each a ``trace_structured("artifact", ...)`` record that
 tlparse lists under its name (inside the Dynamo compilation that asked for it, for the ``"primepar"`` backend):
 
-* ``primepar_plan`` (json): the plan, as :meth:`~primepar_fx.planning.plan.Plan.to_json` writes it;
+* ``primepar_plan`` (json): the plan, as :meth:`~primepar_fx.record.plan.Plan.to_json` writes it;
 * ``primepar_cost`` (string): the per-node cost breakdown, ``nodes.md`` of the dump;
 * ``primepar_rank{r}_graph`` (string): this rank's rewritten code, ``rank{r}.py`` of the dump.
 
@@ -18,7 +18,7 @@ from typing import Any
 from torch._logging import trace_structured
 
 from primepar_fx.graph import OpGraph
-from primepar_fx.planning.plan import Plan
+from primepar_fx.record.plan import Plan
 from primepar_fx.report.dump import nodes_table, rank_code
 
 

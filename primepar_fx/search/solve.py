@@ -81,7 +81,7 @@ class Search:
 
     ``ilp_max_pairs``: where ``auto`` narrows the DP, the most edge pairs the ILP by column generation may then
     price (module docstring); 0 (the default here; :func:`solve`'s is :data:`ILP_MAX_PAIRS`) leaves the narrowed
-    plan as it is: callers that search many related graphs (the memory caps of ``planning.peak``) keep it fast
+    plan as it is: callers that search many related graphs (the memory caps of ``levers.peak``) keep it fast
     (measured on DeepSeek-V3's config, 4 layers on 8 GPUs: hundreds of such searches, 0.3-14 s of HiGHS each).
     ``table_stretch``: where ``auto``'s DP tables pass the limit and there is no budget, it first runs the DP with
     a limit this many times larger; 1 (the default here; :func:`solve`'s is :data:`AUTO_TABLE_STRETCH`) does not,

@@ -1,5 +1,5 @@
 """The fewest of something that fits: a search over integers for a value that falls as the count grows, such as the
-least peak with the first ``k`` layers recomputed (:mod:`primepar_fx.planning.recompute`), where each value costs a
+least peak with the first ``k`` layers recomputed (:mod:`primepar_fx.levers.recompute`), where each value costs a
 memory-only DP."""
 
 from __future__ import annotations

@@ -60,10 +60,3 @@ def _set_thresholds() -> bool:
     # mallopt returns 1 on success; the mmap threshold first: setting it fixes both thresholds where they are
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
-
-def physical_memory() -> int | None:
-    """This machine's memory in bytes (``None`` where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None

@@ -216,7 +216,7 @@ def _seeds_with_tied_scatter(model_name: str, world: int, tries: int = 40) -> li
     from primepar_fx.planning.compare import price_assignments
     from primepar_fx.planning.options import PlanOptions
     from primepar_fx.planning.planner import _random_assignment
-    from primepar_fx.planning.pricing import shared_parameters
+    from primepar_fx.pricing.price import shared_parameters
 
     model, args, kwargs = make(model_name)
     graph = graph_of(lambda static: capture(model, args, kwargs, static_seq=static))

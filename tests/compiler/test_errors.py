@@ -27,8 +27,8 @@ from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.partition import PartitionError
-from primepar_fx.planning.plan import PlanError
 from primepar_fx.planning.planner import forced_plan
+from primepar_fx.record.plan import PlanError
 from primepar_fx.rules import MissingRuleError
 from primepar_fx.runtime.testing import spawn
 from primepar_fx.search import InfeasibleBudget

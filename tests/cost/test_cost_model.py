@@ -452,7 +452,7 @@ def test_edges_with_the_same_distinct_layouts_share_one_priced_direction():
     from primepar_fx.cost.redistribute import DIRECTIONS
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.models import build, example_inputs, get_config
-    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.pricing.price import price_graph
 
     config = dataclasses.replace(get_config("llama-tiny"), layers=2)
     graph = analyze(build(config, device="meta"), *example_inputs(config, 2, 16, device="meta"))
@@ -493,7 +493,7 @@ def test_pricing_on_two_threads_gives_the_costs_of_one(world, monkeypatch):
     from primepar_fx.cost import model
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.planning.groupings import search_mesh
-    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.pricing.price import price_graph
 
     graph = _tiny_llama_graph()
     cluster = load_cluster("v100-paper")
@@ -514,7 +514,7 @@ def test_little_relayout_work_is_priced_on_the_calling_thread(monkeypatch):
     """Below ``THREADED_WORK`` entries in all, ``workers=2`` starts no thread (they would wait on the GIL)."""
     from primepar_fx.cost import model
     from primepar_fx.frontend.symbols import B, S
-    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.pricing.price import price_graph
 
     def no_pool(**_):
         raise AssertionError("a thread pool was started")
@@ -561,7 +561,7 @@ def test_the_split_only_subset_of_a_pricing_is_the_pricing_without_prime():
     from primepar_fx.cost.model import clear_caches
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import Prime
-    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.pricing.price import price_graph
 
     graph = _tiny_llama_graph()
     cluster, values = load_cluster("v100-paper"), {B: 16, S: 64}
@@ -590,7 +590,7 @@ def test_a_pricing_sent_from_another_process_searches_like_the_one_made_here():
     from primepar_fx.cost.model import clear_caches
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import Prime
-    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.pricing.price import price_graph
     from primepar_fx.search import solve
 
     cluster = load_cluster("v100-paper")

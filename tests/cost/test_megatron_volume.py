@@ -53,7 +53,7 @@ from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import phase_tensors
 from primepar_fx.planning.baselines import _analyse, megatron_assignment
-from primepar_fx.planning.pricing import out_index, price_graph
+from primepar_fx.pricing.price import out_index, price_graph
 
 MODEL = "gpt2-tiny"
 VALUES = {B: 8, S: 32}

@@ -27,7 +27,7 @@ from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.planning.baselines import megatron_assignment
 from primepar_fx.planning.planner import summarize
-from primepar_fx.planning.pricing import price_graph
+from primepar_fx.pricing.price import price_graph
 
 MODEL = "llama-tiny"
 VALUES = {B: 4, S: 32}

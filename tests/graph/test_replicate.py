@@ -175,7 +175,7 @@ def test_replicated_graph_prices_like_the_full_one(name):
     from primepar_fx.cost.cluster import load_cluster
     from primepar_fx.cost.model import CostOptions
     from primepar_fx.frontend.symbols import B, S
-    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.pricing.price import price_graph
 
     config = dataclasses.replace(get_config(name), layers=LAYERS)
     model = build(config, device="meta")

@@ -22,7 +22,7 @@ from primepar_fx.passes.runner import DISABLE_ENV
 from primepar_fx.planning.baselines import megatron_assignment
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.planner import forced_plan, make_plan, summarize
-from primepar_fx.planning.pricing import price_graph
+from primepar_fx.pricing.price import price_graph
 from primepar_fx.report.dump import fake_rank_graphs
 from primepar_fx.runtime.collectives import AllReduce, ReduceScatter
 from primepar_fx.runtime.exchange import Redistribute

@@ -10,8 +10,8 @@ from primepar_fx.api import analyze
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.record.plan import Plan
 
 CLUSTER = "cpu-gloo"
 

@@ -21,8 +21,8 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, PartitionSeq, Prime
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.parallel import can_fork
 from primepar_fx.planning.planner import _price_fixed, _random_assignment, plan_graph, search_meshes
+from primepar_fx.planning.workers import can_fork
 
 BATCH, SEQ = 16, 64
 VALUES = {B: BATCH, S: SEQ}
@@ -148,7 +148,7 @@ def test_the_plan_is_the_best_grouping_and_each_grouping_is_its_own_search():
 def _narrow_the_full_mesh(monkeypatch, limit: int) -> None:
     """The search of every pricing with a node of more than 200 strategies (the full 16-device mesh here, not a
     grouping) with DP tables of at most ``limit`` entries and no ILP: narrowed below the limit."""
-    import primepar_fx.planning.priced as priced_module
+    import primepar_fx.pricing.priced as priced_module
     from primepar_fx.search import solve
     from primepar_fx.search.dp import DPOptions
 
@@ -238,7 +238,7 @@ def test_a_grouping_is_searched_on_the_pricing_its_bound_was_read_off(monkeypatc
 
 
 def test_groupings_searched_in_worker_processes_give_the_plan_of_one_process(tmp_path, monkeypatch):
-    """With workers the groupings' bounds are found in forked processes (planning.parallel) and the fixed
+    """With workers the groupings' bounds are found in forked processes (planning.workers) and the fixed
     baselines priced in another; without a budget the bound is the search, so only the best grouping is searched
     again, on its bound's pricing wherever it was priced (a worker sends its cheapest back): every grouping is
     priced once. The plan and its baselines are the one-process ones exactly."""
@@ -318,7 +318,7 @@ def test_a_counts_probe_finds_each_groupings_fastest_plan_in_worker_processes_as
 def test_the_groupings_lever_searches_run_side_by_side_and_find_the_plan_of_one_process(tmp_path, monkeypatch):
     """Under a budget every grouping whose fastest plan does not fit weighs the memory levers (many DP runs); with
     workers, once the plan to beat is known, the groupings are searched in both processes, each cut off at the
-    cheapest plan any has found (planning.parallel.search_forked). The plan is the one-process plan exactly."""
+    cheapest plan any has found (planning.workers.search_forked). The plan is the one-process plan exactly."""
     if not can_fork():
         pytest.skip("no fork on this platform: planning runs in one process")
     import primepar_fx.planning.planner as planner

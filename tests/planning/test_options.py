@@ -12,8 +12,8 @@ from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.models import build, example_inputs
 from primepar_fx.planning import options as options_mod
 from primepar_fx.planning.options import PlanOptions, default_cluster, parse_plan, resolve_cluster
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import plan_graph
+from primepar_fx.record.plan import Plan
 
 
 @pytest.fixture

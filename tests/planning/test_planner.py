@@ -12,8 +12,8 @@ from primepar_fx import analyze
 from primepar_fx.models import build, example_inputs
 from primepar_fx.partition import Prime
 from primepar_fx.planning import compare
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import plan_graph
+from primepar_fx.record.plan import Plan
 from primepar_fx.search import InfeasibleBudget
 
 
@@ -232,9 +232,9 @@ def test_the_fastest_plan_of_a_pricing_is_solved_once_and_only_for_its_own_searc
     from primepar_fx.cost.model import CostOptions
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import DeviceMesh
-    from primepar_fx.planning import priced as priced_module
-    from primepar_fx.planning.pricing import price_graph
-    from primepar_fx.planning.sharing import add_share_nodes
+    from primepar_fx.pricing import priced as priced_module
+    from primepar_fx.pricing.price import price_graph
+    from primepar_fx.pricing.sharing import add_share_nodes
     from primepar_fx.search import plan_memory, solve
 
     cluster = load_cluster("v100-paper")
@@ -290,7 +290,7 @@ def test_a_fastest_plan_with_prime_leaves_the_split_only_baseline_to_its_search(
 def _priced(g, world: int):
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.planning.planner import _options, search_mesh
-    from primepar_fx.planning.pricing import price_graph
+    from primepar_fx.pricing.price import price_graph
 
     opts = _options(g, None, {"world_size": world, "batch": 8, "seq": 64})
     mesh = search_mesh(opts.mesh(), None)
@@ -312,7 +312,7 @@ def test_a_space_whose_edge_matrices_would_not_fit_in_memory_is_refused_before_t
     from primepar_fx.cost.model import CostOptions
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import DeviceMesh
-    from primepar_fx.planning import pricing
+    from primepar_fx.pricing import price as pricing
 
     cluster, values, mesh = load_cluster("v100-paper"), {B: 8, S: 64}, DeviceMesh((2, 2))
     full = pricing.price_graph(graph("gpt2-tiny"), mesh, cluster, values, CostOptions())

@@ -10,8 +10,8 @@ import pytest
 from primepar_fx.api import analyze
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.plan import Plan, PlanError
 from primepar_fx.planning.planner import forced_plan
+from primepar_fx.record.plan import Plan, PlanError
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ import primepar_fx
 from primepar_fx.api import analyze
 from primepar_fx.cli import main
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.record.plan import Plan
 from primepar_fx.report.dump import dump, dump_module, edge_redistribution_bytes, fake_rank_graphs, normalize_code
 
 WORLD, BATCH, SEQ = 4, 8, 64

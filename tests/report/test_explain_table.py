@@ -19,8 +19,8 @@ from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.planning.plan import Plan
 from primepar_fx.planning.planner import _price_fixed, forced_plan
+from primepar_fx.record.plan import Plan
 from primepar_fx.report.explain import Explanation, price_plan
 
 WORLD, BATCH, SEQ = 4, 8, 64  # the sizes of docs/dump.md's example

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from primepar_fx.planning.plan import Plan
+from primepar_fx.record.plan import Plan
 
 SCRIPT = textwrap.dedent(
     """

@@ -27,8 +27,8 @@ from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import data_parallel_assignment, megatron_assignment, megatron_configs
-from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.planning.pricing import price_graph
+from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.priced import PricedGraph
 from primepar_fx.search import InfeasibleBudget, evaluate, plan_memory, reduce_graph, smallest_memory, solve
 from primepar_fx.search.ilp import ilp_size, solve_ilp, solver_name
 

@@ -49,18 +49,19 @@ import numpy as np
 import sympy
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes
-from primepar_fx.cost.model import NodeCost, stashed_inputs, weights_read_in_backward
+from primepar_fx.cost.model import NodeCost, stashed_inputs
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import LayerUnits, layer_units, selective_nodes, unit_inputs
+from primepar_fx.levers.choices import check_choice
+from primepar_fx.levers.peak import least_peak, least_plan, plan_peak, ring_buffers, solve_for_peak
 from primepar_fx.partition import PartitionSeq
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
-from primepar_fx.planning.levers import RECOMPUTE_KIND, Recompute, check_choice
-from primepar_fx.planning.peak import least_peak, least_plan, plan_peak, ring_buffers, solve_for_peak
-from primepar_fx.planning.priced import PricedGraph, ShareFlow, frozen
-from primepar_fx.planning.pricing import node_key, out_index, tensor_itemsize
-from primepar_fx.planning.sharing import complete_choice
+from primepar_fx.pricing.price import node_key, out_index, tensor_itemsize
+from primepar_fx.pricing.priced import PricedGraph, ShareFlow, frozen
+from primepar_fx.pricing.sharing import complete_choice
+from primepar_fx.record.levers import RECOMPUTE_KIND, Recompute
 from primepar_fx.search import CutOff, InfeasibleBudget, Solution
 from primepar_fx.search.problem import evaluate
 from primepar_fx.utils.fewest import fewest
@@ -92,7 +93,7 @@ class LayerPricing:
 
     def detached(self) -> LayerPricing:
         """A copy without the graph (a captured graph does not pickle) and without the memos (rebuilt as read):
-        what a worker process sends back (:func:`~primepar_fx.planning.parallel.search_forked`); the receiver gives
+        what a worker process sends back (:func:`~primepar_fx.planning.workers.search_forked`); the receiver gives
         it the graph again (:meth:`attach`) before reading it."""
         out = copy.copy(self)
         out.graph = None  # type: ignore[assignment]
@@ -180,10 +181,10 @@ class LayerPricing:
     ) -> tuple[np.ndarray, np.ndarray, ScatterSaving | None, ShareFlow | None]:
         """Edge ``(u, v)``'s seconds and bytes when ``v`` runs again: plus its re-layout's Forward direction; where
         ``u``'s all-reduce runs again too and fuses with it into a reduce-scatter, the seconds less what the fusion
-        saves, and that saving (:attr:`~primepar_fx.planning.priced.PricedGraph.rescattered`: the summary takes the
+        saves, and that saving (:attr:`~primepar_fx.pricing.priced.PricedGraph.rescattered`: the summary takes the
         bytes off ``u``'s recomputation); and the edge's flow with the same arrays, when the edge's were its flow's
         (a re-layout that several consumers share runs again once, before the first of them: the flows say which
-        consumers share it, :mod:`primepar_fx.planning.sharing`). An edge that re-lays out a tied parameter (no
+        consumers share it, :mod:`primepar_fx.pricing.sharing`). An edge that re-lays out a tied parameter (no
         data flow) adds half of both directions."""
         priced = self.priced
         flow = priced.flows.get((u, v))
@@ -208,7 +209,7 @@ class LayerPricing:
     def apply(self, policy: Recompute) -> PricedGraph:
         """The priced graph with ``policy``'s layers recomputed (the same object when nothing is). The last policy's
         is kept: a policy's fastest plan and then its budgeted search read the same one (and so its search graph
-        and :meth:`~primepar_fx.planning.priced.PricedGraph.fastest`), and only one is held at a time."""
+        and :meth:`~primepar_fx.pricing.priced.PricedGraph.fastest`), and only one is held at a time."""
         if not policy.active:
             return self.priced
         if self._applied is None or self._applied[0] != policy:
@@ -407,7 +408,7 @@ def restricted(
 
 def _least_real(layers: LayerPricing, policy: Recompute, applied: PricedGraph) -> tuple[float, dict[str, int] | None]:
     """The real peak (Backward's recomputation included) of the plan whose reported peak is least, and the plan (of
-    the graph without virtual nodes: :func:`~primepar_fx.planning.sharing.complete_choice` adds them).
+    the graph without virtual nodes: :func:`~primepar_fx.pricing.sharing.complete_choice` adds them).
 
     Memory alone is searched on :attr:`PricedGraph.cost_graph`, without the virtual nodes of shared re-layouts:
     they hold no memory and forbid nothing their pass-through state does not, so the least memory is the same, and
@@ -572,24 +573,3 @@ def _fewest_full(layers: LayerPricing, budget: float) -> int | None:
     bound: the search decides), or ``None`` when not even all of them fit."""
     stack, count = layers.units.stack, len(layers.units)
     return fewest(lambda k: _least(layers.apply(Recompute.uniform(stack, count, "full", k))), budget, 1, count)
-
-
-def zero3_units(graph: OpGraph, recompute: Recompute | None) -> dict[str, tuple[str, bool]]:
-    """ZeRO-3's units, as the cost model prices them: per parameter, the node that reads it first (a unit holds one
-    node's parameters: gathered while that node runs) and whether Backward reads its values, so that it is gathered
-    again (a node reading it keeps it, :func:`~primepar_fx.cost.model.weights_read_in_backward`, or runs again: a
-    recomputed layer gathers every parameter it reads)."""
-    again: set[str] = set()
-    units = layer_units(graph) if recompute is not None and recompute.active else None
-    if units is not None and units.stack == recompute.stack and len(units) == len(recompute.layers):  # type: ignore[union-attr]
-        for mode, unit in zip(recompute.layers, units.units):  # type: ignore[union-attr]
-            if mode != "none":
-                again.update(unit if mode == "full" else selective_nodes(graph, unit))
-    read: dict[str, bool] = {}
-    first: dict[str, str] = {}
-    for name, node in graph.nodes.items():
-        needed = weights_read_in_backward(node.dims, node.target)
-        for k, fqn in zip(sorted(node.dims.weights), node.params):
-            read[fqn] = read.get(fqn, False) or k in needed or name in again
-            first.setdefault(fqn, name)
-    return {fqn: (first[fqn], read[fqn]) for fqn in read}

@@ -37,9 +37,9 @@ from typing import Any, NoReturn
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.partition.seq import PartitionSeq
-from primepar_fx.planning import plan_fields as fieldcheck
-from primepar_fx.planning.levers import Recompute
-from primepar_fx.planning.plan_fields import PlanError
+from primepar_fx.record import fields as fieldcheck
+from primepar_fx.record.fields import PlanError
+from primepar_fx.record.levers import Recompute
 
 PLAN_FORMAT = "primepar-plan/2"
 #: formats this version reads no more, and why

@@ -1,7 +1,8 @@
-"""The memory levers a plan records (issue 18): what it recomputes, and its ZeRO stage. Plain data, validated;
-recomputation is priced and chosen by :mod:`primepar_fx.planning.recompute` and honoured at run time by
-:mod:`primepar_fx.passes.recompute`; the ZeRO stage is priced by the cost model
-(:attr:`~primepar_fx.cost.blocks.CostOptions.zero`) and honoured by :mod:`primepar_fx.runtime.zero`."""
+"""What a plan records of its memory levers: the recomputation mode of each layer (:class:`Recompute`). Plain data,
+validated; recomputation is priced and chosen by :mod:`primepar_fx.levers.recompute` and honoured at run time by
+:mod:`primepar_fx.passes.recompute`. The ZeRO stage and micro-batch count are in the plan's training state
+(:attr:`~primepar_fx.cost.blocks.CostOptions.zero`, ``micro_batches``), honoured by :mod:`primepar_fx.runtime.zero`
+and :mod:`primepar_fx.compiler.microbatch`."""
 
 from __future__ import annotations
 
@@ -11,33 +12,8 @@ from typing import Any
 
 #: the modes of one layer, least memory last
 MODES = ("none", "selective", "full")
-#: what a plan's options may ask for: a mode for every layer, or ``"auto"`` (chosen by the search)
-CHOICES = ("auto", *MODES)
 #: the kind under which a recomputed Forward's bytes are reported
 RECOMPUTE_KIND = "recomputation"
-
-
-#: the micro-batch counts a search under a budget tries, in order, where they divide the batch (ours and
-#: Megatron-LM's gradient accumulation alike)
-MICRO_BATCH_TRIES = (1, 2, 4, 8)
-
-#: what a plan's options may ask of ZeRO: a stage, or ``"auto"`` (0 when the plan fits without, else 2, else 3)
-ZERO_CHOICES = ("auto", 0, 1, 2, 3)
-
-
-def check_zero(value: object) -> str | int:
-    """``value`` as a ZeRO choice: ``"auto"`` or a stage (``"2"`` as 2)."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or value not in ZERO_CHOICES:
-        raise ValueError(f"zero must be one of {list(ZERO_CHOICES)}, got {value!r}")
-    return value  # type: ignore[return-value]
-
-
-def check_choice(value: object) -> str:
-    if value not in CHOICES:
-        raise ValueError(f"recompute must be one of {list(CHOICES)}, got {value!r}")
-    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -88,4 +64,3 @@ class Recompute:
         return cls(data["stack"], data["layers"])
 
 
-__all__ = ["CHOICES", "MODES", "RECOMPUTE_KIND", "Recompute", "check_choice"]

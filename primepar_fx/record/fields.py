@@ -1,5 +1,5 @@
 """Checks of a plan's JSON fields, each raising :class:`PlanError` with the path of the field at fault (the plan
-format itself is :mod:`primepar_fx.planning.plan`)."""
+format itself is :mod:`primepar_fx.record.plan`)."""
 
 from __future__ import annotations
 

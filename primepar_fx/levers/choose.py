@@ -2,7 +2,7 @@
 
 :func:`choose_levers` is what the planner runs on each mesh and micro-batch count it searches
 (:mod:`primepar_fx.planning.planner`): the fastest plan where it fits as it is, else ZeRO-2 and the recomputation
-policies of :func:`~primepar_fx.planning.recompute.choose_recompute`, and ZeRO-3 where nothing fits at stage 2.
+policies of :func:`~primepar_fx.levers.recompute.choose_recompute`, and ZeRO-3 where nothing fits at stage 2.
 """
 
 from __future__ import annotations
@@ -10,14 +10,28 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
-from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.peak import plan_peak, solve_for_peak
-from primepar_fx.planning.priced import PricedGraph
-from primepar_fx.planning.recompute import Chosen, choose_recompute
+from primepar_fx.levers.peak import plan_peak, solve_for_peak
+from primepar_fx.levers.recompute import Chosen, choose_recompute
+from primepar_fx.pricing.priced import PricedGraph
 from primepar_fx.search import CutOff, InfeasibleBudget
+
+
+@dataclass(frozen=True, slots=True)
+class LeverOptions:
+    """What a plan's options ask of the levers (:class:`~primepar_fx.planning.options.PlanOptions` checks them):
+    ``recompute`` a mode of :data:`~primepar_fx.levers.choices.CHOICES`, ``zero`` a stage or ``"auto"``, the
+    per-device ``memory_budget`` in bytes (``None``: none), the objective's ``alpha`` (seconds per byte) and the
+    search ``method``."""
+
+    recompute: str = "auto"
+    zero: str | int = "auto"
+    memory_budget: float | None = None
+    alpha: float = 0.0
+    method: str = "auto"
 
 
 def choose_levers(
@@ -25,7 +39,7 @@ def choose_levers(
     priced: PricedGraph,
     values: dict,
     costs: CostOptions,
-    opts: PlanOptions,
+    opts: LeverOptions,
     cutoff: Callable[[], float] | None = None,
     *,
     free_only: bool = False,

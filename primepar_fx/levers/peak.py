@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.pricing.priced import PricedGraph
 from primepar_fx.search import (
     CostGraph,
     CutOff,
@@ -159,7 +159,7 @@ def plan_peak(priced: PricedGraph, choice: dict[str, int]) -> float:
 
 def ring_buffers(priced: PricedGraph, graph: CostGraph | None = None) -> dict[str, np.ndarray]:
     """Each node's ring receive buffer per strategy, for the nodes of ``graph`` (default: the search graph; a
-    virtual node of :mod:`planning.sharing` has none). Equal vectors are one array, so the graphs built from them
+    virtual node of :mod:`pricing.sharing` has none). Equal vectors are one array, so the graphs built from them
     keep identical layers shared."""
     graph = priced.search_graph if graph is None else graph
     interned: dict[bytes, np.ndarray] = {}

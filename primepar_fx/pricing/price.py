@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,11 +43,12 @@ from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
-from primepar_fx.planning.deferred import deferred_sums
-from primepar_fx.planning.priced import PricedGraph, ShareFlow, TiedSaving, frozen
+from primepar_fx.pricing.deferred import deferred_sums
+from primepar_fx.pricing.priced import PricedGraph, ShareFlow, TiedSaving, frozen
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
-from primepar_fx.utils.malloc import physical_memory, steady_malloc
+from primepar_fx.utils.machine import physical_memory, usable_cores
+from primepar_fx.utils.malloc import steady_malloc
 from primepar_fx.utils.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -65,14 +65,10 @@ class SpaceTooLarge(ValueError):
     """The edge matrices of a partition space would not fit this machine's memory (raised before they are priced)."""
 
 
-def default_workers() -> int:
+def relayout_threads() -> int:
     """Threads for pricing re-layouts: one per core this process may use, at most two (more gain little: the rest
     of the work holds the GIL)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(2, cores))
+    return min(2, usable_cores())
 
 
 def node_key(node: OpNode) -> tuple:
@@ -165,12 +161,12 @@ def price_graph(
     pricing = _Pricing(graph, mesh, cluster, values, opts, space)
     pricing.bind_nodes(progress)
     pricing.find_flows(physical_memory())
-    pricing.price_relayouts(default_workers() if workers is None else workers)
+    pricing.price_relayouts(relayout_threads() if workers is None else workers)
     pricing.edge_matrices(progress)
     pricing.add_shared_parameters()
     flows = [(u, v, k_in, k_out) for u, v, k_in, k_out, _, _ in pricing.flows]
     deferred = deferred_sums(graph, flows, pricing.partitions, cluster, values, opts.itemsize)
-    for edge, saving in deferred.items():  # the sum waits for the end of backward (planning.deferred)
+    for edge, saving in deferred.items():  # the sum waits for the end of backward (pricing.deferred)
         pricing.edge_cost[edge] = frozen(pricing.edge_cost[edge] - saving.seconds)
     cg = pricing.cost_graph()
     seconds = time.perf_counter() - start

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
+from primepar_fx.utils.machine import usable_cores
+
 
 def can_fork() -> bool:
     """Whether worker processes can be forked here."""
@@ -28,11 +30,7 @@ def can_fork() -> bool:
 
 def default_workers() -> int:
     """One worker per core this process may run on (the planner itself is one of them)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores)
+    return usable_cores()
 
 
 def run_forked(

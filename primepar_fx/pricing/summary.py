@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.graph import OpGraph
-from primepar_fx.planning.levers import RECOMPUTE_KIND
-from primepar_fx.planning.plan import CostBreakdown, NodePlan, Predicted
-from primepar_fx.planning.priced import PricedGraph
+from primepar_fx.pricing.priced import PricedGraph
+from primepar_fx.record.levers import RECOMPUTE_KIND
+from primepar_fx.record.plan import CostBreakdown, NodePlan, Predicted
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ def summarize(
     """Per-node cost breakdowns and the whole-plan prediction of one choice of strategies; with ``nodes=False``
     the prediction only (the same numbers; ``Summary.nodes`` is empty), which is all a baseline that is not
     kept needs. ``extra_peak``: how far recomputation in Backward lifts the peak above the end of Forward
-    (:meth:`~primepar_fx.planning.recompute.LayerPricing.extra_peak`)."""
+    (:meth:`~primepar_fx.levers.recompute.LayerPricing.extra_peak`)."""
     world = priced.mesh.size
     redis_s = {n: 0.0 for n in graph.nodes}
     redis_bytes = {n: 0 for n in graph.nodes}

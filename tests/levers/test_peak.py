@@ -1,4 +1,4 @@
-"""The search under the reported peak (``planning.peak``): one budgeted search per ring-buffer cap, and the
+"""The search under the reported peak (``levers.peak``): one budgeted search per ring-buffer cap, and the
 Lagrangian bound of a relaxation of every cap at once that spares those searches when a caller's plan beats them."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 from primepar_fx.api import analyze
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.frontend.symbols import B, S
+from primepar_fx.levers import peak
 from primepar_fx.models import build, example_inputs
-from primepar_fx.planning import peak
 from primepar_fx.planning.options import resolve_cluster
-from primepar_fx.planning.pricing import price_graph
+from primepar_fx.pricing.price import price_graph
 from primepar_fx.search import CutOff, DPSolver, budget_bound, least_memory, solve
 
 

@@ -1,6 +1,6 @@
 """Tied parameters (GPT-2's token table, also its LM head): where both readers need the table in one layout and
 all-reduce its gradient over the same digits, the later reader's gradient is summed into the first's and
-all-reduced once (:class:`~primepar_fx.planning.priced.TiedSaving`, :func:`~primepar_fx.passes.share.share_relayouts`).
+all-reduced once (:class:`~primepar_fx.pricing.priced.TiedSaving`, :func:`~primepar_fx.passes.share.share_relayouts`).
 The search prices exactly that, the prediction counts it, and the rank graph runs it."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.planner import forced_plan, summarize
-from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.sharing import SUFFIX, virtual
+from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.sharing import SUFFIX, virtual
 from primepar_fx.report.dump import fake_rank_graphs
 from primepar_fx.runtime.collectives import AllReduce
 from primepar_fx.search import solve

@@ -1,4 +1,4 @@
-"""The search graph's virtual share nodes (:mod:`primepar_fx.planning.sharing`): the objective of every choice is
+"""The search graph's virtual share nodes (:mod:`primepar_fx.pricing.sharing`): the objective of every choice is
 its plan's predicted step time, so the DP's optimum (= the ILP's) is the best plan under shared re-layouts."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import primepar_fx
 from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
+from primepar_fx.levers.peak import least_plan, ring_buffers
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.peak import least_plan, ring_buffers
 from primepar_fx.planning.planner import summarize
-from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.sharing import SUFFIX, complete_choice, virtual
+from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.sharing import SUFFIX, complete_choice, virtual
 from primepar_fx.search import solve
 from primepar_fx.search.problem import evaluate
 
@@ -97,7 +97,7 @@ def test_a_choice_completed_with_the_virtual_nodes_best_states_is_its_predicted_
 
 @pytest.mark.parametrize(("world", "cluster"), CASES)
 def test_the_least_memory_is_the_same_without_the_virtual_nodes(world, cluster):
-    """Memory-only searches run on the graph without share nodes (planning.recompute): they hold no memory and their
+    """Memory-only searches run on the graph without share nodes (levers.recompute): they hold no memory and their
     pass-through states forbid nothing, so the least peak and its plan's peak are the same."""
     p = priced(world, cluster)
     assert any(virtual(n) for n in p.search_graph.nodes)

@@ -15,15 +15,15 @@ from primepar_fx.api import analyze
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph.layers import layer_units
+from primepar_fx.levers import recompute as recompute_module
+from primepar_fx.levers.peak import plan_peak
+from primepar_fx.levers.recompute import choose_recompute, layer_pricing, restricted
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning import recompute as recompute_module
-from primepar_fx.planning.levers import Recompute
 from primepar_fx.planning.options import resolve_cluster
-from primepar_fx.planning.peak import plan_peak
-from primepar_fx.planning.plan import Plan, PlanError
 from primepar_fx.planning.planner import forced_plan, plan_graph
-from primepar_fx.planning.pricing import price_graph
-from primepar_fx.planning.recompute import choose_recompute, layer_pricing, restricted
+from primepar_fx.pricing.price import price_graph
+from primepar_fx.record.levers import Recompute
+from primepar_fx.record.plan import Plan, PlanError
 from primepar_fx.search import InfeasibleBudget, solve
 
 
@@ -131,7 +131,7 @@ def test_auto_is_the_fastest_of_every_policy_it_may_skip(share: float) -> None:
     """Auto skips a policy whose fastest plan without a budget is no faster than the best found, and stops
     recomputing more layers once such a bound fits: the answer is still the fastest over no recomputation,
     selective, and full on every number of first layers (each searched under the budget)."""
-    from primepar_fx.planning.recompute import _solve_policy
+    from primepar_fx.levers.recompute import _solve_policy
 
     lp, free, full = layers(), plan(recompute="none"), plan(recompute="full")
     low, high = full.predicted.peak_memory_bytes, free.predicted.peak_memory_bytes
@@ -256,7 +256,7 @@ def test_recompute_options_are_checked() -> None:
 
 def _lever_cutoffs(monkeypatch) -> list[float]:
     """The ``cutoff`` of every lever search the planner runs from now on, in the order they are called."""
-    import primepar_fx.planning.choose as choose
+    import primepar_fx.levers.choose as choose
 
     cutoffs = []
     original = choose.choose_recompute
@@ -398,7 +398,7 @@ def test_the_fewest_layers_that_fit_are_bisected_not_stepped() -> None:
     """After a number of layers recomputed in full with which nothing fits, the lever search finds the fewest
     with which a plan fits by bisection (a budgeted search per probe, a few probes) instead of trying every
     number above: the same number the searches one by one give."""
-    from primepar_fx.planning.recompute import _fewest_fitting, _least_real, _solve_policy
+    from primepar_fx.levers.recompute import _fewest_fitting, _least_real, _solve_policy
 
     config = dataclasses.replace(get_config("llama-tiny"), layers=8)
     args, kwargs = example_inputs(config, 2, 16, device="meta")
@@ -494,7 +494,7 @@ def test_a_budgeted_plan_is_never_slower_than_its_split_only_baseline() -> None:
 
 
 def test_a_plan_sent_from_a_worker_without_its_graph_reads_as_before_once_the_graph_is_given_back() -> None:
-    """A worker process sends its plan back pickled (planning.parallel.search_forked): the captured graph does not
+    """A worker process sends its plan back pickled (planning.workers.search_forked): the captured graph does not
     pickle, so the plan's recomputation pricing leaves it (and its memos) out, and the planner gives it back. The
     plan read then (a policy's costs, its split-only subspace) is the plan before it was sent."""
     import pickle

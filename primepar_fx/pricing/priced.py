@@ -1,6 +1,6 @@
 """What pricing a graph gives the search and the summary: :class:`PricedGraph` (the cost graph, every node's
 strategies and costs, every edge's bytes, and the savings the runtime's fusions and sharing make), and the records
-it keeps per edge (:class:`ShareFlow`, :class:`TiedSaving`, :class:`NotRun`). :mod:`primepar_fx.planning.pricing`
+it keeps per edge (:class:`ShareFlow`, :class:`TiedSaving`, :class:`NotRun`). :mod:`primepar_fx.pricing.price`
 builds it."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 from primepar_fx.cost.model import CostOptions, NodeCost
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.partition import DeviceMesh, PartitionSeq
-from primepar_fx.planning.deferred import DeferredSaving
-from primepar_fx.planning.sharing import add_share_nodes
+from primepar_fx.pricing.deferred import DeferredSaving
+from primepar_fx.pricing.sharing import add_share_nodes
 from primepar_fx.search import CostGraph, Solution, plan_memory, solve
 
 
@@ -42,19 +42,19 @@ class PricedGraph:
     #: tied parameters: (first reader, later reader) -> where the later one's gradient all-reduce is the first's;
     #: ``edge_cost`` already has its seconds subtracted (:func:`shared_parameter_gradients`)
     tied: dict[tuple[str, str], TiedSaving] = field(default_factory=dict)
-    #: input-gradient sums that wait for the end of backward (:mod:`primepar_fx.planning.deferred`); ``edge_cost``
+    #: input-gradient sums that wait for the end of backward (:mod:`primepar_fx.pricing.deferred`); ``edge_cost``
     #: already has their seconds subtracted
     deferred: dict[tuple[str, str], DeferredSaving] = field(default_factory=dict)
     #: recomputed edges whose producer's Forward all-reduce runs again fused into a reduce-scatter
-    #: (:mod:`primepar_fx.planning.recompute`): ``edge_cost`` already has the seconds saved subtracted, and the
+    #: (:mod:`primepar_fx.levers.recompute`): ``edge_cost`` already has the seconds saved subtracted, and the
     #: summary takes the bytes saved off the producer's recomputation
     rescattered: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
 
     @functools.cached_property
     def search_graph(self) -> CostGraph:
         """What the search solves: :attr:`cost_graph` with a virtual node per tensor whose consumers may share one
-        re-layout (:mod:`primepar_fx.planning.sharing`), so that the objective of a choice is its predicted step
-        time. A solution's choice names these nodes too; :func:`~primepar_fx.planning.summary.summarize` ignores
+        re-layout (:mod:`primepar_fx.pricing.sharing`), so that the objective of a choice is its predicted step
+        time. A solution's choice names these nodes too; :func:`~primepar_fx.pricing.summary.summarize` ignores
         them."""
         return add_share_nodes(self.cost_graph, self.flows, self.fanout)
 
@@ -250,7 +250,7 @@ class ShareFlow:
     reduce-scatter saving) and bytes per strategy pair, and per consumer strategy the number of its
     :func:`~primepar_fx.cost.share.signature` (equal numbers: equal signatures, across the edges of one pricing) and
     the seconds and bytes of its input-gradient all-reduces; and the seconds and bytes of the re-layout's Forward
-    direction alone (what runs again when its consumer is recomputed, :mod:`primepar_fx.planning.recompute`)."""
+    direction alone (what runs again when its consumer is recomputed, :mod:`primepar_fx.levers.recompute`)."""
 
     k_in: int
     seconds: np.ndarray

@@ -1,4 +1,4 @@
-"""Planning pieces in forked workers (``planning.parallel``): ``run_forked`` gives every item's result once, the
+"""Planning pieces in forked workers (``planning.workers``): ``run_forked`` gives every item's result once, the
 same as in one process, this process's items in order first; a worker's error comes back as a message for the
 caller to run again here; where there is nothing to share out, no process is forked. ``Forked`` runs one job
 beside the caller: its value, its error or its death as a message, or stopped when no longer needed.
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.parallel import Forked, can_fork, default_workers, run_forked, search_forked
+from primepar_fx.planning.workers import Forked, can_fork, default_workers, run_forked, search_forked
 
 forking = pytest.mark.skipif(not can_fork(), reason="no fork on this platform")
 STATE = {"scale": 3}  # set before the fork: a worker sees the planner's memory as it was
@@ -144,7 +144,7 @@ def test_a_forked_job_no_longer_needed_is_stopped():
 
 @dataclasses.dataclass
 class Plan:
-    """A stand-in for a mesh's search result (``planning.parallel.Found``): its cost, the plan, who found it."""
+    """A stand-in for a mesh's search result (``planning.workers.Found``): its cost, the plan, who found it."""
 
     cost: float | None
     plan: str | None

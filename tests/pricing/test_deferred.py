@@ -3,7 +3,7 @@
 GPT-2's learned position table is looked up alike on every rank and added to a batch-split activation, so the
 ``add`` sums the table's output gradient over the batch ranks; the runtime launches that sum asynchronously and
 computes the table's gradient at the end of backward (``DeferredGradients``). The pricing
-(:mod:`primepar_fx.planning.deferred`) and the pass (:func:`~primepar_fx.passes.gradsync.defer_input_gradient_sums`)
+(:mod:`primepar_fx.pricing.deferred`) and the pass (:func:`~primepar_fx.passes.gradsync.defer_input_gradient_sums`)
 read the same facts from the plan; these tests hold them together on every rank of several plans.
 """
 
@@ -23,7 +23,7 @@ from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes import localize
 from primepar_fx.planning.compare import price_assignments
 from primepar_fx.planning.planner import forced_plan
-from primepar_fx.planning.summary import summarize
+from primepar_fx.pricing.summary import summarize
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.pending import DeferredGradients
 

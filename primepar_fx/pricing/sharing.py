@@ -15,7 +15,7 @@ and its consumers ``v_1 .. v_n`` (graph order) makes it pairwise again. Its stat
 
 For any strategies of ``u`` and the consumers, the cheapest state of the virtual node is the pass-through one unless
 all consumers have one signature, and then the shared one, which costs what
-:func:`~primepar_fx.planning.summary.summarize` charges: the objective of every choice is its plan's predicted step
+:func:`~primepar_fx.pricing.summary.summarize` charges: the objective of every choice is its plan's predicted step
 time, and the search's optimum is the best plan under sharing. The shared states are added only where the first
 consumer's edge is the same for all its strategies of the signature (it is, unless two strategies with one
 signature fuse their all-reduce differently) and where sharing saves something; a producer with none gets no node.
@@ -129,7 +129,7 @@ def add_share_nodes(cg: CostGraph, flows: Mapping, fanout: Mapping[str, tuple[st
 def complete_choice(graph: CostGraph, choice: Mapping[str, int]) -> dict[str, int]:
     """``choice``, a plan of the graph without virtual nodes (:attr:`PricedGraph.cost_graph`), with each virtual node
     of ``graph`` (:func:`add_share_nodes`) in its cheapest state given its producer's and consumers' strategies:
-    the plan's shared re-layouts, as :func:`~primepar_fx.planning.summary.summarize` prices them. Its pass-through
+    the plan's shared re-layouts, as :func:`~primepar_fx.pricing.summary.summarize` prices them. Its pass-through
     state always costs what the edges without the node do, so a plan the graph without them allows stays finite.
     """
     out = dict(choice)

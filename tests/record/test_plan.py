@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from primepar_fx.partition.seq import PartitionSeq, Prime, Split
-from primepar_fx.planning.plan import (
+from primepar_fx.record.plan import (
     PLAN_FORMAT,
     Baseline,
     CostBreakdown,
