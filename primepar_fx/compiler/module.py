@@ -74,6 +74,20 @@ class RankFailureError(RuntimeError):
     """A collective or point-to-point transfer of a compiled step failed: another rank died, raised or timed out."""
 
 
+def _unused_tied(graph: OpGraph) -> dict[str, str]:
+    """Each tied parameter name the captured graph never reads -> the name sharing its storage that it reads."""
+    program = graph.captured.program
+    placeholders = [n for n in graph.captured.gm.graph.nodes if n.op == "placeholder"]
+    used = {s.target for n, s in zip(placeholders, program.graph_signature.input_specs) if n.users}
+    tied_used = {}
+    for alias, canon in graph.tied.items():
+        if alias in used and canon not in used:
+            tied_used[canon] = alias
+        elif canon in used and alias not in used:
+            tied_used[alias] = canon
+    return tied_used
+
+
 class PrimeParModule(nn.Module):
     """One rank's part of a compiled model: its parameter shards and its rewritten graph.
 
@@ -121,45 +135,8 @@ class PrimeParModule(nn.Module):
         self._user_specs: list[InputSpec] = []  # per user input: name, symbolic shape (in B and S), dtype
         self.shards = nn.ParameterDict()
         self._key_of: dict[str, str] = {}
-        buffers: dict[str, torch.Tensor] = {}
-        placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
-        used = {s.target for n, s in zip(placeholders, program.graph_signature.input_specs) if n.users}
-        tied_used = {}  # unused tied name -> the used name sharing its storage
-        for alias, canon in graph.tied.items():
-            if alias in used and canon not in used:
-                tied_used[canon] = alias
-            elif canon in used and alias not in used:
-                tied_used[alias] = canon
-        self._aliases = dict(tied_used)
-        for node, spec in zip(placeholders, program.graph_signature.input_specs, strict=True):
-            if spec.kind is InputKind.PARAMETER and not node.users and spec.target in tied_used:
-                # a tied alias the graph never reads (export routes every use through one name): no copy
-                self._inputs.append(("unused", tied_used[spec.target]))
-            elif spec.kind is InputKind.PARAMETER:
-                fqn = spec.target
-                layout = rank_graph.param_layouts[node.name]
-                full = program.state_dict[fqn]
-                key = fqn.replace(".", "__")
-                self._key_of[fqn] = key
-                self._layouts[fqn] = layout
-                self._param_of[node.name] = fqn
-                local = Exchange.plan(full_layout(tuple(full.shape), mesh.size), layout, mesh, rank).run(full.detach())
-                self.shards[key] = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
-                self._inputs.append(("param", key))
-            elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-                if spec.kind is InputKind.BUFFER and spec.persistent is not False and spec.target in program.state_dict:
-                    value = program.state_dict[spec.target]
-                else:
-                    value = program.constants[spec.target]
-                key = f"b{len(buffers)}"
-                buffers[key] = value
-                self.register_buffer(key, value.detach().clone(), persistent=False)
-                self._inputs.append(("buffer", key))
-            elif spec.kind is InputKind.USER_INPUT:
-                self._user_specs.append(input_spec(node, captured.symbol_map))
-                self._inputs.append(("user", None))
-            else:
-                raise NotImplementedError(f"input {spec.target} of kind {spec.kind.name} is not supported")
+        self._aliases = _unused_tied(graph)  # unused tied name -> the used name sharing its storage
+        self._take_inputs(rank_graph)
         self._ranges = size_ranges(captured)
         if plan.zero not in ZERO_STAGES:
             raise NotImplementedError(
@@ -167,6 +144,61 @@ class PrimeParModule(nn.Module):
             )
         self._sharded: list[ShardedOptimizer] = []  # the ZeRO optimizer made by :meth:`optimizer`, if any
         self._warned_zero = False
+        #: ZeRO-3's parameter chunks (:mod:`primepar_fx.runtime.zero3`; ``None`` below stage 3)
+        self.zero3: ShardedParameters | None = None
+        self._sync_gradients(rank_graph)
+
+    def _take_inputs(self, rank_graph: RankGraph) -> None:
+        """What each graph input is (``_inputs``): this rank's shard of a parameter, a buffer or constant, a user
+        input (its spec kept), or a tied parameter the graph never reads."""
+        captured = self._graph.captured
+        specs = captured.program.graph_signature.input_specs
+        placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+        buffers = 0
+        for node, spec in zip(placeholders, specs, strict=True):
+            if spec.kind is InputKind.PARAMETER and not node.users and spec.target in self._aliases:
+                # a tied alias the graph never reads (export routes every use through one name): no copy
+                self._inputs.append(("unused", self._aliases[spec.target]))
+            elif spec.kind is InputKind.PARAMETER:
+                key = self._take_parameter(spec.target, node.name, rank_graph.param_layouts[node.name])
+                self._inputs.append(("param", key))
+            elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                self._inputs.append(("buffer", self._take_buffer(spec, f"b{buffers}")))
+                buffers += 1
+            elif spec.kind is InputKind.USER_INPUT:
+                self._user_specs.append(input_spec(node, captured.symbol_map))
+                self._inputs.append(("user", None))
+            else:
+                raise NotImplementedError(f"input {spec.target} of kind {spec.kind.name} is not supported")
+
+    def _take_parameter(self, fqn: str, placeholder: str, layout: Any) -> str:
+        """Keep this rank's block of parameter ``fqn`` (read by ``placeholder``, stored as ``layout``) in ``shards``;
+        its key there."""
+        full = self._graph.captured.program.state_dict[fqn]
+        key = fqn.replace(".", "__")
+        self._key_of[fqn] = key
+        self._layouts[fqn] = layout
+        self._param_of[placeholder] = fqn
+        mesh, rank = self.mesh, self.rank
+        local = Exchange.plan(full_layout(tuple(full.shape), mesh.size), layout, mesh, rank).run(full.detach())
+        self.shards[key] = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
+        return key
+
+    def _take_buffer(self, spec: Any, key: str) -> str:
+        """Register a copy of buffer or constant ``spec`` (a persistent buffer's value is the state dict's) as
+        ``key``; returns ``key``."""
+        program = self._graph.captured.program
+        if spec.kind is InputKind.BUFFER and spec.persistent is not False and spec.target in program.state_dict:
+            value = program.state_dict[spec.target]
+        else:
+            value = program.constants[spec.target]
+        self.register_buffer(key, value.detach().clone(), persistent=False)
+        return key
+
+    def _sync_gradients(self, rank_graph: RankGraph) -> None:
+        """The buckets that sum parameter gradients over their replicas (taking the sums the graph defers), and at
+        ZeRO-3 the parameter chunks, gathered around their uses."""
+        plan = self.plan
         self.grad_reductions = dict(rank_graph.grad_reductions)
         self.grad_buckets = GradientBuckets(
             [
@@ -174,13 +206,11 @@ class PrimeParModule(nn.Module):
                 for n, r in rank_graph.grad_reductions.items()
             ],
             self.comm_stats,
-            apart=zero3_units(graph, plan.recompute) if plan.zero == 3 else None,
+            apart=zero3_units(self._graph, plan.recompute) if plan.zero == 3 else None,
         )
         self.grad_buckets.take_deferred(rank_graph.gm)
-        #: ZeRO-3's parameter chunks (:mod:`primepar_fx.runtime.zero3`; ``None`` below stage 3)
-        self.zero3: ShardedParameters | None = None
         if plan.zero == 3:
-            self.zero3 = ShardedParameters(self.grad_buckets, rank, self.comm_stats)
+            self.zero3 = ShardedParameters(self.grad_buckets, self.rank, self.comm_stats)
             self._gather_in(rank_graph.gm)
 
     def _gather_in(self, gm: Any) -> None:

@@ -58,13 +58,14 @@ import sympy
 import torch
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
-from primepar_fx.cost.cluster import ClusterSpec, LinkLevel, dtype_key, ring_factors
+from primepar_fx.cost.cluster import ClusterSpec, LinkLevel, dtype_key
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, clear_redistribution_caches, edge_pairs
 from primepar_fx.cost.scatter import SCATTERS
 from primepar_fx.partition import PHASES, DeviceMesh, OpPartition, Phase, collectives, phase_tensors, transfers
 from primepar_fx.partition.comm import Collective, Transfer
 from primepar_fx.partition.enumerate import ValuesKey, values_key
-from primepar_fx.rules.spec import OpDims
+from primepar_fx.rules.spec import OpDims, TensorMap
 
 aten = torch.ops.aten
 #: element-wise ops whose backward needs none of their inputs (nothing is stashed for them)
@@ -189,6 +190,126 @@ def _transfers(part_key: tuple) -> tuple[Transfer, ...]:
     return tuple(transfers(OpPartition(op, seq, mesh)))
 
 
+@dataclass
+class _NodePricing:
+    """The terms of :func:`node_cost` for one node under one partition, summed as each is priced (the fields of
+    :class:`NodeCost` of the same names), and the bytes sent, by kind."""
+
+    part: OpPartition
+    target: object
+    cluster: ClusterSpec
+    opts: CostOptions
+    vkey: ValuesKey
+    #: the ring's transfers (none in one step)
+    moves: tuple[Transfer, ...]
+    comm: dict[str, int] = field(default_factory=dict)
+    phase_s: list[float] = field(default_factory=list)
+    compute_s: float = 0.0
+    ring_s: float = 0.0
+    collective_s: float = 0.0
+    forward_compute_s: float = 0.0
+    forward_ring_s: float = 0.0
+    forward_collective_s: float = 0.0
+    forward_ring_bytes: int = 0
+    forward_collective_bytes: int = 0
+    #: weight input -> the size and digits of its replicas (the group its gradient is summed over)
+    replicas: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    shard_bytes: int | None = None
+    recompute_gather_s: float = 0.0
+    recompute_gather_bytes: int = 0
+
+    def block(self, tmap: TensorMap) -> int:
+        """The bytes of this device's block of a tensor of map ``tmap``."""
+        return block_bytes(self.part, tmap, self.vkey, self.opts.itemsize)
+
+    def send(self, kind: str, nbytes: int) -> None:
+        self.comm[kind] = self.comm.get(kind, 0) + nbytes
+
+    def price_phases(self) -> None:
+        """Each phase's ``sum_t max(compute, ring)``, with its compute and ring seconds and Forward's share."""
+        op = self.part.op
+        subops, tensors, dtype = prod(self.part.parts.values()), phase_tensors(op), dtype_key(self.opts.dtype)
+        for phase, flops in zip(PHASES, phase_flops(op, self.target)):
+            if phase is not Phase.FORWARD and not any(t.result for t in tensors[phase]):
+                self.phase_s.append(0.0)
+                continue
+            nbytes = sum(self.block(t.tmap) for t in tensors[phase])
+            step_compute = self.cluster.device.compute_time(op.kind, _num(flops, self.vkey) / subops, nbytes, dtype)
+            total = 0.0
+            for t in range(self.part.steps):
+                ring = self._ring_step(phase, t)
+                total += max(step_compute, ring)
+                self.compute_s += step_compute
+                self.ring_s += ring
+            if phase is Phase.FORWARD:
+                self.forward_compute_s, self.forward_ring_s = self.compute_s, self.ring_s
+            self.phase_s.append(total)
+
+    def _ring_step(self, phase: Phase, t: int) -> float:
+        """The seconds of the P2P shifts that step ``t`` of ``phase`` overlaps with its compute."""
+        ring = 0.0
+        for tr in (m for m in self.moves if m.src == (phase, t)):
+            block = self.block(tensor_map(self.part.op, tr.tensor))
+            ring += self.cluster.shift_time(block, tr.senders)
+            self.send("p2p", block)
+            self.forward_ring_bytes += block if phase is Phase.FORWARD else 0
+        return ring
+
+    def price_collectives(self) -> None:
+        """The all-reduces (a bucketed gradient's once a step: its share of each micro-batch), and the replicas of
+        each weight whose gradient travels in a bucket."""
+        op, opts, cluster = self.part.op, self.opts, self.cluster
+        for c in collectives(self.part):
+            bucketed = asynchronous(op, self.target, c)
+            seconds, nbytes = collective_price(self.part, c, cluster, self.vkey, opts.itemsize, bucketed=bucketed)
+            if in_bucket(op, c) and opts.micro_batches > 1:  # once a step: its share of each micro-batch
+                seconds, nbytes = seconds / opts.micro_batches, int(round(nbytes / opts.micro_batches))
+            self.collective_s += seconds
+            self.send(c.kind, nbytes)
+            if c.phase is Phase.FORWARD:
+                self.forward_collective_s += seconds
+                self.forward_collective_bytes += nbytes
+            if in_bucket(op, c):
+                self.replicas[int(c.tensor[4:])] = (cluster.group_size(self.part.mesh, c.digits), c.digits)
+
+    def price_zero(self, weights: dict[int, int]) -> None:
+        """ZeRO over the replicas of each weight (``weights``: input -> its block's bytes): this device's shard and
+        the all-gathers of stages 1 and 3."""
+        if not self.replicas:
+            return
+        opts, replicas = self.opts, self.replicas
+        self.shard_bytes = sum(-(-b // replicas[k][0]) if k in replicas else b for k, b in weights.items())
+        # stage 1 all-gathers the updated shards after the step (stage 2 swaps the all-reduce for a reduce-scatter
+        # and this all-gather: the same bytes); stage 3 gathers before Forward and before Backward of every
+        # micro-batch, and reduce-scatters once a step: per micro-batch the all-reduce's 1/m above and (2 - 1/m)
+        # all-gathers here (with one micro-batch: one more all-gather than stage 2)
+        if opts.zero not in (1, 3):
+            return
+        read = list(replicas) if opts.regather_all else weights_read_in_backward(self.part.op, self.target)
+        for k in replicas:
+            seconds, gathered = zero_gather_price(self.part, k, self.cluster, self.vkey, opts.itemsize)
+            if opts.zero == 3 and k not in read:
+                self.recompute_gather_s += seconds
+                self.recompute_gather_bytes += gathered
+            share = zero_gather_share(opts, k in read)
+            if share != 1:
+                seconds, gathered = seconds * share, int(round(gathered * share))
+            self.collective_s += seconds
+            self.send("all-gather", gathered)
+
+    def buffer_bytes(self) -> int:
+        """One receive buffer per tensor that moves in a phase, in the phase that needs the most (phases run one
+        after another)."""
+        op = self.part.op
+        return max(
+            (
+                sum(self.block(tensor_map(op, n)) for n in {m.tensor for m in self.moves if m.src[0] is ph})
+                for ph in PHASES
+            ),
+            default=0,
+        )
+
+
 def node_cost(
     part: OpPartition,
     target: object,
@@ -196,95 +317,37 @@ def node_cost(
     values: dict[sympy.Symbol, int],
     opts: CostOptions,
 ) -> NodeCost:
-    """Eq. 7 for one node (``part`` binds its OpDims, partition sequence and mesh)."""
-    op, item, dtype, vkey = part.op, opts.itemsize, dtype_key(opts.dtype), values_key(values)
-    subops = prod(part.parts.values())
-    tensors = phase_tensors(op)
+    """Eq. 7 for one node (``part`` binds its OpDims, partition sequence and mesh), priced term by term
+    (:class:`_NodePricing`): phases, collectives, ZeRO, memory."""
+    op = part.op
     moves = _transfers((op, part.seq, part.mesh)) if part.steps > 1 else ()
-    comm: dict[str, int] = {}
-    phase_s, compute_total, ring_total, fwd_ring_bytes, fwd_coll_bytes = [], 0.0, 0.0, 0, 0
-    fwd_compute = fwd_ring = 0.0
-    for phase, flops in zip(PHASES, phase_flops(op, target)):
-        if phase is not Phase.FORWARD and not any(t.result for t in tensors[phase]):
-            phase_s.append(0.0)
-            continue
-        nbytes = sum(block_bytes(part, t.tmap, vkey, item) for t in tensors[phase])
-        step_compute = cluster.device.compute_time(op.kind, _num(flops, vkey) / subops, nbytes, dtype)
-        total = 0.0
-        for t in range(part.steps):
-            ring = 0.0
-            for tr in (m for m in moves if m.src == (phase, t)):
-                block = block_bytes(part, tensor_map(op, tr.tensor), vkey, item)
-                ring += cluster.shift_time(block, tr.senders)
-                comm["p2p"] = comm.get("p2p", 0) + block
-                fwd_ring_bytes += block if phase is Phase.FORWARD else 0
-            total += max(step_compute, ring)
-            compute_total += step_compute
-            ring_total += ring
-        if phase is Phase.FORWARD:
-            fwd_compute, fwd_ring = compute_total, ring_total
-        phase_s.append(total)
-    coll_s = fwd_coll = 0.0
-    replicas: dict[int, tuple[int, tuple[int, ...]]] = {}  # weight input -> its replicas (the gradient's group)
-    for c in collectives(part):
-        seconds, nbytes = collective_price(part, c, cluster, vkey, item, bucketed=asynchronous(op, target, c))
-        if in_bucket(op, c) and opts.micro_batches > 1:  # once a step: its share of each micro-batch
-            seconds, nbytes = seconds / opts.micro_batches, int(round(nbytes / opts.micro_batches))
-        coll_s += seconds
-        comm[c.kind] = comm.get(c.kind, 0) + nbytes
-        if c.phase is Phase.FORWARD:
-            fwd_coll += seconds
-            fwd_coll_bytes += nbytes
-        if in_bucket(op, c):
-            replicas[int(c.tensor[4:])] = (cluster.group_size(part.mesh, c.digits), c.digits)
-    weights = {k: block_bytes(part, op.inputs[k], vkey, item) for k in op.weights if op.inputs[k] is not None}
+    pr = _NodePricing(part, target, cluster, opts, values_key(values), moves)
+    pr.price_phases()
+    pr.price_collectives()
+    weights = {k: pr.block(op.inputs[k]) for k in op.weights if op.inputs[k] is not None}
     params = sum(weights.values())
-    shard = None
-    again_s, again_bytes = 0.0, 0
-    if replicas:
-        shard = sum(-(-b // replicas[k][0]) if k in replicas else b for k, b in weights.items())
-        # stage 1 all-gathers the updated shards after the step (stage 2 swaps the all-reduce for a reduce-scatter
-        # and this all-gather: the same bytes); stage 3 gathers before Forward and before Backward of every
-        # micro-batch, and reduce-scatters once a step: per micro-batch the all-reduce's 1/m above and (2 - 1/m)
-        # all-gathers here (with one micro-batch: one more all-gather than stage 2)
-        if opts.zero in (1, 3):
-            read = list(replicas) if opts.regather_all else weights_read_in_backward(op, target)
-            for k in replicas:
-                seconds, gathered = zero_gather_price(part, k, cluster, vkey, item)
-                if opts.zero == 3 and k not in read:
-                    again_s, again_bytes = again_s + seconds, again_bytes + gathered
-                share = zero_gather_share(opts, k in read)
-                if share != 1:
-                    seconds, gathered = seconds * share, int(round(gathered * share))
-                coll_s += seconds
-                comm["all-gather"] = comm.get("all-gather", 0) + gathered
-    stash = sum(block_bytes(part, op.inputs[k], vkey, item) for k in stashed_inputs(op, target))
-    buffers = max(  # one receive buffer per tensor that moves in a phase; phases run one after another
-        (
-            sum(block_bytes(part, tensor_map(op, n), vkey, item) for n in {m.tensor for m in moves if m.src[0] is ph})
-            for ph in PHASES
-        ),
-        default=0,
-    )
-    if opts.zero == 3 and shard is not None:  # its replicated blocks gathered whole while it runs (this rank's
-        buffers += params - shard  # chunk of them is in the state already)
+    pr.price_zero(weights)
+    stash = sum(pr.block(op.inputs[k]) for k in stashed_inputs(op, target))
+    buffers = pr.buffer_bytes()
+    if opts.zero == 3 and pr.shard_bytes is not None:  # its replicated blocks gathered whole while it runs (this
+        buffers += params - pr.shard_bytes  # rank's chunk of them is in the state already)
     return NodeCost(
-        tuple(phase_s),  # type: ignore[arg-type]
-        compute_total,
-        ring_total,
-        coll_s,
+        tuple(pr.phase_s),  # type: ignore[arg-type]
+        pr.compute_s,
+        pr.ring_s,
+        pr.collective_s,
         params,
         stash,
         buffers,
-        comm,
-        forward_compute_s=fwd_compute,
-        forward_ring_s=fwd_ring,
-        forward_collective_s=fwd_coll,
-        forward_ring_bytes=fwd_ring_bytes,
-        forward_collective_bytes=fwd_coll_bytes,
-        shard_bytes=shard,
-        recompute_gather_s=again_s,
-        recompute_gather_bytes=again_bytes,
+        pr.comm,
+        forward_compute_s=pr.forward_compute_s,
+        forward_ring_s=pr.forward_ring_s,
+        forward_collective_s=pr.forward_collective_s,
+        forward_ring_bytes=pr.forward_ring_bytes,
+        forward_collective_bytes=pr.forward_collective_bytes,
+        shard_bytes=pr.shard_bytes,
+        recompute_gather_s=pr.recompute_gather_s,
+        recompute_gather_bytes=pr.recompute_gather_bytes,
     )
 
 

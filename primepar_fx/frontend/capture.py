@@ -130,9 +130,10 @@ def capture(
     same ops (a whole deep model) and costs when few do (filling it costs more than its few hits return), so the
     two-layer capture of :mod:`primepar_fx.graph.replicate` turns it off. The graph is the same either way.
 
-    The steps: check and prepare the example inputs (:func:`_example_inputs`, :func:`_example_sizes`,
-    :func:`_checked_seq_max`), mark their batch and sequence dims dynamic (:func:`_dynamic_shapes`), export
-    (:func:`_export`), rename the op nodes densely (:func:`_renumber_program`) and map the symbols and placeholders
+    The steps: check the arguments (:func:`_check_call`), check and prepare the example inputs
+    (:func:`_example_inputs`, :func:`_example_sizes`, :func:`_checked_seq_max`), mark their batch and sequence dims
+    dynamic (:func:`_dynamic_shapes`), export (:func:`_export`), rewrite the graph into the ops the rules describe,
+    its op nodes renamed densely (:func:`_normalise_graph`), and map the symbols and placeholders
     (:func:`_captured`).
 
     Raises:
@@ -140,10 +141,7 @@ def capture(
         ShapeSpecializationError: the model's code pinned or constrained the batch (or, with
             ``seq_fallback=False``, the sequence) length.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"capture() expects a torch.nn.Module, got {type(model).__name__}")
-    if batch_dim == seq_dim or batch_dim < 0 or seq_dim < 0:
-        raise ValueError(f"batch_dim ({batch_dim}) and seq_dim ({seq_dim}) must be distinct non-negative dims")
+    _check_call(model, batch_dim, seq_dim)
     model_name = name or _model_name(model)
     args, kwargs = _example_inputs(model, example_args, example_kwargs)
     batch, seq = _example_sizes(args, kwargs, batch_dim, seq_dim)
@@ -166,11 +164,7 @@ def capture(
         static_seq = True
         dynamic_shapes = _dynamic_shapes(bound, batch_dim, None, seq_max)
         program = _export(model, args, kwargs, dynamic_shapes, fake_cache, (batch, seq), model_name)
-    inline_grad_regions(program.graph_module)
-    fills_to_cat(program.graph_module)
-    functionalize_inplace(program.graph_module)
-    complex_as_real(program.graph_module)
-    _renumber_program(program)
+    _normalise_graph(program)
     captured = _captured(
         program,
         symbol_map=_symbol_map(program, batch_dim, None if static_seq else seq_dim) if dynamic else {},
@@ -181,6 +175,26 @@ def capture(
     )
     log.info("captured %s: %d nodes", model_name, len(captured.gm.graph.nodes))
     return captured
+
+
+def _check_call(model: object, batch_dim: int, seq_dim: int) -> None:
+    """:func:`capture` takes a module, and two distinct non-negative dims."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"capture() expects a torch.nn.Module, got {type(model).__name__}")
+    if batch_dim == seq_dim or batch_dim < 0 or seq_dim < 0:
+        raise ValueError(f"batch_dim ({batch_dim}) and seq_dim ({seq_dim}) must be distinct non-negative dims")
+
+
+def _normalise_graph(program: ExportedProgram) -> None:
+    """Rewrite the exported graph in place into the ops the rules describe: grad-mode regions inlined
+    (:func:`inline_grad_regions`), fresh tensors filled slice by slice as ``cat`` (:func:`fills_to_cat`), the safe
+    in-place ops functional (:func:`functionalize_inplace`), complex intermediates as real pairs
+    (:func:`complex_as_real`); then its op nodes renamed densely (:func:`_renumber_program`)."""
+    inline_grad_regions(program.graph_module)
+    fills_to_cat(program.graph_module)
+    functionalize_inplace(program.graph_module)
+    complex_as_real(program.graph_module)
+    _renumber_program(program)
 
 
 def _example_inputs(

@@ -54,76 +54,95 @@ def solve_for_peak(
     if memory_budget is None or alpha > 0:
         return solve(graph, memory_budget=memory_budget, alpha=alpha, method=method)  # type: ignore[arg-type]
     start = time.perf_counter()
-    buffers = ring_buffers(priced)
-    caps = sorted({float(b) for arr in buffers.values() for b in arr})
-    exhaustive = len(caps) <= 24
-    if not exhaustive:
-        caps = sorted({float(np.quantile(caps, q, method="higher")) for q in np.linspace(0, 1, 24)})
-
-    def peak(choice: dict[str, int]) -> float:
-        return max(float(b[choice[n]]) for n, b in buffers.items()) + sum(
-            float(graph.node_memory[n][choice[n]] - buffers[n][choice[n]])  # type: ignore[index]
-            for n in graph.nodes
-        )
-
-    best: tuple[float, dict[str, int], Solution] | None = None
-    smallest = math.inf
-    free = priced.fastest(method)
-    if peak(free.choice) <= memory_budget:  # the common case: the fastest plan already fits
-        return free
-    static = static_part(graph, buffers)
+    caps = _CapSearch(priced, memory_budget, cutoff, method)
+    if caps.peak(caps.free.choice) <= memory_budget:  # the common case: the fastest plan already fits
+        return caps.free
+    static = static_part(graph, caps.buffers)
     leanest = least_memory(static)  # the plan of least static memory, and that memory
-    least = least_peak(graph, buffers, memory_budget, leanest)
+    least = least_peak(graph, caps.buffers, memory_budget, leanest)
     if least > memory_budget:  # no cap can fit: said at once, with the exact least peak
         raise InfeasibleBudget(memory_budget, least)
-    if cutoff < math.inf and len(caps) > 1:
-        if _every_cap_bound(static, buffers, memory_budget, cutoff, free.choice, leanest) >= cutoff:
+    if cutoff < math.inf and len(caps.caps) > 1:
+        if _every_cap_bound(static, caps.buffers, memory_budget, cutoff, caps.free.choice, leanest) >= cutoff:
             raise CutOff(cutoff)
-    hints: tuple[float, ...] = ()
-    cut = False
     # smaller caps first: where the budget binds, the static room a small cap leaves tends to be worth more than the
     # larger ring buffers a larger one allows, so the best plan is likely found early and bounds the caps after it
-    for cap in caps:
+    for cap in caps.caps:
         if cap > memory_budget:
             break  # so are the caps after it
+        caps.search(cap)
+    if caps.best is None:
+        if caps.cut:
+            raise CutOff(cutoff)
+        raise InfeasibleBudget(memory_budget, caps.smallest)
+    cost, choice, sol = caps.best
+    proven = sol.proven_optimal and caps.exhaustive
+    return Solution(choice, cost, caps.peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
+
+
+#: the most ring-buffer caps searched; more distinct buffer sizes are thinned to quantiles
+MAX_CAPS = 24
+
+
+class _CapSearch:
+    """:func:`solve_for_peak`'s search over ring-buffer caps: the caps, the best plan found under any, the least
+    memory a cap's plans need where none fits, and whether a cap was cut off by the caller's plan."""
+
+    def __init__(self, priced: PricedGraph, budget: float, cutoff: float, method: str) -> None:
+        self.graph, self.budget, self.cutoff, self.method = priced.search_graph, budget, cutoff, method
+        self.buffers = ring_buffers(priced)
+        caps = sorted({float(b) for arr in self.buffers.values() for b in arr})
+        self.exhaustive = len(caps) <= MAX_CAPS
+        if not self.exhaustive:
+            caps = sorted({float(np.quantile(caps, q, method="higher")) for q in np.linspace(0, 1, MAX_CAPS)})
+        self.caps = caps
+        self.free = priced.fastest(method)
+        self.best: tuple[float, dict[str, int], Solution] | None = None
+        self.smallest, self.cut = math.inf, False
+        self.hints: tuple[float, ...] = ()
+
+    def peak(self, choice: dict[str, int]) -> float:
+        """The peak ``choice`` reports: its static memory plus its largest ring buffer."""
+        return max(float(b[choice[n]]) for n, b in self.buffers.items()) + sum(
+            float(self.graph.node_memory[n][choice[n]] - self.buffers[n][choice[n]])  # type: ignore[index]
+            for n in self.graph.nodes
+        )
+
+    def search(self, cap: float) -> None:
+        """The plans whose ring buffers are at most ``cap``, their static part within ``budget - cap``; the best
+        kept where it beats the best so far and the caller's."""
+        graph, buffers, free = self.graph, self.buffers, self.free
         keep = {n: np.flatnonzero(buffers[n] <= cap) for n in graph.nodes}
         if any(len(k) == 0 for k in keep.values()):
-            continue
-        search = Search(static_part(graph, buffers, keep), method=method)  # type: ignore[arg-type]
+            return
+        search = Search(static_part(graph, buffers, keep), method=self.method)  # type: ignore[arg-type]
         if free.proven_optimal and all(buffers[n][p] <= cap for n, p in free.choice.items()):
             # the fastest plan of all lies within this cap, so it is this cap's fastest too: no DP run for it
             search.know_minimum({n: int(np.searchsorted(keep[n], p)) for n, p in free.choice.items()})
         relaxed = search.solve()  # a lower bound for this cap, in milliseconds
-        limit = cutoff if best is None else min(best[0], cutoff)
+        limit = self.cutoff if self.best is None else min(self.best[0], self.cutoff)
         if relaxed.cost >= limit:  # (a larger cap keeps more strategies: its relaxed optimum may still be lower)
-            cut = cut or best is None
-            continue
-        if relaxed.memory <= memory_budget - cap:
+            self.cut = self.cut or self.best is None
+            return
+        if relaxed.memory <= self.budget - cap:
             sol = relaxed
         else:
             try:
                 # a cap that cannot beat the best (or the caller's) stops early
-                sol = search.solve(memory_budget=memory_budget - cap, cutoff=limit, hints=hints)
-                hints = sol.multipliers or hints  # the next cap's budget is a little smaller, its plans alike
+                sol = search.solve(memory_budget=self.budget - cap, cutoff=limit, hints=self.hints)
+                self.hints = sol.multipliers or self.hints  # the next cap's budget is a little smaller, its plans alike
             except InfeasibleBudget as exc:
-                smallest = min(smallest, exc.min_memory + cap)
-                continue
+                self.smallest = min(self.smallest, exc.min_memory + cap)
+                return
             except CutOff:  # nothing within this cap beats the limit, proven before a plan within it was found
-                cut = cut or limit >= cutoff
-                continue
-        if sol.cost >= cutoff:
-            cut = True
-            continue
+                self.cut = self.cut or limit >= self.cutoff
+                return
+        if sol.cost >= self.cutoff:
+            self.cut = True
+            return
         choice = {n: int(keep[n][i]) for n, i in sol.choice.items()}
-        if best is None or sol.cost < best[0]:
-            best = (sol.cost, choice, sol)
-    if best is None:
-        if cut:
-            raise CutOff(cutoff)
-        raise InfeasibleBudget(memory_budget, smallest)
-    cost, choice, sol = best
-    proven = sol.proven_optimal and exhaustive
-    return Solution(choice, cost, peak(choice), sol.method, proven, time.perf_counter() - start, sol.bound)
+        if self.best is None or sol.cost < self.best[0]:
+            self.best = (sol.cost, choice, sol)
 
 
 def _every_cap_bound(

@@ -1,6 +1,7 @@
 """Pass 6, and the pipeline: every planned node computes its own block.
 
-:func:`rewrite_local_ops` turns each remaining planned node into its local computation on this rank's blocks:
+:func:`rewrite_local_ops` turns each remaining planned node into its local computation on this rank's blocks, by
+the local form registered for its op (:func:`register_local`, keyed by ``OpOverload`` objects):
 
 * the same ATen op, with its size arguments (``view``/``reshape``/``expand``, factories, ``layer_norm``'s
   ``normalized_shape``) set to the local sizes and every size node replaced by its value at the compiled ``B``, ``S``;
@@ -22,10 +23,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch
@@ -34,13 +36,13 @@ from torch import fx, nn
 from primepar_fx.frontend.moe import MOE_EXPERTS
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.build import input_chain, pure_target, upstream
-from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
 from primepar_fx.partition.layouts import Layout
 from primepar_fx.passes.annotate import annotate_plan
 from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collectives
 from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_module, arg, digits_of, info, is_getitem
 from primepar_fx.passes.gradsync import defer_input_gradient_sums, defer_parameter_gradients
-from primepar_fx.passes.layouts import local_shape
+from primepar_fx.passes.layouts import NodeLayouts, local_shape
 from primepar_fx.passes.recompute import recompute_layers
 from primepar_fx.passes.redistribute import insert_redistributions, redistribute_module
 from primepar_fx.passes.ring import replace_ring_products
@@ -73,9 +75,34 @@ SIZE_ARG = {
     aten.rand.default: 0,
     aten.randn.default: 0,
 }
-#: positions of (start, end, step) in each arange overload
-ARANGE = {aten.arange.default: (None, 0, None), aten.arange.start: (0, 1, None), aten.arange.start_step: (0, 1, 2)}
+
+
+class ArangeArgs(NamedTuple):
+    """The positions of an ``arange`` overload's arguments (``None``: the overload has no such argument)."""
+
+    start: int | None
+    end: int
+    step: int | None
+
+
+ARANGE = {
+    aten.arange.default: ArangeArgs(None, 0, None),
+    aten.arange.start: ArangeArgs(0, 1, None),
+    aten.arange.start_step: ArangeArgs(0, 1, 2),
+}
 MEANS = {aten.mean.dim, aten.mean.default}
+#: ``aten.layer_norm(input, normalized_shape, weight, bias, eps, cudnn_enable)``
+LN_INPUT, LN_SHAPE, LN_WEIGHT, LN_BIAS, LN_EPS = range(5)
+#: ``aten.embedding(weight, indices, ...)``: arguments, and inputs of its ``OpDims`` (the weight's first dim is the
+#: vocabulary)
+EMB_WEIGHT, EMB_INDICES = range(2)
+#: ``primepar::moe_experts(hidden, top_k_index, top_k_weights, up, ..., expert_lo, ...)``: the input of the experts'
+#: up weights (experts first), and the argument holding the first expert of the block
+MOE_UP, MOE_EXPERT_LO = 3, 10
+#: ``aten.cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing)``
+CE_LOGITS, CE_TARGET, CE_REDUCTION, CE_IGNORE_INDEX = 0, 1, 3, 4
+#: ``aten.cross_entropy_loss``'s ``reduction`` values
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 #: the passes ``PRIMEPAR_DISABLE_PASSES`` may not skip, and why. Skipping any other pass gives a graph that runs (or
 #: fails at run time) to help find a bug, not the plan's computation: docs/runtime.md, "Running the passes", says
 #: what each one does then. Skipping ``annotate_plan`` leaves no node planned, so every rank runs the whole graph.
@@ -150,12 +177,12 @@ def _target_count(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, loss: Sha
     group = loss.n_group  # its own communicator (``rewrite_local_ops``): only the count and the loss use it
     if len(group[1]) < 2:
         return None
-    target = node.args[1]
+    target = node.args[CE_TARGET]
     assert isinstance(target, fx.Node), node.format_node()
     dtype = node.meta["val"].dtype  # the loss's, the logits'
     if loss.count_local:
         whole = next(n for n in ctx.graph.captured.gm.graph.nodes if n.name == node.name)  # the loss, unpartitioned
-        chain = input_chain(whole.args[1], ctx.graph.captured.user_inputs)
+        chain = input_chain(whole.args[CE_TARGET], ctx.graph.captured.user_inputs)
         assert chain is not None, node.format_node()
         sub, copied = fx.Graph(), {}
         sources = [n for n in chain if n.op == "placeholder"]
@@ -174,90 +201,207 @@ def _target_count(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, loss: Sha
         return gm.graph.call_module(add_module(gm, "target_count", mod), (target,))
 
 
+def _concrete(ctx: RankContext, a: Any) -> Any:
+    """A size node's value at the compiled ``B``, ``S``; any other argument as it is."""
+    if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), _SCALARS) and info(a) is None:
+        return ctx.concrete(a)
+    return a
+
+
+@dataclass
+class LocalCall:
+    """One planned node on its way to its local form: the rank's view, and the arguments a local form edits."""
+
+    gm: fx.GraphModule
+    ctx: RankContext
+    node: fx.Node
+    me: NodeInfo
+    #: the layouts the local computation reads
+    lay: NodeLayouts
+    #: the node's arguments, each size node replaced by its value (:func:`_concrete`)
+    args: list[Any]
+    kwargs: dict[str, Any]
+    #: the local shape of each output
+    outs: list[tuple[int, ...]]
+    #: the dims the computed partition splits
+    split: set[str]
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, ctx: RankContext, node: fx.Node, me: NodeInfo) -> LocalCall:
+        lay, concrete = me.computed, partial(_concrete, ctx)
+        args = list(fx.node.map_aggregate(node.args, concrete))
+        kwargs = dict(fx.node.map_aggregate(node.kwargs, concrete))
+        outs = [local_shape(lay.out_held(j), ctx.rank) for j in range(len(me.compute_part.op.outputs))]
+        split = {d for d, p in me.compute_part.parts.items() if p > 1}
+        return cls(gm, ctx, node, me, lay, args, kwargs, outs, split)
+
+    @property
+    def part(self) -> OpPartition:
+        return self.me.compute_part
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    def replace(self, prefix: str, mod: nn.Module, *args: Any) -> None:
+        """Replace the node by a call of ``mod`` (a new submodule named after ``prefix``) on ``args``."""
+        _replace(self.gm, self.node, prefix, mod, *args)
+
+
+#: a local form: edits :class:`LocalCall`'s arguments (or the node's target), or replaces the node by a module and
+#: returns ``True`` (nothing is left to do then)
+LocalForm = Callable[[LocalCall], bool]
+_LOCAL_FORMS: dict[object, LocalForm] = {}
+
+
+def register_local(ops: object) -> Callable[[LocalForm], LocalForm]:
+    """Decorator: register ``fn`` as the local form of one ATen ``OpOverload`` or a list of them (never strings)."""
+    targets = list(ops) if isinstance(ops, (list, tuple)) else [ops]
+    for op in targets:
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"local forms are keyed by OpOverload objects: {op!r}")
+
+    def deco(fn: LocalForm) -> LocalForm:
+        for op in targets:
+            if op in _LOCAL_FORMS and _LOCAL_FORMS[op] is not fn:
+                raise ValueError(f"a local form of {op} is already registered ({_LOCAL_FORMS[op].__qualname__})")
+            _LOCAL_FORMS[op] = fn
+        return fn
+
+    return deco
+
+
+@register_local(list(SIZE_ARG))
+def _local_sizes(call: LocalCall) -> bool:
+    """The size argument set to the local shape; a ``view`` becomes a ``reshape`` (a local block may not be viewable
+    where the whole tensor was)."""
+    call.args[SIZE_ARG[call.node.target]] = list(call.outs[0])
+    if call.node.target is aten.view.default:
+        call.node.target = aten.reshape.default
+    return False
+
+
+@register_local(list(ARANGE))
+def _local_arange(call: LocalCall) -> bool:
+    """Over a split dim, the rank's part of the range, starting at its offset (as ``arange.start_step``)."""
+    if not call.split:
+        return False
+    ((lo, hi),) = call.lay.out_held(0)[call.rank][0]
+    at, args, kwargs = ARANGE[call.node.target], call.args, call.kwargs
+    start = args[at.start] if at.start is not None else kwargs.pop("start", 0)
+    step = args[at.step] if at.step is not None and len(args) > at.step else kwargs.pop("step", 1)
+    call.args = [start + lo * step, start + hi * step, step]
+    call.node.target = aten.arange.start_step
+    return False
+
+
+@register_local(aten.layer_norm.default)
+def _local_layer_norm(call: LocalCall) -> bool:
+    """``normalized_shape`` set to the local sizes; over a split normalised dim, a :class:`ShardedLayerNorm`."""
+    node, op = call.node, call.part.op
+    call.args[LN_SHAPE] = list(call.outs[0][-len(node.args[LN_SHAPE]) :])  # type: ignore[arg-type]
+    if not op.stats & call.split:
+        return False
+    size = int(prod(int(sympy.sympify(op.size(d)).xreplace(call.ctx.values)) for d in op.stats))
+    eps = float(arg(node, LN_EPS, "eps", 1e-5))
+    mod = ShardedLayerNorm(size, eps, call.ctx.groups.get(digits_of(call.part, op.stats)), call.ctx.stats)
+    mod.node = node.name
+    weight, bias = arg(node, LN_WEIGHT, "weight", None), arg(node, LN_BIAS, "bias", None)
+    call.replace("layer_norm", mod, call.args[LN_INPUT], weight, bias)
+    return True
+
+
+@register_local(aten.embedding.default)
+def _local_embedding(call: LocalCall) -> bool:
+    """Over a split vocabulary, a :class:`VocabEmbedding` of the rank's rows."""
+    if call.part.op.inputs[EMB_WEIGHT][0][0] not in call.split:  # type: ignore[index]
+        return False
+    ((lo, hi),) = call.lay.in_needed(EMB_WEIGHT)[call.rank][0]
+    call.replace("vocab_embedding", VocabEmbedding(lo, hi - lo), call.args[EMB_WEIGHT], call.args[EMB_INDICES])
+    return True
+
+
+@register_local(MOE_EXPERTS)
+def _local_moe_experts(call: LocalCall) -> bool:
+    """Over split experts, the experts this rank holds: tokens routed elsewhere give zero."""
+    if call.part.op.inputs[MOE_UP][0][0] in call.split:  # type: ignore[index]
+        ((lo, _),) = call.lay.in_needed(MOE_UP)[call.rank][0]
+        call.args[MOE_EXPERT_LO] = lo
+    return False
+
+
+@register_local(aten.cross_entropy_loss.default)
+def _local_cross_entropy(call: LocalCall) -> bool:
+    """Split, a :class:`ShardedCrossEntropy`; a mean one over rows split across ranks reads the count of its
+    targets (:func:`_target_count`)."""
+    if not call.split:
+        return False
+    node, part, ctx = call.node, call.part, call.ctx
+    op = part.op
+    v_dim = op.dims[1]  # the classes (a vocabulary)
+    reduction = REDUCTIONS[int(arg(node, CE_REDUCTION, "reduction", 1))]
+    rows = set(op.summed_dims(op.outputs[0])) - {v_dim}
+    mod = ShardedCrossEntropy(
+        reduction,
+        int(arg(node, CE_IGNORE_INDEX, "ignore_index", -100)),
+        call.lay.in_needed(CE_LOGITS)[call.rank][-1][0][0],
+        ctx.groups.get(digits_of(part, {v_dim})),
+        # the row sums go asynchronously, on a channel of their own: with the count's node moved up on some
+        # ranks only (``hoist``), no other message may fall between them in a different order on another rank
+        ctx.groups.get(digits_of(part, rows), channel=f"loss {node.name}"),
+        ctx.stats,
+        count_local=reduction == "mean" and bool(op.extra.get("count_local")),
+    )
+    mod.node = node.name
+    count = _target_count(call.gm, ctx, node, mod) if reduction == "mean" else None
+    logits, target = call.args[CE_LOGITS], call.args[CE_TARGET]
+    call.replace("cross_entropy", mod, logits, target, *([count] if count is not None else []))
+    return True
+
+
+@register_local(list(MEANS))
+def _local_mean(call: LocalCall) -> bool:
+    """Over a split dim, rescaled to the global count (its forward all-reduce sums the parts)."""
+    if not call.split:
+        return False
+    part = call.part
+    scale = 1.0 / prod(part.parts[d] for d in part.op.summed_dims(part.op.outputs[0]))
+    if scale != 1.0:
+        gm, node = call.gm, call.node
+        with gm.graph.inserting_after(node):
+            scaled = gm.graph.call_function(aten.mul.Tensor, (node, scale))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    return False
+
+
+def _keep_planned_slice(call: LocalCall) -> None:
+    """A fallback node ran whole: re-lay its output out as planned."""
+    gm, node, lay, planned = call.gm, call.node, call.lay, call.me.planned
+    mod = redistribute_module(
+        call.ctx,
+        lay.out_held(0),
+        planned.out_held(0),
+        planned.out_grad_needed(0),
+        lay.out_grad_needed(0),
+        f"{node.name} whole -> planned",
+        node.name,
+    )
+    if mod is not None:
+        with gm.graph.inserting_after(node):
+            r = gm.graph.call_module(add_module(gm, "redistribute", mod), (node,))
+        node.replace_all_uses_with(r, delete_user_cb=lambda u, r=r: u is not r)
+
+
 def _local(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, me: NodeInfo) -> None:
-    part, op, target = me.compute_part, me.compute_part.op, node.target
-    lay = me.computed
-    rank = ctx.rank
-    split = {d for d, p in part.parts.items() if p > 1}
-
-    def value(a: Any) -> Any:
-        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), _SCALARS) and info(a) is None:
-            return ctx.concrete(a)
-        return a
-
-    args = list(fx.node.map_aggregate(node.args, value))
-    kwargs = dict(fx.node.map_aggregate(node.kwargs, value))
-    outs = [local_shape(lay.out_held(j), rank) for j in range(len(op.outputs))]
-    if target in SIZE_ARG:
-        args[SIZE_ARG[target]] = list(outs[0])
-        if target is aten.view.default:  # a local block may not be viewable where the whole tensor was
-            node.target = aten.reshape.default
-    elif target in ARANGE and split:
-        ((lo, hi),) = lay.out_held(0)[rank][0]
-        start_i, _, step_i = ARANGE[target]
-        start = args[start_i] if start_i is not None else kwargs.pop("start", 0)
-        step = args[step_i] if step_i is not None and len(args) > step_i else kwargs.pop("step", 1)
-        args = [start + lo * step, start + hi * step, step]
-        node.target = aten.arange.start_step
-    elif target is aten.layer_norm.default:
-        args[1] = list(outs[0][-len(node.args[1]) :])
-        if op.stats & split:
-            size = int(prod(int(sympy.sympify(op.size(d)).xreplace(ctx.values)) for d in op.stats))
-            eps = float(arg(node, 4, "eps", 1e-5))
-            mod = ShardedLayerNorm(size, eps, ctx.groups.get(digits_of(part, op.stats)), ctx.stats)
-            mod.node = node.name
-            _replace(gm, node, "layer_norm", mod, args[0], arg(node, 2, "weight", None), arg(node, 3, "bias", None))
-            return
-    elif target is aten.embedding.default and op.inputs[0][0][0] in split:  # type: ignore[index]
-        ((lo, hi),) = lay.in_needed(0)[rank][0]
-        _replace(gm, node, "vocab_embedding", VocabEmbedding(lo, hi - lo), args[0], args[1])
+    """Rewrite ``node`` into its local form on this rank: its op's registered form (:func:`register_local`), its
+    size nodes replaced by their values; a fallback then keeps its planned output slice."""
+    call = LocalCall.of(gm, ctx, node, me)
+    form = _LOCAL_FORMS.get(node.target)
+    if form is not None and form(call):
         return
-    elif target is MOE_EXPERTS and op.inputs[3][0][0] in split:  # type: ignore[index]
-        ((lo, _),) = lay.in_needed(3)[rank][0]  # the experts this rank holds: tokens routed elsewhere give zero
-        args[10] = lo
-    elif target is aten.cross_entropy_loss.default and split:
-        n_dim, v_dim = op.dims[0], op.dims[1]
-        reduction = {0: "none", 1: "mean", 2: "sum"}[int(arg(node, 3, "reduction", 1))]
-        v_lo = lay.in_needed(0)[rank][-1][0][0]
-        rows = set(op.summed_dims(op.outputs[0])) - {v_dim}
-        mod = ShardedCrossEntropy(
-            reduction,
-            int(arg(node, 4, "ignore_index", -100)),
-            v_lo,
-            ctx.groups.get(digits_of(part, {v_dim})),
-            # the row sums go asynchronously, on a channel of their own: with the count's node moved up on some
-            # ranks only (``hoist``), no other message may fall between them in a different order on another rank
-            ctx.groups.get(digits_of(part, rows), channel=f"loss {node.name}"),
-            ctx.stats,
-            count_local=reduction == "mean" and bool(op.extra.get("count_local")),
-        )
-        mod.node = node.name
-        del n_dim
-        count = _target_count(gm, ctx, node, mod) if reduction == "mean" else None
-        _replace(gm, node, "cross_entropy", mod, args[0], args[1], *([count] if count is not None else []))
-        return
-    elif target in MEANS and split:
-        scale = 1.0 / prod(part.parts[d] for d in op.summed_dims(op.outputs[0]))
-        if scale != 1.0:
-            with gm.graph.inserting_after(node):
-                scaled = gm.graph.call_function(aten.mul.Tensor, (node, scale))
-            node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
-    node.args, node.kwargs = tuple(args), kwargs
+    node.args, node.kwargs = tuple(call.args), call.kwargs
     if me.fallback:  # ran whole: keep the planned slice of the output
-        planned = me.planned
-        mod = redistribute_module(
-            ctx,
-            lay.out_held(0),
-            planned.out_held(0),
-            planned.out_grad_needed(0),
-            lay.out_grad_needed(0),
-            f"{node.name} whole -> planned",
-            node.name,
-        )
-        if mod is not None:
-            with gm.graph.inserting_after(node):
-                r = gm.graph.call_module(add_module(gm, "redistribute", mod), (node,))
-            node.replace_all_uses_with(r, delete_user_cb=lambda u, r=r: u is not r)
+        _keep_planned_slice(call)
 
 
 def rewrite_local_ops(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from primepar_fx.cost.model import CostOptions
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.graph import OpGraph
 from primepar_fx.pricing.priced import PricedGraph
 from primepar_fx.record.levers import RECOMPUTE_KIND
@@ -51,93 +51,128 @@ def summarize(
     kept needs. ``extra_peak``: how far recomputation in Backward lifts the peak above the end of Forward
     (:meth:`~primepar_fx.levers.recompute.LayerPricing.extra_peak`)."""
     world = priced.mesh.size
-    redis_s = {n: 0.0 for n in graph.nodes}
-    redis_bytes = {n: 0 for n in graph.nodes}
-    # an all-reduce fused into a reduce-scatter (cost.scatter): the edge cost has its saving subtracted; report
-    # it on the node that runs the collective, as seconds and bytes moved from all-reduce to reduce-scatter
-    saved_s = {n: 0.0 for n in graph.nodes}
-    saved, scattered = {n: 0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
-    # consumers that share the first consumer's re-layout (cost.share): their edge and input all-reduces do not run
-    unshared_s, unshared = {n: 0.0 for n in graph.nodes}, {n: 0 for n in graph.nodes}
-    sharing = set()
-    for skip in priced.not_run(choice):
-        unshared_s[skip.v] += skip.reduce_s
-        unshared[skip.v] += skip.reduce_bytes
-        if skip.tied:  # a tied parameter's: the edge cost has the all-reduce's seconds off; report them here
-            redis_s[skip.v] += skip.reduce_s
-            continue
-        sharing.add((skip.u, skip.v))
-        redis_s[skip.v] -= skip.relayout_s
-        redis_bytes[skip.v] -= skip.relayout_bytes
-    for (u, v), sav in priced.scatter.items():
-        if (u, v) in sharing:
-            continue
-        i, j = choice[u], choice[v]
-        for owner, sec, nbytes, rs in (
-            (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
-            (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
-        ):
-            if rs[i, j]:
-                saved_s[owner] += float(sec[i, j])
-                redis_s[v] += float(sec[i, j])
-                saved[owner] += int(nbytes[i, j])
-                scattered[owner] += int(rs[i, j])
-    resaved = {n: 0 for n in graph.nodes}  # a recomputed all-reduce that runs again as a reduce-scatter
-    for (u, v), sav in priced.rescattered.items():
-        if (u, v) in sharing:
-            continue
-        i, j = choice[u], choice[v]
-        if sav.forward_scattered[i, j]:
-            sec = float(sav.forward_s[i, j] + sav.forward_bias_s[i, j])
-            saved_s[u] += sec
-            redis_s[v] += sec
-            resaved[u] += int(sav.forward_bytes[i, j] + sav.forward_bias_bytes[i, j])
-    for (u, v), d in priced.deferred.items():  # off the edge's cost: report it as the consumer's all-reduce's
-        s = float(d.seconds[choice[u], choice[v]])
-        saved_s[v] += s
-        redis_s[v] += s
-    for (u, v), mat in priced.cost_graph.edge_cost.items():
-        redis_s[v] += float(mat[choice[u], choice[v]])
-        redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
+    adj = _Adjustments.of(graph, priced, choice)
     plans, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
     for name, node in graph.nodes.items():
         c = priced.node_costs[name][choice[name]]
-        step_s = _unrounded(c.time_s - saved_s[name] - unshared_s[name] + redis_s[name])
+        step_s = _unrounded(c.time_s - adj.saved_s[name] - adj.unshared_s[name] + adj.redis_s[name])
         total_s += step_s
         static += c.state_bytes(opts) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
-        comm += sum(c.comm_bytes.values()) - saved[name] - unshared[name] - resaved[name] + redis_bytes[name] / world
+        moved = adj.saved[name] + adj.unshared[name] + adj.resaved[name]
+        comm += sum(c.comm_bytes.values()) - moved + adj.redis_bytes[name] / world
         if not nodes and 0.0 <= step_s < math.inf:
             continue  # (a node whose time is not a finite number of seconds gets CostBreakdown's error below)
-        seq = priced.strategies[name][choice[name]]
-        kinds = dict(c.comm_bytes)
-        if scattered[name]:  # all-reduces that became reduce-scatters (plus a bias gradient's all-reduce)
-            kinds["all-reduce"] = kinds.get("all-reduce", 0) - saved[name] - scattered[name]
-            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + scattered[name]
-        if unshared[name]:  # input-gradient all-reduces done once, by the first consumer of a shared re-layout
-            reduced = min(unshared[name], kinds.get("all-reduce", 0))  # (a tied parameter's, with ZeRO stage 1:
-            kinds["all-reduce"] = kinds.get("all-reduce", 0) - reduced  # and its all-gather after the step)
-            if unshared[name] > reduced:
-                kinds["all-gather"] = kinds.get("all-gather", 0) - (unshared[name] - reduced)
-        if resaved[name]:
-            kinds[RECOMPUTE_KIND] -= resaved[name]
-        if scattered[name] or unshared[name] or resaved[name]:
-            kinds = {k: v for k, v in kinds.items() if v}
-        if redis_bytes[name]:
-            kinds["redistribution"] = redis_bytes[name] // world
         cost = CostBreakdown(
             compute_s=c.compute_s,
             ring_s=c.ring_s,
-            collective_s=_unrounded(c.collective_s - saved_s[name] - unshared_s[name]),
-            redistribution_s=_unrounded(redis_s[name]),
+            collective_s=_unrounded(c.collective_s - adj.saved_s[name] - adj.unshared_s[name]),
+            redistribution_s=_unrounded(adj.redis_s[name]),
             memory_bytes=c.memory_bytes(opts),
-            comm_bytes=kinds,
+            comm_bytes=adj.kinds(name, c.comm_bytes, world),
             step_s=step_s,
             phase_s={"forward": c.phase_s[0], "backward": c.phase_s[1], "gradient": c.phase_s[2]},
         )
-        plans.append(NodePlan(name, node.op, str(seq), cost))
+        plans.append(NodePlan(name, node.op, str(priced.strategies[name][choice[name]]), cost))
     peak = int(static + buffers + extra_peak)
     return Summary(Predicted(total_s, peak, int(round(comm))), tuple(plans if nodes else ()))
+
+
+@dataclass
+class _Adjustments:
+    """Per node, what the edges and savings of a choice add to or take from its own costs: re-layouts into it
+    (``redis_*``), all-reduces fused into reduce-scatters (``saved*``, ``scattered``: reported on the node that runs
+    the collective), all-reduces of consumers that share the first consumer's re-layout (``unshared*``: they do not
+    run), and recomputed all-reduces that run again as reduce-scatters (``resaved``)."""
+
+    redis_s: dict[str, float]
+    redis_bytes: dict[str, int]
+    saved_s: dict[str, float]
+    saved: dict[str, int]
+    scattered: dict[str, int]
+    unshared_s: dict[str, float]
+    unshared: dict[str, int]
+    resaved: dict[str, int]
+    sharing: set[tuple[str, str]]
+
+    @classmethod
+    def of(cls, graph: OpGraph, priced: PricedGraph, choice: dict[str, int]) -> _Adjustments:
+        zeros, nothing = dict.fromkeys(graph.nodes, 0), dict.fromkeys(graph.nodes, 0.0)
+        adj = cls(dict(nothing), dict(zeros), dict(nothing), dict(zeros), dict(zeros), dict(nothing), dict(zeros),
+                  dict(zeros), set())  # fmt: skip
+        adj.add_not_run(priced, choice)
+        adj.add_scattered(priced, choice)
+        adj.add_rescattered(priced, choice)
+        for (u, v), d in priced.deferred.items():  # off the edge's cost: report it as the consumer's all-reduce's
+            seconds = float(d.seconds[choice[u], choice[v]])
+            adj.saved_s[v] += seconds
+            adj.redis_s[v] += seconds
+        for (u, v), mat in priced.cost_graph.edge_cost.items():
+            adj.redis_s[v] += float(mat[choice[u], choice[v]])
+            adj.redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
+        return adj
+
+    def add_not_run(self, priced: PricedGraph, choice: dict[str, int]) -> None:
+        """Consumers that share the first consumer's re-layout (cost.share): their edge and input all-reduces."""
+        for skip in priced.not_run(choice):
+            self.unshared_s[skip.v] += skip.reduce_s
+            self.unshared[skip.v] += skip.reduce_bytes
+            if skip.tied:  # a tied parameter's: the edge cost has the all-reduce's seconds off; report them here
+                self.redis_s[skip.v] += skip.reduce_s
+                continue
+            self.sharing.add((skip.u, skip.v))
+            self.redis_s[skip.v] -= skip.relayout_s
+            self.redis_bytes[skip.v] -= skip.relayout_bytes
+
+    def add_scattered(self, priced: PricedGraph, choice: dict[str, int]) -> None:
+        """An all-reduce fused into a reduce-scatter (cost.scatter): the edge cost has its saving subtracted; it is
+        reported on the node that runs the collective, as seconds and bytes moved from all-reduce to
+        reduce-scatter."""
+        for (u, v), sav in priced.scatter.items():
+            if (u, v) in self.sharing:
+                continue
+            i, j = choice[u], choice[v]
+            for owner, sec, nbytes, rs in (
+                (u, sav.forward_s, sav.forward_bytes, sav.forward_scattered),
+                (v, sav.backward_s, sav.backward_bytes, sav.backward_scattered),
+            ):
+                if rs[i, j]:
+                    self.saved_s[owner] += float(sec[i, j])
+                    self.redis_s[v] += float(sec[i, j])
+                    self.saved[owner] += int(nbytes[i, j])
+                    self.scattered[owner] += int(rs[i, j])
+
+    def add_rescattered(self, priced: PricedGraph, choice: dict[str, int]) -> None:
+        """A recomputed all-reduce that runs again as a reduce-scatter."""
+        for (u, v), sav in priced.rescattered.items():
+            if (u, v) in self.sharing:
+                continue
+            i, j = choice[u], choice[v]
+            if sav.forward_scattered[i, j]:
+                sec = float(sav.forward_s[i, j] + sav.forward_bias_s[i, j])
+                self.saved_s[u] += sec
+                self.redis_s[v] += sec
+                self.resaved[u] += int(sav.forward_bytes[i, j] + sav.forward_bias_bytes[i, j])
+
+    def kinds(self, name: str, comm_bytes: dict[str, int], world: int) -> dict[str, int]:
+        """Node ``name``'s bytes sent by kind, its own ``comm_bytes`` adjusted."""
+        kinds = dict(comm_bytes)
+        scattered, unshared, resaved = self.scattered[name], self.unshared[name], self.resaved[name]
+        if scattered:  # all-reduces that became reduce-scatters (plus a bias gradient's all-reduce)
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) - self.saved[name] - scattered
+            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + scattered
+        if unshared:  # input-gradient all-reduces done once, by the first consumer of a shared re-layout
+            reduced = min(unshared, kinds.get("all-reduce", 0))  # (a tied parameter's, with ZeRO stage 1:
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) - reduced  # and its all-gather after the step)
+            if unshared > reduced:
+                kinds["all-gather"] = kinds.get("all-gather", 0) - (unshared - reduced)
+        if resaved:
+            kinds[RECOMPUTE_KIND] -= resaved
+        if scattered or unshared or resaved:
+            kinds = {k: v for k, v in kinds.items() if v}
+        if self.redis_bytes[name]:
+            kinds["redistribution"] = self.redis_bytes[name] // world
+        return kinds
 
 
 def per_step(summary: Summary, m: int) -> Summary:

@@ -24,6 +24,8 @@ FONT = 'font-family="Helvetica, Arial, sans-serif"'
 CHAR_W = 6.2  # mean advance of an 11 px sans-serif character, for sizing boxes around text
 #: series colours of the charts (colour-blind safe, Okabe-Ito), cycled
 SERIES = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00", "#f0e442", "#999999")
+#: the gaps between the boxes of :func:`layered_graph`, across and down, and the margin around its picture
+GAP_X, GAP_Y, MARGIN = 18, 34, 16
 
 
 def _num(x: float) -> str:
@@ -167,53 +169,92 @@ def layered_graph(
     extra_edges: Mapping[tuple[str, str], str] | None = None,
     legend: Sequence[tuple[str, str]] = (),
 ) -> str:
-    """``g`` drawn top to bottom as SVG; ``extra_edges`` (label per edge) are drawn dashed and do not set rows."""
-    edge_labels = edge_labels or {}
+    """``g`` drawn top to bottom as SVG; ``extra_edges`` (label per edge) are drawn dashed and do not set rows.
+
+    The nodes are placed first (:func:`_place`), then drawn: the title and legend (:func:`_head`), the edges
+    (:func:`_edges`) and the boxes over them (:func:`_boxes`)."""
+    at = _place(g, boxes, title, legend)
+    out = _head(at, title)
+    out += _edges(g, at, edge_labels or {}, extra_edges or {})
+    out += _boxes(g, boxes, at)
+    out.append("</svg>")
+    return "\n".join(s for s in out if s) + "\n"
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where :func:`layered_graph` draws: each node's box size and position, the legend's rows, the picture's size."""
+
+    box_w: dict[str, float]
+    box_h: dict[str, int]
+    where: dict[str, tuple[float, float]]  # node -> (centre x, top y)
+    legend_rows: list[list[tuple[str, str]]]
+    width: float
+    height: float
+
+
+def _place(g: nx.DiGraph, boxes: Mapping[str, Box], title: str, legend: Sequence[tuple[str, str]]) -> _Placed:
+    """Each node on its row (:func:`layer_rows`), the rows centred under the title and the legend."""
     rows = layer_rows(g)
     box_w = {v: max(_text_w(t, 11 if i else 12) for i, t in enumerate(boxes[v].lines)) + 14 for v in g.nodes}
     box_h = {v: 15 * len(boxes[v].lines) + 8 for v in g.nodes}
-    gap_x, gap_y, margin = 18, 34, 16
     row_h = [max(box_h[v] for v in row) for row in rows]
-    row_w = [sum(box_w[v] for v in row) + gap_x * (len(row) - 1) for row in rows]
+    row_w = [sum(box_w[v] for v in row) + GAP_X * (len(row) - 1) for row in rows]
     legend_rows = _legend_rows(legend, max(row_w, default=0))
     legend_h = 20 * len(legend_rows)
     width = max(row_w + [max((sum(_text_w(t) + 34 for t, _ in lr) for lr in legend_rows), default=0), _text_w(title)])
-    width += 2 * margin
-    top = margin + (24 if title else 0) + legend_h + (10 if legend else 0)
-    where: dict[str, tuple[float, float]] = {}  # node -> (centre x, top y)
+    width += 2 * MARGIN
+    top = MARGIN + (24 if title else 0) + legend_h + (10 if legend else 0)
+    where: dict[str, tuple[float, float]] = {}
     y = float(top)
     for r, row in enumerate(rows):
         x = (width - row_w[r]) / 2
         for v in row:
             where[v] = (x + box_w[v] / 2, y + (row_h[r] - box_h[v]) / 2)
-            x += box_w[v] + gap_x
-        y += row_h[r] + gap_y
-    height = y - gap_y + margin
+            x += box_w[v] + GAP_X
+        y += row_h[r] + GAP_Y
+    return _Placed(box_w, box_h, where, legend_rows, width, y - GAP_Y + MARGIN)
+
+
+def _head(at: _Placed, title: str) -> list[str]:
+    """The ``<svg>`` element's opening, the arrow head, the title and the legend."""
+    width, height = _num(at.width), _num(at.height)
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_num(width)}" height="{_num(height)}" '
-        f'viewBox="0 0 {_num(width)} {_num(height)}" {FONT} font-size="11" role="img">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" {FONT} font-size="11" role="img">',
         f"<title>{escape(title)}</title>" if title else "",
         '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="7" markerHeight="7" '
         'orient="auto-start-reverse"><path d="M0,0 L8,4 L0,8 z" fill="#666"/></marker></defs>',
     ]
     if title:
-        out.append(f'<text x="{margin}" y="{margin + 12}" font-size="13" font-weight="bold">{escape(title)}</text>')
-    ly = margin + (24 if title else 0)
-    for lr in legend_rows:
-        lx = float(margin)
+        out.append(f'<text x="{MARGIN}" y="{MARGIN + 12}" font-size="13" font-weight="bold">{escape(title)}</text>')
+    ly = MARGIN + (24 if title else 0)
+    for lr in at.legend_rows:
+        lx = float(MARGIN)
         for text, fill in lr:
             out.append(f'<rect x="{_num(lx)}" y="{ly}" width="12" height="12" rx="2" fill="{fill}" stroke="#555"/>')
             out.append(f'<text x="{_num(lx + 16)}" y="{ly + 10}">{escape(text)}</text>')
             lx += _text_w(text) + 34
         ly += 20
+    return out
+
+
+def _edges(
+    g: nx.DiGraph,
+    at: _Placed,
+    edge_labels: Mapping[tuple[str, str], str],
+    extra_edges: Mapping[tuple[str, str], str],
+) -> list[str]:
+    """Each edge a curve from its source's bottom to its reader's top (an extra one dashed), with its label."""
+    where, box_h, out = at.where, at.box_h, []
     drawn = [(u, v, edge_labels.get((u, v), ""), False) for u, v in g.edges]
-    drawn += [(u, v, text, True) for (u, v), text in (extra_edges or {}).items() if u in where and v in where]
+    drawn += [(u, v, text, True) for (u, v), text in extra_edges.items() if u in where and v in where]
     for u, v, text, dashed in drawn:
         (x1, y1), (x2, y2) = where[u], where[v]
         y1 += box_h[u]
         if y2 <= y1:  # an extra edge upwards or within a row: leave from the side
             y1 -= box_h[u] / 2
-        bend = max(gap_y * 0.8, abs(y2 - y1) / 3)
+        bend = max(GAP_Y * 0.8, abs(y2 - y1) / 3)
         colour = "#c0392b" if text and not dashed else "#777"
         dash = ' stroke-dasharray="5 3"' if dashed else ""
         out.append(
@@ -223,13 +264,19 @@ def layered_graph(
         if text:
             mx, my = (x1 + x2) / 2, (y1 + y2) / 2
             out.append(f'<text x="{_num(mx + 3)}" y="{_num(my)}" font-size="9" fill="{colour}">{escape(text)}</text>')
+    return out
+
+
+def _boxes(g: nx.DiGraph, boxes: Mapping[str, Box], at: _Placed) -> list[str]:
+    """Each node's box, its first line bold, with its tooltip."""
+    out = []
     for v in g.nodes:
-        cx, y0 = where[v]
-        b = boxes[v]
-        x0 = cx - box_w[v] / 2
+        cx, y0 = at.where[v]
+        b, w = boxes[v], at.box_w[v]
+        x0 = cx - w / 2
         out.append(f"<g><title>{escape(b.tooltip or chr(10).join(b.lines))}</title>")
         out.append(
-            f'<rect x="{_num(x0)}" y="{_num(y0)}" width="{_num(box_w[v])}" height="{box_h[v]}" rx="5" '
+            f'<rect x="{_num(x0)}" y="{_num(y0)}" width="{_num(w)}" height="{at.box_h[v]}" rx="5" '
             f'fill="{b.fill}" stroke="#444"/>'
         )
         for i, line in enumerate(b.lines):
@@ -238,8 +285,7 @@ def layered_graph(
                 f'<text x="{_num(cx)}" y="{_num(y0 + 15 + 15 * i)}" text-anchor="middle"{weight}>{escape(line)}</text>'
             )
         out.append("</g>")
-    out.append("</svg>")
-    return "\n".join(s for s in out if s) + "\n"
+    return out
 
 
 def _legend_rows(legend: Sequence[tuple[str, str]], width: float) -> list[list[tuple[str, str]]]:

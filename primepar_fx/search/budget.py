@@ -34,7 +34,7 @@ import itertools
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -238,69 +238,129 @@ def solve_budget_dp(
     crossover makes from fewer plans seen may differ (by no more than the gap). ``primal=False``: where a gap
     remains, the plans seen are not crossed over and polished (:func:`budget_bound` wants the bound only).
     ``least``: :func:`least_memory` of ``graph``, when the caller has it."""
-    solver = solver or DPSolver(graph, options)
-    seen: list[_Plan] = []
-
-    def run(lam: float) -> _Plan:
-        choice = first.choice if lam == 0.0 and first is not None else solver.minimise(alpha + lam).choice
-        seen.append(_Plan(choice, evaluate(graph, choice, alpha), plan_memory(graph, choice)))
-        return seen[-1]
-
-    lo = run(0.0)
+    search = _Bracket(graph, budget, alpha, solver or DPSolver(graph, options), first)
+    lo = search.lo
     if lo.memory <= budget:
         return BudgetResult(lo.choice, lo.cost, lo.memory, lo.cost, 1)
-    bound, runs, hi = lo.cost, 1, None
-    lam_lo = lam_hi = 0.0  # the multipliers at which lo and hi were found (0: not by a multiplier)
-    for lam in sorted(hints, reverse=True):  # multipliers that bracketed a similar budget, larger (leaner) first
-        if not (math.isfinite(lam) and lam > 0) or runs >= max_runs:
-            continue
-        plan, runs = run(lam), runs + 1
-        bound = max(bound, plan.cost + lam * plan.memory - lam * budget)
-        log.debug("budget: hint lam=%.6g cost=%.6g memory=%.6g bound=%.6g", lam, plan.cost, plan.memory, bound)
-        if plan.memory <= budget:
-            if hi is None or plan.cost < hi.cost:
-                hi, lam_hi = plan, lam
-        elif plan.cost > lo.cost:  # a costlier plan over the budget: the crossing moves closer
-            lo, lam_lo = plan, lam
-    if hi is None and bound >= cutoff:  # nothing within the budget can beat the caller's plan: said before the
-        raise CutOff(cutoff, bound)  # least-memory plan's DP run (it only gives a plan that does not)
-    if hi is None:
-        choice, smallest = least_memory(graph, options) if least is None else least
-        if smallest > budget:
-            raise InfeasibleBudget(budget, smallest)
-        hi = _Plan(choice, evaluate(graph, choice, alpha), smallest)
-        seen.append(hi)
-        runs += 1
-    best = hi
-    while runs < max_runs and best.cost - bound > TOLERANCE * max(1.0, abs(best.cost)) and bound < cutoff:
-        lam = (hi.cost - lo.cost) / (lo.memory - hi.memory)
-        plan, runs = run(lam), runs + 1
-        value, crossing = plan.cost + lam * plan.memory, hi.cost + lam * hi.memory
-        bound = max(bound, value - lam * budget)
-        if plan.memory <= budget and plan.cost < best.cost:
-            best = plan
-        log.debug("budget: lam=%.6g cost=%.6g memory=%.6g bound=%.6g", lam, plan.cost, plan.memory, bound)
-        if value >= crossing - TOLERANCE * max(1.0, abs(crossing)):
-            break  # nothing below the crossing: lam maximises the dual
-        if plan.memory <= budget:
-            hi, lam_hi = plan, lam
-        else:
-            lo, lam_lo = plan, lam
-    multipliers = tuple(x for x in (lam_lo, lam_hi) if x > 0)
-    result = BudgetResult(best.choice, best.cost, best.memory, bound, runs, multipliers)
-    if result.proven_optimal or bound >= cutoff or not primal:
+    search.try_hints(hints, max_runs)
+    if search.hi is None and search.bound >= cutoff:  # nothing within the budget can beat the caller's plan: said
+        raise CutOff(cutoff, search.bound)  # before the least-memory plan's DP run (it only gives a plan that does not)
+    if search.hi is None:
+        search.fit_least_memory(options, least)
+    search.bisect(max_runs, cutoff)
+    result = search.result()
+    if result.proven_optimal or search.bound >= cutoff or not primal:
         return result
-    px = solver.proxied  # the crossover cuts where the DP does, on the graph with its proxies
-    mixed = _crossover(
-        px.graph, solver.structure, [_Plan(px.extend(p.choice), p.cost, p.memory) for p in seen], budget, alpha
-    )
-    if mixed is not None:
-        mixed = _Plan(px.strip(mixed.choice), mixed.cost, mixed.memory)
-    if mixed is not None and mixed.cost < best.cost:
-        log.debug("budget: crossing plans over lowers the cost from %.6g to %.6g", best.cost, mixed.cost)
-        best = mixed
-    best = _polish(graph, best, budget, alpha)
-    return BudgetResult(best.choice, best.cost, best.memory, bound, runs, multipliers)
+    return search.result(search.improved())
+
+
+@dataclass
+class _Bracket:
+    """The multiplier search of :func:`solve_budget_dp`: the plans its runs found (``seen``), how many runs, the best
+    lower bound, the cheapest plan known to break the budget (``lo``) and the one known to fit (``hi``) with the
+    multipliers they were found at (0: not by a multiplier), and the cheapest plan within the budget (``best``).
+    Making one runs the DP once, at ``lam = 0`` (``lo``)."""
+
+    graph: CostGraph
+    budget: float
+    alpha: float
+    solver: DPSolver
+    #: the solver's minimum at weight ``alpha``, when the caller has it
+    first: DPResult | None
+    seen: list[_Plan] = field(default_factory=list)
+    runs: int = 0
+    lo: _Plan = field(init=False)
+    bound: float = field(init=False)
+    hi: _Plan | None = None
+    best: _Plan | None = None
+    lam_lo: float = 0.0
+    lam_hi: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.lo = self.run(0.0)
+        self.bound = self.lo.cost
+
+    def run(self, lam: float) -> _Plan:
+        """The DP's plan at multiplier ``lam`` (``first`` at 0 where the caller gave it), counted and kept."""
+        if lam == 0.0 and self.first is not None:
+            choice = self.first.choice
+        else:
+            choice = self.solver.minimise(self.alpha + lam).choice
+        self.seen.append(_Plan(choice, evaluate(self.graph, choice, self.alpha), plan_memory(self.graph, choice)))
+        self.runs += 1
+        return self.seen[-1]
+
+    def try_hints(self, hints: Sequence[float], max_runs: int) -> None:
+        """Run the multipliers that bracketed a similar budget, larger (leaner) first: the cheapest plan that fits
+        becomes ``hi``, a costlier plan over the budget ``lo`` (the crossing moves closer)."""
+        for lam in sorted(hints, reverse=True):
+            if not (math.isfinite(lam) and lam > 0) or self.runs >= max_runs:
+                continue
+            plan = self.run(lam)
+            self.bound = max(self.bound, plan.cost + lam * plan.memory - lam * self.budget)
+            log.debug("budget: hint lam=%.6g cost=%.6g memory=%.6g bound=%.6g", lam, plan.cost, plan.memory, self.bound)
+            if plan.memory <= self.budget:
+                if self.hi is None or plan.cost < self.hi.cost:
+                    self.hi, self.lam_hi = plan, lam
+            elif plan.cost > self.lo.cost:
+                self.lo, self.lam_lo = plan, lam
+
+    def fit_least_memory(self, options: DPOptions | None, least: tuple[dict[str, int], float] | None) -> None:
+        """``hi``: the least-memory plan (``least`` where the caller has it); :class:`InfeasibleBudget` where even it
+        breaks the budget."""
+        choice, smallest = least_memory(self.graph, options) if least is None else least
+        if smallest > self.budget:
+            raise InfeasibleBudget(self.budget, smallest)
+        self.hi = _Plan(choice, evaluate(self.graph, choice, self.alpha), smallest)
+        self.seen.append(self.hi)
+        self.runs += 1
+
+    def bisect(self, max_runs: int, cutoff: float) -> None:
+        """Try the multiplier where the lines of ``lo`` and ``hi`` cross, each new plan replacing one of them, until
+        the DP finds nothing below the crossing (that multiplier maximises the dual), the gap closes, the bound
+        reaches ``cutoff`` or ``max_runs`` runs are spent."""
+        assert self.hi is not None  # a hint's plan, or the least-memory plan
+        best = self.best = self.hi
+        while (
+            self.runs < max_runs
+            and best.cost - self.bound > TOLERANCE * max(1.0, abs(best.cost))
+            and self.bound < cutoff
+        ):
+            lo, hi = self.lo, self.hi
+            lam = (hi.cost - lo.cost) / (lo.memory - hi.memory)
+            plan = self.run(lam)
+            value, crossing = plan.cost + lam * plan.memory, hi.cost + lam * hi.memory
+            self.bound = max(self.bound, value - lam * self.budget)
+            if plan.memory <= self.budget and plan.cost < best.cost:
+                best = self.best = plan
+            log.debug("budget: lam=%.6g cost=%.6g memory=%.6g bound=%.6g", lam, plan.cost, plan.memory, self.bound)
+            if value >= crossing - TOLERANCE * max(1.0, abs(crossing)):
+                break  # nothing below the crossing: lam maximises the dual
+            if plan.memory <= self.budget:
+                self.hi, self.lam_hi = plan, lam
+            else:
+                self.lo, self.lam_lo = plan, lam
+
+    def improved(self) -> _Plan:
+        """Where a duality gap remains: ``best``, or the plans seen crossed over where the DP cuts if that is cheaper
+        (:func:`_crossover`), polished by single-node moves (:func:`_polish`); within the budget."""
+        assert self.best is not None
+        px, best = self.solver.proxied, self.best  # the crossover cuts on the graph with its proxies
+        seen = [_Plan(px.extend(p.choice), p.cost, p.memory) for p in self.seen]
+        mixed = _crossover(px.graph, self.solver.structure, seen, self.budget, self.alpha)
+        if mixed is not None:
+            mixed = _Plan(px.strip(mixed.choice), mixed.cost, mixed.memory)
+        if mixed is not None and mixed.cost < best.cost:
+            log.debug("budget: crossing plans over lowers the cost from %.6g to %.6g", best.cost, mixed.cost)
+            best = mixed
+        return _polish(self.graph, best, self.budget, self.alpha)
+
+    def result(self, plan: _Plan | None = None) -> BudgetResult:
+        """``plan`` (by default ``best``) with the bound, the runs and the multipliers that bracket the budget."""
+        plan = plan or self.best
+        assert plan is not None
+        multipliers = tuple(x for x in (self.lam_lo, self.lam_hi) if x > 0)
+        return BudgetResult(plan.choice, plan.cost, plan.memory, self.bound, self.runs, multipliers)
 
 
 def _polish(graph: CostGraph, plan: _Plan, budget: float, alpha: float, passes: int = 3) -> _Plan:
