@@ -73,7 +73,7 @@ from primepar_fx.compiler.module import compile_graph
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.planner import forced_plan
+from primepar_fx.planning.forced import forced_plan
 from primepar_fx.runtime.testing import spawn
 
 #: Llama style (RMSNorm, SwiGLU, rotary, no biases, untied embeddings), separate q/k/v, plain multi-head attention

@@ -54,7 +54,8 @@ from measure import (
 from plans import megatron_config, megatron_plan, reprice
 from tabulate import tabulate
 
-from primepar_fx.calibrate.measure import nnls, write_spec
+from primepar_fx.calibrate.fitting import nnls
+from primepar_fx.calibrate.measure import write_spec
 from primepar_fx.calibrate.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
 from primepar_fx.compiler.module import compile_graph
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
@@ -62,7 +63,8 @@ from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs
 from primepar_fx.planning.baselines import config_name, megatron_configs
-from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.record.plan import Plan
 from primepar_fx.runtime.testing import spawn
 from primepar_fx.search import InfeasibleBudget

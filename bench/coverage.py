@@ -41,7 +41,7 @@ def plan_for(family: str) -> str:
     from primepar_fx.models import build_hf_tiny, hf_example_inputs
     from primepar_fx.partition import PartitionSeq
     from primepar_fx.partition.seq import Split
-    from primepar_fx.planning.planner import forced_plan
+    from primepar_fx.planning.forced import forced_plan
 
     model = build_hf_tiny(family)
     args, kwargs = hf_example_inputs(model, 2, 8)

@@ -33,12 +33,10 @@ from primepar_fx.cost.cluster import (
     DEFAULT_BYTES_EFFICIENCY,
     DEFAULT_FLOPS_EFFICIENCY,
     DEFAULT_LINK_EFFICIENCY,
-    ComputeModel,
-    LinearLatency,
     LinkLevel,
     load_cluster,
-    ring_factors,
 )
+from primepar_fx.cost.latency import ComputeModel, LinearLatency, ring_factors
 
 OUT = Path(__file__).resolve().parents[1] / "primepar_fx" / "cost" / "presets" / "v100-fig9.json"
 

@@ -344,7 +344,7 @@ def describe(plan) -> str:
     from primepar_fx.partition import PartitionSeq, Replicate
 
     if "config" in plan.search:
-        return plan.search["config"]["name"].removeprefix("megatron ")
+        return plan.search.config["name"].removeprefix("megatron ")
     seqs = [PartitionSeq.parse(n.partition) for n in plan.nodes]
     replicated = sum(all(isinstance(e, Replicate) for e in q.elements) for q in seqs)
     if replicated == len(seqs):

@@ -143,7 +143,7 @@ def one(graph, name: str, cluster: str, dtype: str, world: int, batch: int, seq:
         "split_only": mega.step_time_s / plan.baselines["split_only"].predicted.step_time_s,
         "megatron": plan.baselines["megatron"].config["name"],
         "prime_nodes": sum("P" in n.partition for n in plan.nodes),
-        "digits": "x".join(map(str, plan.digits)) + (" (grouped)" if plan.search.get("grouped") else ""),
+        "digits": "x".join(map(str, plan.digits)) + (" (grouped)" if plan.search.grouped else ""),
         "seconds": time.perf_counter() - t1,
         "capture_s": capture_s,
     }
@@ -285,7 +285,7 @@ def one_fit(graph, name: str, layers: int, config, cluster: str, world: int, bat
         return row
     ours = plan.predicted
     row |= {
-        "budget": plan.search["memory_budget"],
+        "budget": plan.search.memory_budget,
         "step": ours.step_time_s,
         "peak": ours.peak_memory_bytes,
         "levers": levers(plan),

@@ -6,16 +6,18 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.planning.baselines import config_name, megatron_assignment, megatron_configs
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.planner import Summary, make_plan, summarize
+from primepar_fx.planning.planner import make_plan
 from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.summary import Summary, summarize
 from primepar_fx.record.plan import Plan
+from primepar_fx.record.search import SearchRecord
 
 
 def price_fixed(
@@ -57,7 +59,7 @@ def megatron_plan(
         mesh,
         summary,
         baselines={},
-        search={"forced": "megatron", "config": {**config, "name": config_name(config)}},
+        search=SearchRecord(forced="megatron", config={**config, "name": config_name(config)}),
     )
 
 

@@ -27,8 +27,9 @@ import platform
 import time
 
 from primepar_fx import analyze
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions, clear_caches
+from primepar_fx.cost.model import clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import enumerate_sequences

@@ -16,7 +16,8 @@ from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import graph_of
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
 from primepar_fx.partition import PartitionSeq
-from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.record.plan import Plan
 from primepar_fx.runtime.collectives import ReduceScatter
 

@@ -200,7 +200,8 @@ def _plan_for(case: Case, graph, world: int, rank: int):
         return case.plan
     if rank != 0:
         return None  # rank 0's plan is broadcast
-    from primepar_fx.planning.planner import forced_plan, plan_graph
+    from primepar_fx.planning.forced import forced_plan
+    from primepar_fx.planning.planner import plan_graph
 
     cap = graph.captured
     sizes = {"world_size": world, "batch": cap.example_batch, "seq": cap.example_seq, "recompute": case.recompute}

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from distributed_checks import ATOL, RTOL, make, with_levers
 
 import primepar_fx
-from primepar_fx import checkpoint
+from primepar_fx.compiler import checkpoint
 from primepar_fx.compiler.module import compile_graph
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import example_inputs, get_config
 from primepar_fx.partition import PartitionError
-from primepar_fx.planning.planner import forced_plan
+from primepar_fx.planning.forced import forced_plan
 
 
 def inputs(name: str, batch: int, seq: int) -> tuple[tuple, dict]:

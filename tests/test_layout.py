@@ -7,12 +7,16 @@ functions and under ``TYPE_CHECKING`` included: a cycle broken only by a late im
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import networkx as nx
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "primepar_fx"
+TESTS = PACKAGE.parent / "tests"
+#: the folders beside the package whose files import it
+IMPORTERS = (TESTS, PACKAGE.parent / "bench")
 
 #: The stages in pipeline order, then the tools beside it. The root modules (``__init__``, ``api``, ``cli``,
 #: ``__main__``) orchestrate and may import any stage.
@@ -80,7 +84,7 @@ ALLOWED: dict[str, set[str]] = {
         "calibrate",
     },
     "calibrate": {"cost", "runtime"},
-    "examples": {"root", "models", "partition", "cost", "record", "planning", "runtime"},
+    "examples": {"root", "utils", "models", "partition", "cost", "record", "planning", "runtime"},
     "root": set(STAGES) - {"passes", "runtime"} | {"models", "calibrate"},
 }
 ROOT_MODULES = {"__init__", "api", "cli", "__main__"}
@@ -186,6 +190,103 @@ def test_no_private_name_is_imported_across_modules():
     assert not private, "\n".join(private)
 
 
+def importers() -> dict[str, pathlib.Path]:
+    """The package's modules, then the tests' and the benchmarks' files (``tests.cost.test_cluster``)."""
+    found = modules()
+    for folder in IMPORTERS:
+        found |= {
+            ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p for p in sorted(folder.rglob("*.py"))
+        }
+    return found
+
+
+@functools.cache
+def top_level(path: pathlib.Path) -> tuple[frozenset[str], frozenset[str]]:
+    """``(names defined, names imported)`` at a module's top level: ``def``, ``class`` and assignments, those under a
+    top-level ``if`` or ``try`` included, and the names its imports there bind."""
+    defined, imported = set(), set()
+    body = list(ast.parse(path.read_text(), str(path)).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined |= {
+                n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            }
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {a.asname or a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.If):
+            body += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            body += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return frozenset(defined), frozenset(imported)
+
+
+def module_under_test(path: pathlib.Path) -> str | None:
+    """The module a test file tests: ``tests/cost/test_cluster.py`` tests ``primepar_fx.cost.cluster``."""
+    if not (path.is_relative_to(TESTS) and path.stem.startswith("test_")):
+        return None
+    return ".".join(["primepar_fx", *path.relative_to(TESTS).parent.parts, path.stem.removeprefix("test_")])
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    """``from primepar_fx.X import name`` in the package, the tests and the benchmarks: ``name`` is a submodule of X,
+    a name X's source defines, or, X being a package, a public name its ``__init__`` imports (the package's
+    interface). No module passes on another module's names."""
+    mods = modules()
+    wrong = []
+    for name, path in importers().items():
+        for target, what, line in imports(name, path, set(mods)):
+            where = f"{path.relative_to(PACKAGE.parent)}:{line}"
+            if target not in mods:
+                wrong.append(f"{where} imports {target}, which is not a module of the package")
+                continue
+            defined, imported = top_level(mods[target])
+            interface = mods[target].name == "__init__.py" and not is_private(what) and what in imported
+            if what and what not in defined and not interface:
+                wrong.append(f"{where} imports {what} from {target}, which does not define it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_test_imports_private_names_only_from_the_module_it_tests():
+    mods = modules()
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}{'.' + what if what else ''}"
+        for name, path in importers().items()
+        if path.is_relative_to(TESTS)
+        for target, what, line in imports(name, path, set(mods))
+        if is_private(what or target.rpartition(".")[2]) and target != module_under_test(path)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_test_file_tests_the_module_its_path_names():
+    assert module_under_test(TESTS / "cost" / "test_cluster.py") == "primepar_fx.cost.cluster"
+    assert module_under_test(TESTS / "test_cli.py") == "primepar_fx.cli"
+    assert module_under_test(TESTS / "conftest.py") is None
+    assert module_under_test(PACKAGE / "cli.py") is None
+
+
+def test_top_level_names_are_the_defined_and_the_imported_ones(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "import os.path\n"
+        "from x import y as z\n"
+        "A, (B, *C) = 1, (2, 3)\n"
+        "D: int = 4\n"
+        "A.attr = 5\n"
+        "if A:\n    def f(): G = 1\nelse:\n    class K: H = 1\n"
+        "try:\n    E = 1\nexcept ImportError:\n    F = 2\n"
+    )
+    assert top_level(source) == ({"A", "B", "C", "D", "E", "F", "f", "K"}, {"os", "z"})
+
+
 @pytest.mark.parametrize("source", ["from .seq import Split", "from . import mesh"])
 def test_relative_imports_resolve_to_the_module_they_name(source, tmp_path):
     path = PACKAGE / "partition" / "dsi.py"
@@ -267,3 +368,14 @@ def test_importing_the_package_runs_into_no_half_initialised_module():
 
     out = subprocess.run([sys.executable, "-c", CYCLE_PROBE], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "no cycle", out.stdout
+
+
+def test_no_two_classes_of_the_package_share_a_name():
+    """One class per name: a reader who meets ``Plan`` or ``Found`` knows which one it is without its import."""
+    owners: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                owners.setdefault(node.name, []).append(name)
+    shared = {cls: where for cls, where in owners.items() if len(where) > 1}
+    assert not shared, shared

@@ -41,14 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from primepar_fx.calibrate.measure import (
-    Progress,
-    collective_call,
-    measure_compute,
-    resize_spec,
-    rounded,
-)
-from primepar_fx.cost.cluster import COLLECTIVES, ClusterSpec, fit_collective, load_cluster
+from primepar_fx.calibrate.fitting import rounded
+from primepar_fx.calibrate.measure import Progress, collective_call, measure_compute, resize_spec
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.latency import COLLECTIVES, fit_collective
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@
   ``pointwise`` (add, mul, gelu), ``norm`` (layer_norm, softmax), ``reduce`` (sum), ``loss`` (cross_entropy) and
   ``embedding`` (the rules give those families no FLOPs). ``bytes`` is the inputs plus the outputs, as the cost
   model counts them. Each time is a median over reps after warm-up; each fit is a non-negative least squares on
-  relative residuals (:func:`nnls`), so small kernels weigh as much as large ones. fp32 under the plain family
-  key; on CUDA also bf16 under ``family:bf16``. On CPU the kernels run on one rank's share of the cores.
+  relative residuals (:func:`~primepar_fx.calibrate.fitting.nnls`), so small kernels weigh as much as large ones.
+  fp32 under the plain family key; on CUDA also bf16 under ``family:bf16``. On CPU the kernels run on one rank's
+  share of the cores.
 * **Communication** (:func:`measure_collectives`): ``world_size`` spawned processes on a free loopback port time
   every kind of :data:`COLLECTIVES` (p2p is a ring shift with ``batch_isend_irecv``) at 4 KiB..4 MiB per device:
   a barrier before each call, sizes interleaved within a rep, the minimum over ranks per call (the last rank out
@@ -43,22 +44,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from primepar_fx.calibrate.fitting import (  # noqa: F401  (re-exported)
-    fit_compute,
-    fit_quality,
-    nnls,
-    rounded,
-    with_efficiency,
-)
-from primepar_fx.cost.cluster import (
-    COLLECTIVES,
-    ClusterSpec,
-    ComputeModel,
-    LinearLatency,
-    dtype_key,
-    fit_collective,
-    load_cluster,
-)
+from primepar_fx.calibrate.fitting import fit_compute, fit_quality, rounded, with_efficiency
+from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
+from primepar_fx.cost.latency import COLLECTIVES, ComputeModel, LinearLatency, fit_collective
 from primepar_fx.runtime.process import exit_worker, free_port, release
 
 log = logging.getLogger(__name__)

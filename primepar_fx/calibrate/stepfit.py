@@ -59,8 +59,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from primepar_fx.calibrate.measure import nnls
-from primepar_fx.cost.cluster import DTYPES, FREE_FAMILIES, OP_FAMILIES, ClusterSpec, ComputeModel, LinearLatency
+from primepar_fx.calibrate.fitting import nnls
+from primepar_fx.cost.cluster import DTYPES, FREE_FAMILIES, OP_FAMILIES, ClusterSpec
+from primepar_fx.cost.latency import ComputeModel, LinearLatency
 
 COSTED_FAMILIES = tuple(f for f in OP_FAMILIES if f not in FREE_FAMILIES)
 

@@ -6,10 +6,10 @@ presets in ``primepar_fx/cost/presets/*.json`` (:func:`load_cluster`, :func:`lis
 
 **Collectives** and **compute** are priced by the latency models of :mod:`primepar_fx.cost.latency`
 (:class:`LinearLatency` per collective kind and level, with the ring algorithm's bus factors; :class:`ComputeModel`
-per op family), re-exported here. A group of devices that differ only in some digits (a *group indicator*) runs on
-the slowest level it touches (:meth:`ClusterSpec.group_level`). Every group of the indicator runs at once, so a
-level's numbers are per device under full load (a node's NICs shared by its devices); a group that spans nodes pays
-the inter-node coefficients for all of its steps. Uncalibrated op families default to the device's peak FLOP/s at
+per op family). A group of devices that differ only in some digits (a *group indicator*) runs on the slowest level
+it touches (:meth:`ClusterSpec.group_level`). Every group of the indicator runs at once, so a level's numbers are
+per device under full load (a node's NICs shared by its devices); a group that spans nodes pays the inter-node
+coefficients for all of its steps. Uncalibrated op families default to the device's peak FLOP/s at
 :data:`DEFAULT_FLOPS_EFFICIENCY` (tensor-core peak of the dtype for matmul/attention, the fp32 vector peak for the
 rest), memory bandwidth at :data:`DEFAULT_BYTES_EFFICIENCY` and ``op_overhead`` per op; views and meta ops cost
 nothing.
@@ -28,13 +28,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from primepar_fx.cost.latency import (  # noqa: F401  (re-exported)
-    COLLECTIVES,
-    ComputeModel,
-    LinearLatency,
-    fit_collective,
-    ring_factors,
-)
+from primepar_fx.cost.latency import COLLECTIVES, ComputeModel, LinearLatency
 from primepar_fx.cost.specdata import (
     SpecData,
     check_keys,

@@ -62,13 +62,12 @@ import sympy
 
 from primepar_fx.partition.comm import gradient_phase_inputs
 from primepar_fx.partition.dsi import OpPartition, Phase
-from primepar_fx.partition.enumerate import values_key
+from primepar_fx.partition.enumerate import ValuesKey, values_key
 from primepar_fx.partition.layouts import (
     SETS,
     IndexSet,
     Layout,
     PartKey,
-    ValuesKey,
     array_digest,
     block_overlaps,
     clear_layout_caches,

@@ -30,20 +30,13 @@ import torch
 from torch import fx
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
-from primepar_fx.cost.cluster import ClusterSpec, ring_factors
+from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.redistribute import EdgeUse, backward_held, forward_held, forward_needed, source_grad_needed
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import Collective
-from primepar_fx.partition.enumerate import values_key
-from primepar_fx.partition.layouts import (
-    SETS,
-    IndexSet,
-    Layout,
-    ValuesKey,
-    array_digest,
-    block_overlaps,
-    intern_rows,
-)
+from primepar_fx.partition.enumerate import ValuesKey, values_key
+from primepar_fx.partition.layouts import SETS, IndexSet, Layout, array_digest, block_overlaps, intern_rows
 from primepar_fx.rules.spec import OpDims
 
 aten = torch.ops.aten

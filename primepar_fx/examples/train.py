@@ -32,10 +32,10 @@ from torch import nn
 from tqdm import tqdm
 
 import primepar_fx
-from primepar_fx.cli import parse_bytes
 from primepar_fx.partition import PartitionSeq, Split
 from primepar_fx.runtime.process import release
 from primepar_fx.runtime.stats import COMM_KINDS
+from primepar_fx.utils.cliargs import parse_bytes
 
 log = logging.getLogger("primepar_fx.examples.train")
 

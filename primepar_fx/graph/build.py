@@ -23,10 +23,10 @@ from torch import fx
 from primepar_fx.frontend.capture import Captured
 from primepar_fx.frontend.shapes import annotate, node_bytes, shape_of, shapes_of
 from primepar_fx.frontend.specialize import warn_static_seq
-from primepar_fx.frontend.symbols import META_DTYPES, META_SHAPES, S
+from primepar_fx.frontend.symbols import META_DTYPES, META_SHAPES, S, Shape
 from primepar_fx.rules.apply import op_dims
 from primepar_fx.rules.registry import RuleContext, RuleError, op_name, source_line
-from primepar_fx.rules.spec import OpDims, Shape
+from primepar_fx.rules.spec import OpDims
 
 log = logging.getLogger(__name__)
 

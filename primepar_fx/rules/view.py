@@ -20,6 +20,7 @@ import sympy
 import torch
 from torch import fx
 
+from primepar_fx.frontend.symbols import Shape
 from primepar_fx.rules.registry import (
     DimNamer,
     RuleContext,
@@ -31,7 +32,7 @@ from primepar_fx.rules.registry import (
     register_rule,
     same_size,
 )
-from primepar_fx.rules.spec import OpDims, Shape, TensorMap
+from primepar_fx.rules.spec import OpDims, TensorMap
 
 aten = torch.ops.aten
 

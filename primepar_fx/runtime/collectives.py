@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.scatter import scatters
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.layouts import Layout

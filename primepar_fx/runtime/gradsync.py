@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.runtime.collectives import all_reduce
 from primepar_fx.runtime.pending import DeferredGradients
 from primepar_fx.runtime.stats import CommStats

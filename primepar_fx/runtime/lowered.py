@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.runtime.collectives import all_reduce, all_reduce_autograd
 from primepar_fx.runtime.pending import Pending, launch_all_reduce, lazy_all_reduce
 from primepar_fx.runtime.stats import CommStats

@@ -26,7 +26,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_map
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.runtime.stats import CommStats
 
 aten = torch.ops.aten

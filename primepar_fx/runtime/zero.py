@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.runtime.gradsync import BucketChunk, GradientBuckets
 from primepar_fx.runtime.stats import CommStats
 from primepar_fx.runtime.zero3 import ShardedParameters, Unit

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.runtime.gradsync import BucketChunk, GradientBuckets
 from primepar_fx.runtime.stats import CommStats
 

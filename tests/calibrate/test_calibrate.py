@@ -11,9 +11,12 @@ import pytest
 from opdims import linear_dims
 
 from primepar_fx.calibrate import measure as cal
+from primepar_fx.calibrate.fitting import fit_compute, fit_quality, nnls
 from primepar_fx.calibrate.stepfit import StepFit, StepSample, fit_steps, op_counting_spec, step_fitted_spec
-from primepar_fx.cost.cluster import COLLECTIVES, ClusterSpec, LinearLatency, fit_collective, load_cluster
-from primepar_fx.cost.model import CostOptions, NodeCost, node_cost
+from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.latency import COLLECTIVES, LinearLatency, fit_collective
+from primepar_fx.cost.model import NodeCost, node_cost
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
 
 
@@ -31,17 +34,17 @@ def test_fit_compute_recovers_exact_coefficients():
     for _ in range(12):
         flops, nbytes = float(rng.integers(1, 1 << 30)), float(rng.integers(1, 1 << 24))
         samples.append((flops, nbytes, flops_coeff * flops + bytes_coeff * nbytes + fixed))
-    model = cal.fit_compute(samples)
+    model = fit_compute(samples)
     assert model.flops_coeff == pytest.approx(flops_coeff, rel=1e-9)
     assert model.bytes_coeff == pytest.approx(bytes_coeff, rel=1e-9)
     assert model.fixed == pytest.approx(fixed, rel=1e-9)
-    r2, max_rel = cal.fit_quality([model(f, n) for f, n, _ in samples], [t for *_, t in samples])
+    r2, max_rel = fit_quality([model(f, n) for f, n, _ in samples], [t for *_, t in samples])
     assert r2 == pytest.approx(1.0) and max_rel < 1e-9
 
 
 def test_fit_compute_without_flops_pins_flops_coeff_to_zero():
     samples = [(123.0, n, 4e-11 * n + 3e-6) for n in (1e5, 1e6, 1e7, 3e7)]
-    model = cal.fit_compute(samples, use_flops=False)
+    model = fit_compute(samples, use_flops=False)
     assert model.flops_coeff == 0.0
     assert model.bytes_coeff == pytest.approx(4e-11, rel=1e-9) and model.fixed == pytest.approx(3e-6, rel=1e-9)
 
@@ -50,12 +53,12 @@ def test_nnls_clips_a_negative_coefficient_and_satisfies_kkt():
     x = np.arange(1.0, 9.0)
     cols = [list(x), [1.0] * len(x)]
     y = list(2.0 * x - 5.0)  # unconstrained least squares wants a negative intercept
-    coef = cal.nnls(cols, y)
+    coef = nnls(cols, y)
     assert coef[1] == 0.0 and coef[0] > 0
     a = np.asarray(cols).T
     grad = a.T @ (a @ np.asarray(coef) - np.asarray(y))
     assert abs(grad[0]) < 1e-9 and grad[1] >= -1e-9  # active coefficient stationary, clipped one pushes down
-    assert cal.nnls([[1.0, 2.0]], [3.0, 6.0]) == pytest.approx([3.0])
+    assert nnls([[1.0, 2.0]], [3.0, 6.0]) == pytest.approx([3.0])
 
 
 @pytest.mark.parametrize("kind", COLLECTIVES)
@@ -213,7 +216,7 @@ def test_a_crashed_rank_is_reported_with_its_exit_code_and_step(monkeypatch):
 
 
 def test_an_efficiency_table_gives_every_measured_size_back_and_keeps_the_fastest_rate():
-    from primepar_fx.calibrate.measure import fit_compute, rounded, with_efficiency
+    from primepar_fx.calibrate.fitting import rounded, with_efficiency
 
     # 1 ns of overhead per call, 1e-12 s per FLOP at full speed, and a mid size at half speed (cache effects)
     samples = [(1e6, 0.0, 1e-9 + 1e-6), (1e8, 0.0, 1e-9 + 2e-4), (1e8, 0.0, 1e-9 + 4e-4), (1e10, 0.0, 1e-9 + 1e-2)]

@@ -19,7 +19,8 @@ import torch
 
 import primepar_fx
 from primepar_fx.calibrate.machine import cache_path, group_sizes
-from primepar_fx.cost.cluster import COLLECTIVES, load_cluster
+from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.cost.latency import COLLECTIVES
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.runtime.testing import spawn
 

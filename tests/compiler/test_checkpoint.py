@@ -13,7 +13,7 @@ from distributed_checks import ATOL, RTOL, make
 from reliability_checks import adamw, checkpoint_load, checkpoint_save, step
 
 import primepar_fx
-from primepar_fx import checkpoint
+from primepar_fx.compiler import checkpoint
 from primepar_fx.compiler.checkpoint import held_blocks, owned_blocks
 from primepar_fx.runtime.testing import spawn
 

@@ -213,9 +213,9 @@ def _seeds_with_tied_scatter(model_name: str, world: int, tries: int = 40) -> li
     from primepar_fx.frontend.capture import capture
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.graph import graph_of
-    from primepar_fx.planning.compare import price_assignments
+    from primepar_fx.planning.forced import random_assignment
     from primepar_fx.planning.options import PlanOptions
-    from primepar_fx.planning.planner import _random_assignment
+    from primepar_fx.pricing.fixed import price_assignments
     from primepar_fx.pricing.price import shared_parameters
 
     model, args, kwargs = make(model_name)
@@ -225,7 +225,7 @@ def _seeds_with_tied_scatter(model_name: str, world: int, tries: int = 40) -> li
     assert tied, f"{model_name} ties no parameter"
     seeds = []
     for seed in range(tries):
-        assignment = _random_assignment(graph, mesh, values, seed)
+        assignment = random_assignment(graph, mesh, values, seed)
         priced, (choice,) = price_assignments(graph, [assignment], mesh, opts.cluster, values, opts.cost_options())
         for u, _, v, _ in tied:
             saving = priced.scatter.get((u, v))

@@ -27,8 +27,8 @@ from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.partition import PartitionError
-from primepar_fx.planning.planner import forced_plan
-from primepar_fx.record.plan import PlanError
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.record.fields import PlanError
 from primepar_fx.rules import MissingRuleError
 from primepar_fx.runtime.testing import spawn
 from primepar_fx.search import InfeasibleBudget
@@ -135,7 +135,8 @@ def test_compile_options_that_cannot_be_used_fail_before_the_capture(monkeypatch
 def test_the_api_names_what_it_cannot_use(tmp_path, monkeypatch):
     """Forced-plan names, plan paths, meta weights and non-compiled modules fail before any work, naming them; a
     plan may also be given as its JSON text."""
-    from primepar_fx import checkpoint, explain_choice
+    from primepar_fx import explain_choice
+    from primepar_fx.compiler import checkpoint
     from primepar_fx.compiler.module import gather_state_dict, load_state_dict
 
     compile_module = sys.modules["primepar_fx.compiler.module"]

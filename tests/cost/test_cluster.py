@@ -15,19 +15,15 @@ import pytest
 
 from primepar_fx.cost import cluster as cluster_mod
 from primepar_fx.cost.cluster import (
-    COLLECTIVES,
     OP_FAMILIES,
     ClusterSpec,
-    ComputeModel,
     DeviceSpec,
-    LinearLatency,
     LinkLevel,
     dtype_key,
-    fit_collective,
     list_clusters,
     load_cluster,
-    ring_factors,
 )
+from primepar_fx.cost.latency import COLLECTIVES, ComputeModel, LinearLatency, fit_collective, ring_factors
 from primepar_fx.partition.mesh import DeviceMesh
 
 PRESETS = ("a100-dgx", "cpu-gloo", "h100-dgx", "v100-edr", "v100-fig9", "v100-paper")
@@ -529,7 +525,7 @@ def test_gradient_overlap_is_a_fraction_written_only_when_set():
 def test_a_data_parallel_plan_is_faster_with_overlap_and_sends_the_same_bytes():
     from primepar_fx.api import analyze
     from primepar_fx.models import build, example_inputs, get_config
-    from primepar_fx.planning.planner import forced_plan
+    from primepar_fx.planning.forced import forced_plan
 
     args, kwargs = example_inputs(get_config("llama-tiny"), 4, 16)
     graph = analyze(build("llama-tiny", device="meta"), args, kwargs, name="llama-tiny")

@@ -14,8 +14,10 @@ import pytest
 import sympy
 from opdims import linear_dims as linear
 
-from primepar_fx.cost.cluster import ClusterSpec, LinearLatency, load_cluster, ring_factors
-from primepar_fx.cost.model import CostOptions, NodeCost, edge_cost_matrix, node_cost
+from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.latency import LinearLatency, ring_factors
+from primepar_fx.cost.model import NodeCost, edge_cost_matrix, node_cost
 from primepar_fx.cost.redistribute import (
     backward_held,
     backward_needed,
@@ -492,12 +494,12 @@ def test_pricing_on_two_threads_gives_the_costs_of_one(world, monkeypatch):
     to one thread, each priced from empty caches."""
     from primepar_fx.cost import model
     from primepar_fx.frontend.symbols import B, S
-    from primepar_fx.planning.groupings import search_mesh
+    from primepar_fx.planning.groupings import leading_grouping
     from primepar_fx.pricing.price import price_graph
 
     graph = _tiny_llama_graph()
     cluster = load_cluster("v100-paper")
-    mesh = search_mesh(cluster.mesh(world), None)
+    mesh = leading_grouping(cluster.mesh(world))
     monkeypatch.setattr(model, "THREADED_WORK", 0)  # a tiny model's re-layouts are too small to be threaded
     pools = []
     real_pool = model.ThreadPoolExecutor

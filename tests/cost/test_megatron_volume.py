@@ -44,15 +44,15 @@ import pytest
 import sympy
 
 import primepar_fx
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.cost.redistribute import redistribution
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, Phase, collectives
 from primepar_fx.partition.comm import phase_tensors
-from primepar_fx.planning.baselines import _analyse, megatron_assignment
+from primepar_fx.planning.baselines import classify_linears, megatron_assignment
 from primepar_fx.pricing.price import out_index, price_graph
 
 MODEL = "gpt2-tiny"
@@ -200,8 +200,8 @@ def test_a_layer_is_one_block_with_a_fused_qkv_projection():
         "blocks.0.mlp.up_proj",
         "blocks.0.mlp.down_proj",
     }
-    linears = _analyse(g).linears
-    assert len([n for n in nodes if n in linears]) == 4
+    styles = classify_linears(g)
+    assert len([n for n in nodes if n in styles]) == 4
     # the layer ends with the residual add that feeds the next block's norm
     assert g.nodes[nodes[-1]].dims.kind == "pointwise"
     assert len(layer_nodes(g, 1)) == len(nodes)
@@ -213,9 +213,9 @@ def test_fused_qkv_heads_are_split_without_fallbacks(t, sp):
     """The fused linear is column-parallel and its view / unbind / transposes / SDPA split the heads."""
     g = graph()
     plan = measured(t, sp)["plan"]
-    linears = _analyse(g).linears
+    styles = classify_linears(g)
     qkv = next(n for n in layer_nodes(g, 0) if any(".qkv_proj." in p for p in g.nodes[n].params))
-    assert linears[qkv].style == "column" and linears[qkv].how == "structure"
+    assert styles[qkv] == "column"
     assert str(plan[qkv]) == ",".join(["K"] * len(DeviceMesh.for_world_size(t).digits))
     # every node between the fused projection and the attention output projection is on the head split
     nodes = layer_nodes(g, 0)
@@ -242,12 +242,12 @@ def test_megatron_all_reduces_sit_where_megatron_puts_them(t):
     """2 Forward all-reduces at the row-parallel outputs, 2 Backward ones at the column-parallel inputs."""
     g, mesh = graph(), DeviceMesh.for_world_size(t)
     m = measured(t, False)
-    linears = _analyse(g).linears
+    styles = classify_linears(g)
     found = []
     for n in m["nodes"]:
         for c in collectives(OpPartition(g.nodes[n].dims, m["plan"][n], mesh)):
             if c.phase is not Phase.GRADIENT:
-                found.append((linears[n].style if n in linears else n, c.phase, c.tensor))
+                found.append((styles.get(n, n), c.phase, c.tensor))
     assert sorted(found, key=str) == sorted(
         [("row", Phase.FORWARD, "out0")] * 2 + [("column", Phase.BACKWARD, "d_in0")] * 2, key=str
     )
@@ -295,15 +295,15 @@ def test_sequence_parallel_all_gathers_are_priced_exactly(t):
     Forward, the gradient of each row-parallel linear's output in Backward; each moves (t-1)/t of B*S*h."""
     g = graph()
     m = measured(t, True)
-    linears = _analyse(g).linears
+    styles = classify_linears(g)
     bsh = residual_elems(g)
     gather = Fraction(t - 1, t) * bsh * ITEMSIZE
     assert m["redistribution_fwd"] == 2 * gather and m["redistribution_bwd"] == 2 * gather
     assert m["redistribution"] == megatron_closed_form(t) / 2  # the all-gather half of the closed form
     moving = m["moving"]
     assert len(moving) == 4
-    fwd_into = sorted(linears[v].style for (u, v), (f, b) in moving.items() if f and not b)
-    bwd_out_of = sorted(linears[u].style for (u, v), (f, b) in moving.items() if b and not f)
+    fwd_into = sorted(styles[v] for (u, v), (f, b) in moving.items() if f and not b)
+    bwd_out_of = sorted(styles[u] for (u, v), (f, b) in moving.items() if b and not f)
     assert fwd_into == ["column", "column"] and bwd_out_of == ["row", "row"]
 
 

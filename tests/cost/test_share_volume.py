@@ -19,15 +19,15 @@ from fractions import Fraction
 import pytest
 
 import primepar_fx
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.planning.baselines import megatron_assignment
-from primepar_fx.planning.planner import summarize
 from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.summary import summarize
 
 MODEL = "llama-tiny"
 VALUES = {B: 4, S: 32}

@@ -172,8 +172,8 @@ def test_replicated_graph_plans_like_the_full_one_and_is_not_compiled():
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_replicated_graph_prices_like_the_full_one(name):
     """Every node and edge cost, scatter saving and shared (tied) parameter edge is the full graph's."""
+    from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.cost.model import CostOptions
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.pricing.price import price_graph
 

@@ -43,7 +43,7 @@ from primepar_fx.passes import (
     share_relayouts,
 )
 from primepar_fx.passes.common import RankContext
-from primepar_fx.planning.planner import forced_plan
+from primepar_fx.planning.forced import forced_plan
 from primepar_fx.report.dump import normalize_code
 from primepar_fx.runtime.groups import ProcessGroups
 

@@ -10,11 +10,12 @@ import sympy
 import torch
 from torch import fx
 
+from primepar_fx.frontend.symbols import Shape
 from primepar_fx.rules import MissingRuleError, OpDims, RuleContext, op_dims, register_rule, registered_ops
 from primepar_fx.rules import factory as factory_rules
 from primepar_fx.rules import pointwise as pointwise_rules
 from primepar_fx.rules.registry import same_size
-from primepar_fx.rules.spec import Shape, TensorMap, tensor_shape
+from primepar_fx.rules.spec import TensorMap, tensor_shape
 from primepar_fx.rules.view import group_dims
 
 aten = torch.ops.aten

@@ -47,7 +47,7 @@ from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, enumerate_sequences
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import Layout
-from primepar_fx.planning.planner import forced_plan
+from primepar_fx.planning.forced import forced_plan
 from primepar_fx.pricing.price import out_index, shared_parameters
 from primepar_fx.rules.spec import OpDims
 from primepar_fx.runtime import CommStats, Exchange, Redistribute

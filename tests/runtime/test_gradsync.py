@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.runtime.gradsync import GradientBuckets, GradReduction
 from primepar_fx.runtime.groups import ProcessGroups

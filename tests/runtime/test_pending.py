@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from primepar_fx.cost.cluster import ring_factors
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.runtime.lowered import ShardedCrossEntropy
 from primepar_fx.runtime.pending import Pending, PendingTensor
 from primepar_fx.runtime.stats import CommStats

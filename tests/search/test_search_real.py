@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import primepar_fx
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.models import build, build_hf_tiny, example_inputs, get_config, hf_example_inputs
@@ -110,9 +110,9 @@ def test_the_ilp_by_column_generation_proves_the_dp_optimum_from_another_plan(mo
 @pytest.mark.parametrize("model", ["gpt2-tiny", pytest.param("opt-tiny", marks=slow)])
 def test_dp_optimum_equals_the_ilp_optimum_on_the_grouped_16_device_mesh(model: str) -> None:
     """16 devices as the planner searches them by default (4x2x2: the leading digits merged), one layer; ~20 s."""
-    from primepar_fx.planning.planner import search_mesh
+    from primepar_fx.planning.groupings import leading_grouping
 
-    mesh = search_mesh(DeviceMesh.for_world_size(16), None)
+    mesh = leading_grouping(DeviceMesh.for_world_size(16))
     assert mesh.digits == (4, 2, 2)
     cg = price_graph(graph_of(model, 1), mesh, CLUSTER, VALUES, CostOptions()).cost_graph
     dp, ilp = solve(cg, method="dp"), solve(cg, method="ilp")
