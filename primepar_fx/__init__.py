@@ -26,8 +26,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # primepar_fx.checkpoint.save / load, imported on first use: torch.distributed.checkpoint takes about a second
-    # to import, which every command that never touches a checkpoint (plan, explain, dump) would otherwise pay
+    # primepar_fx.checkpoint.save / load, imported on first use: torch.distributed.checkpoint is slow to import,
+    # which every command that never touches a checkpoint (plan, explain, dump) would otherwise pay
     if name == "checkpoint":
         import importlib
 

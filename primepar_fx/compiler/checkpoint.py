@@ -67,7 +67,7 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 @dataclass(frozen=True)
-class Block:
+class HeldBlock:
     """A rectangle of a tensor: its ``offsets`` and ``sizes`` in the whole tensor, and where it sits locally."""
 
     offsets: tuple[int, ...]
@@ -75,7 +75,7 @@ class Block:
     local: tuple[slice, ...]
 
 
-def held_blocks(layout: Any, rank: int) -> list[Block]:
+def held_blocks(layout: Any, rank: int) -> list[HeldBlock]:
     """The rectangles of ``rank``'s storage in ``layout``: one per combination of its intervals."""
     per_dim = []
     for intervals in layout[rank]:
@@ -87,7 +87,7 @@ def held_blocks(layout: Any, rank: int) -> list[Block]:
     return [_block(combo) for combo in itertools.product(*per_dim)]
 
 
-def owned_blocks(layout: Any, rank: int) -> list[Block]:
+def owned_blocks(layout: Any, rank: int) -> list[HeldBlock]:
     """The rectangles ``rank`` writes: every element goes to the lowest rank holding it, so they tile the tensor."""
     ndim = len(layout[rank])
     cuts = [sorted({p for held in layout for iv in held[d] for p in iv}) for d in range(ndim)]
@@ -106,8 +106,8 @@ def owned_blocks(layout: Any, rank: int) -> list[Block]:
     return owned
 
 
-def _block(combo: tuple[tuple[int, int, int], ...]) -> Block:
-    return Block(
+def _block(combo: tuple[tuple[int, int, int], ...]) -> HeldBlock:
+    return HeldBlock(
         tuple(a for a, _, _ in combo), tuple(n for _, n, _ in combo), tuple(slice(p, p + n) for _, n, p in combo)
     )
 

@@ -61,7 +61,7 @@ def _signature(module: nn.Module) -> tuple:
     return type(module), tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in tensors)
 
 
-class Stack(NamedTuple):
+class ModuleStack(NamedTuple):
     """A model's layer stack: its FQN, the module list and the period of its layers' types (1: all alike)."""
 
     fqn: str
@@ -84,7 +84,7 @@ def layer_period(types: Sequence[Any] | None, count: int) -> int | None:
     return None
 
 
-def find_layer_stack(model: nn.Module) -> Stack | None:
+def find_layer_stack(model: nn.Module) -> ModuleStack | None:
     """The model's largest stack of more than two identical layers, with the period of its ``config.layer_types``
     (:func:`layer_period`), or ``None``."""
     best: tuple[int, str, nn.ModuleList] | None = None
@@ -109,7 +109,7 @@ def find_layer_stack(model: nn.Module) -> Stack | None:
             sorted(set(types)),  # type: ignore[arg-type]
         )
         return None
-    return Stack(best[1], best[2], period)
+    return ModuleStack(best[1], best[2], period)
 
 
 def _set_submodule(model: nn.Module, fqn: str, value: nn.Module) -> None:
@@ -118,9 +118,8 @@ def _set_submodule(model: nn.Module, fqn: str, value: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ entry point
-#: the length of a model's longest module list from which its whole capture uses FakeTensor's dispatch cache: a 7B
-#: config's capture at 2 / 3 / 4 / 6 layers took 1.41 / 1.85 / 2.02 / 2.46 s with it and 1.06 / 1.44 / 1.88 / 2.66 s
-#: without (warm, 2026-12-05; cold, at 2 layers: 2.3-3.3 s against 1.6-1.8 s)
+#: the length of a model's longest module list from which its whole capture uses FakeTensor's dispatch cache: where
+#: capture times with and without it crossed (docs/benchmarks/measured_in_code.md)
 FAKE_CACHE_LAYERS = 6
 
 

@@ -2,8 +2,8 @@
 variables.
 
 The ILP of :mod:`~primepar_fx.search.ilp` has a variable ``y`` per finite pair of every edge: 1.9 million for two
-llama2-70b layers on the full 8-GPU space, 46 million on the full 16-GPU space (21 GB before HiGHS starts). Few of
-them matter, and the LP's duals say which:
+llama2-70b layers on the full 8-GPU space, 46 million on the full 16-GPU space, too many to build as one model
+(docs/benchmarks/measured_in_code.md). Few of them matter, and the LP's duals say which:
 
 1. **The LP over a few pairs.** The *master* is the ILP with a ``y`` only for some pairs of each edge: at first
    those of a start plan (any plan of finite cost within the budget, so the master is feasible). Its LP
@@ -179,7 +179,7 @@ def solve_generated(
     edges.rows = model.edge_rows
     h = highs_instance(model, limit, binary=False)
     # presolve would rebuild each round's LP from scratch; without it the dual simplex starts from the last basis
-    # (minimax-2l on 8 GPUs: 46 s -> 28 s of LP over 35 -> 28 rounds)
+    # (less LP time, fewer rounds: docs/benchmarks/measured_in_code.md)
     h.setOptionValue("presolve", "off")
     rounds = 0
     while True:

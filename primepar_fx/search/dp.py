@@ -84,7 +84,7 @@ class DPOptions:
     #: route long edges with at most this many distinct rows (or columns) through a global proxy node
     #: (:mod:`~primepar_fx.search.proxy`); 0 never does. A tied embedding's edge has a row per layout the table
     #: is stored in and per way its gradient is reduced (64 of 125 for bloom-176b on 8 GPUs): left unproxied, it
-    #: holds the whole model in one segment, 17x slower there
+    #: holds the whole model in one segment, many times slower there (docs/benchmarks/measured_in_code.md)
     max_proxy_states: int = 128
     #: run the joint strategies of the globals as one axis of the chain's arrays (one pass) rather than one pass
     #: each (the reference; the same minimum and choice, slower: the Python around each pass is repeated)
@@ -150,7 +150,7 @@ class DPSolver:
             max_period=options.max_period,
             forced=tuple(self.proxied.proxies),
         )
-        self._plans: dict[tuple[int, bool], engine.Plan] = {}
+        self._plans: dict[tuple[int, bool], engine.Elimination] = {}
         self._chunk = options.chunk_entries
         gset = set(self.structure.globals)
         self._global_edges = [e for e in graph.edge_cost if e[0] in gset and e[1] in gset]
@@ -161,7 +161,7 @@ class DPSolver:
         self._batched: bool | None = None
 
     # ----------------------------------------------------------------------------------------- planning
-    def _plan(self, seg: Segment, matrix: bool) -> engine.Plan:
+    def _plan(self, seg: Segment, matrix: bool) -> engine.Elimination:
         """Engine plan for ``seg``: keep both ends (``matrix``) or fold an incoming vector and keep the end."""
         key = (seg.cls, matrix)
         if key not in self._plans:
@@ -446,7 +446,7 @@ class DPSolver:
         a = int(np.argmin(totals))
         return float(totals[a]), assigns[a], int(lasts[a]), [(item, _row(data, a)) for item, data in trace]
 
-    def _batched_plan(self, seg: Segment, touched: tuple[bool, ...], rows_in: bool, states: int) -> engine.Plan:
+    def _batched_plan(self, seg: Segment, touched: tuple[bool, ...], rows_in: bool, states: int) -> engine.Elimination:
         """The engine plan folding ``seg`` with the states' axis: variable ``len(nodes)`` (kept, with the end)
         is the joint strategy of the globals; it is in the scope of the incoming vector (``rows_in``) and of the
         node costs a global touches."""

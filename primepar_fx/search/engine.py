@@ -59,7 +59,7 @@ class Step:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Elimination:
     """An elimination order. Factor ``len(scopes) + k`` is the output of ``steps[k]``."""
 
     domains: tuple[int, ...]
@@ -94,7 +94,7 @@ def plan_elimination(
     *,
     limit: int,
     names: Sequence[str] | None = None,
-) -> Plan:
+) -> Elimination:
     """Choose a greedy elimination order (smallest combined table first, then lowest variable index)."""
     domains = tuple(int(d) for d in domains)
     keep_set = set(keep)
@@ -146,7 +146,7 @@ def plan_elimination(
                 heapq.heappush(heap, (prod(domains[w] for w in union(u)), u, version[u]))
     consumed = {f for step in steps for f in step.inputs}
     final = tuple(f for f in range(len(scopes_l)) if f not in consumed)
-    return Plan(domains, tuple(scopes_l[: len(scopes)]), tuple(keep), tuple(steps), final, work, peak)
+    return Elimination(domains, tuple(scopes_l[: len(scopes)]), tuple(keep), tuple(steps), final, work, peak)
 
 
 def _expand(table: np.ndarray, scope: Scope, layout: Scope, domains: tuple[int, ...]) -> np.ndarray:
@@ -222,7 +222,7 @@ def _index_dtype(size: int) -> type:
 
 
 def run(
-    plan: Plan,
+    plan: Elimination,
     tables: Sequence[np.ndarray],
     *,
     chunk: int = 1 << 16,
@@ -264,7 +264,7 @@ def run(
     return Result(table, tuple(argmins), tuple(outputs))
 
 
-def backtrack(plan: Plan, records: Sequence[np.ndarray], kept: Sequence[int]) -> list[int]:
+def backtrack(plan: Elimination, records: Sequence[np.ndarray], kept: Sequence[int]) -> list[int]:
     """Values of every variable, given the values of the kept ones (in ``plan.keep`` order)."""
     values = [-1] * len(plan.domains)
     for u, p in zip(plan.keep, kept):

@@ -222,7 +222,8 @@ class CostGraph:
         """This graph's nodes with other arrays (each field left out stays as it is) and its edges or some of them,
         built without the checks of a new graph: the node index is this graph's and the adjacency is this graph's,
         less the edges left out. The budgeted search derives hundreds of graphs from one pricing (sub-spaces, folds,
-        memory graphs, recomputation policies), and checking each node and edge again took a tenth of its time.
+        memory graphs, recomputation policies), and checking each node and edge again was a noticeable share of its
+        time (docs/benchmarks/measured_in_code.md).
 
         ``checked``: the fields whose arrays that this graph does not hold (by identity) have their values checked
         (float64, the node's or edge's shape, no NaN, no ``-inf``, memory finite), each distinct array once. A

@@ -70,7 +70,8 @@ def _ilp(red: Reduced, budget: float | None, alpha: float, time_limit: float | N
 GAP_ILP_SECONDS = 3.0
 
 #: the most edge pairs (finite entries of the edge matrices) ``auto`` lets the ILP by column generation price after
-#: a narrowed DP (each round prices them all: ~1 s per 40 million on this project's machine)
+#: a narrowed DP (each round prices them all, in time proportional to their number:
+#: docs/benchmarks/measured_in_code.md)
 ILP_MAX_PAIRS = 50_000_000
 
 
@@ -81,11 +82,10 @@ class Search:
 
     ``ilp_max_pairs``: where ``auto`` narrows the DP, the most edge pairs the ILP by column generation may then
     price (module docstring); 0 (the default here; :func:`solve`'s is :data:`ILP_MAX_PAIRS`) leaves the narrowed
-    plan as it is: callers that search many related graphs (the memory caps of ``levers.peak``) keep it fast
-    (measured on DeepSeek-V3's config, 4 layers on 8 GPUs: hundreds of such searches, 0.3-14 s of HiGHS each).
+    plan as it is: callers that search many related graphs (the memory caps of ``levers.peak``) keep it fast.
     ``table_stretch``: where ``auto``'s DP tables pass the limit and there is no budget, it first runs the DP with
     a limit this many times larger; 1 (the default here; :func:`solve`'s is :data:`AUTO_TABLE_STRETCH`) does not,
-    for the same callers (on that config: 7 s a search, 54 of them)."""
+    for the same callers (timings of both in docs/benchmarks/measured_in_code.md)."""
 
     def __init__(
         self,
@@ -329,9 +329,9 @@ class Search:
 
 
 #: where the DP's tables pass its limit and there is no budget, ``auto`` first runs the DP once more with a limit this
-#: many times larger (the limit bounds one step's work, run in chunks, not its memory). Measured: DeepSeek-V3's config,
-#: 4 layers on 8 GPUs, one table of 2.9e8 entries: exact in 7.4 s, where the narrowed DP and the ILP by column
-#: generation that proves it took 12-33 s; llama2-70b's two layers on the full 16-GPU mesh (2.4e8): 6-8 s, 48-70 s
+#: many times larger (the limit bounds one step's work, run in chunks, not its memory): on the configs measured, the
+#: exact DP on a table just past the limit was faster than the narrowed DP and the ILP by column generation that
+#: proves its plan (docs/benchmarks/measured_in_code.md)
 AUTO_TABLE_STRETCH = 5
 
 #: the nodes whose tables too large :meth:`Search._auto` has warned of, in this process

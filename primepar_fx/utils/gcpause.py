@@ -4,8 +4,8 @@ Capture (``torch.export``) and pricing allocate millions of small objects while 
 full collection walks all of them, again and again, for a noticeable share of planning time (numbers in
 ``docs/benchmarks/measured_in_code.md``). The work creates little cyclic garbage, so collection waits until it ends.
 Reference counting still frees everything else at once. What cyclic garbage there is (a search's closures and
-solver state) adds up over a long budgeted search, where one mesh's lever search weighs dozens of policies (a
-70B plan's grew past 24 GB of it), so such loops call :func:`collect` between units of work.
+solver state) adds up over a long budgeted search, where one mesh's lever search weighs dozens of policies, to
+gigabytes on a large model, so such loops call :func:`collect` between units of work.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def collect() -> int:
     """A cyclic collection of the young generations now, paused or not: for a long loop inside :func:`paused`,
     between units of work. The garbage a unit leaves (a search's closures and solver state) was allocated during it,
     so it is young; the survivors are moved to the oldest generation, so the next call walks only what was allocated
-    since (a full collection walked every priced graph kept, about 0.2 s a call on a 70B plan). A cycle reaching
-    into older objects waits for the collection after planning. Returns the number of unreachable objects found."""
+    since (a full collection walks every priced graph kept, at every call: docs/benchmarks/measured_in_code.md). A
+    cycle reaching into older objects waits for the collection after planning. Returns the number of unreachable
+    objects found."""
     return gc.collect(1)
 
 

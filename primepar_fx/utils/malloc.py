@@ -5,10 +5,10 @@ threshold (128 KiB at start) with a fresh ``mmap`` and returns it to the kernel 
 costs its pages' faults again. The threshold is dynamic: freeing an mmapped block raises it to that block's size
 (at most 32 MiB on 64-bit) and the heap's trim threshold to twice that, after which such arrays reuse freed heap
 memory. A planning process gets there during its first pricing, so the first pricing of every process (the planner
-and each worker it forks) runs slower than the ones after it: about a quarter slower, and 2.5 times the page faults,
-on the 32-GPU Llama 2 70B plan (numbers in ``docs/benchmarks/measured_in_code.md``). :func:`steady_malloc` sets the
-two thresholds to where that dynamic rule ends (32 MiB, 64 MiB) before the first pricing, so the first pricing runs
-as fast as the later ones; what a process keeps of freed memory is what it would keep after its first pricing anyway.
+and each worker it forks) runs slower than the ones after it, with more page faults (numbers in
+``docs/benchmarks/measured_in_code.md``). :func:`steady_malloc` sets the two thresholds to where that dynamic rule
+ends (32 MiB, 64 MiB) before the first pricing, so the first pricing runs as fast as the later ones; what a
+process keeps of freed memory is what it would keep after its first pricing anyway.
 
 Only with glibc (Linux), only once per process, and not where ``$MALLOC_MMAP_THRESHOLD_``, ``$MALLOC_TRIM_THRESHOLD_``
 or ``$MALLOC_TOP_PAD_`` says the user has tuned the allocator; elsewhere it does nothing.
@@ -59,4 +59,3 @@ def _set_thresholds() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # mallopt returns 1 on success; the mmap threshold first: setting it fixes both thresholds where they are
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-
