@@ -5,19 +5,25 @@ capture (torch.export) -> symbolic shapes -> op dimension rules -> partition spa
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any
 
 import torch
 
 from primepar_fx.frontend.capture import capture, config_seq_max
+from primepar_fx.frontend.specialize import StaticSeqWarning
 from primepar_fx.graph import OpGraph, check_fallback, graph_of
 from primepar_fx.graph.replicate import analyze_replicated
+from primepar_fx.models import model_example_inputs
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.planner import plan_graph
 from primepar_fx.planning.workers import default_workers
 from primepar_fx.record.plan import Plan
 from primepar_fx.report.explain import Explanation, explain_choice
 from primepar_fx.utils.gcpause import gc_paused
+
+log = logging.getLogger(__name__)
 
 
 @gc_paused
@@ -54,6 +60,50 @@ def analyze(
     )
 
 
+def analyze_at(
+    model: torch.nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None,
+    seq: int | None,
+    **options: Any,
+) -> OpGraph:
+    """:func:`analyze` (``options``: its keywords) for a graph to be planned at ``seq`` tokens.
+
+    A model whose sequence length cannot stay symbolic is captured at the example's (``graph.captured.static_seq``);
+    where ``seq`` differs, it is captured again from inputs of ``seq`` tokens and the example's batch
+    (:func:`~primepar_fx.models.model_example_inputs`), and only that capture's
+    :class:`~primepar_fx.frontend.specialize.StaticSeqWarning` is shown. A model whose inputs that function cannot
+    make, or makes other than the example's (other arguments), keeps the first graph, which the planner refuses to
+    plan at ``seq``."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        graph = analyze(model, example_args, example_kwargs, **options)
+    captured, again = graph.captured, None
+    if seq is not None and captured.static_seq and captured.example_seq != seq:
+        again = _inputs_at(model, example_args, example_kwargs, captured.example_batch, seq)
+    for w in said:
+        if again is None or not issubclass(w.category, StaticSeqWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if again is None:
+        return graph
+    log.info("%s: captured again at S=%d, since its sequence length cannot stay symbolic", graph.name, seq)
+    return analyze(model, *again, **options)
+
+
+def _inputs_at(
+    model: torch.nn.Module, args: Any, kwargs: dict[str, Any] | None, batch: int, seq: int
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Inputs of ``batch`` x ``seq`` tokens (:func:`~primepar_fx.models.model_example_inputs`) passed as ``args``
+    and ``kwargs`` are (as many positional, the same keywords); ``None`` where they cannot be made so."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    try:
+        made = model_example_inputs(model, device, batch, seq)
+    except ValueError:  # a model with inputs of its own
+        return None
+    args = (args,) if isinstance(args, torch.Tensor) else args
+    return made if len(made[0]) == len(args) and set(made[1]) == set(kwargs or {}) else None
+
+
 def plan(
     model: torch.nn.Module,
     example_inputs: tuple[Any, ...] | tuple[tuple[Any, ...], dict[str, Any]] = (),
@@ -87,38 +137,20 @@ def plan(
     of ``cluster`` (a preset name, a spec file or a :class:`~primepar_fx.cost.cluster.ClusterSpec`; default:
     :func:`~primepar_fx.planning.options.default_cluster`, ``v100-paper`` unless ``$PRIMEPAR_CLUSTER`` names
     another). ``batch`` and ``seq`` (default: the example's sizes) are the sizes the plan is priced at; they may
-    differ from the example's, since the graph is symbolic in ``B`` and ``S``. Works on meta-device models.
+    differ from the example's, since the graph is symbolic in ``B`` and ``S``. A model whose sequence length cannot
+    stay symbolic (GPT-Neo, MPT) is captured again at ``seq`` (:func:`analyze_at`); where its inputs cannot be
+    made (its own), plan it from examples of ``seq`` tokens. Works on meta-device models.
 
     ``memory_budget``: a hard limit on each device's predicted peak (bytes, or a size such as ``"30GiB"``);
-    ``"device"`` (the default) is the cluster's device memory less a reserve
-    (:func:`~primepar_fx.planning.options.device_budget`), ``None`` no limit.
-    ``dtype``: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or a torch dtype. ``alpha``: seconds per byte of
-    memory added to the objective. ``method``: ``"dp"``, ``"ilp"`` or ``"auto"``. ``allow_prime=False`` leaves
-    P(S x S) out (the split-only space). ``baselines``: also price Megatron, data parallelism and split-only.
-    ``fallback="replicate"`` runs ops without a rule replicated. ``grouped``: past three device digits
-    (16 or more GPUs on 4-GPU nodes) the search runs on the digits merged into three: every such grouping, the
-    cheapest plan kept (``None``, the default, or ``"all"``), only the leading digits merged (``True`` or
-    ``"leading"``), or the full mesh and then every grouping (``False``); see
-    :func:`~primepar_fx.planning.groupings.search_meshes`. ``group_digits`` (above 3) adds the groupings into 4, ...,
-    that many digits to the default's, finer and slower.
-    ``progress`` shows the pricing's progress bars on stderr.
-    ``grad_dtype`` (default: ``dtype``), ``master_weights`` (an fp32 copy of every parameter; default: when
-    ``dtype`` is 16 bits) and ``state_dtype`` (the optimizer's two moments, default fp32) say what a device keeps
-    per parameter besides it: by default 16 bytes a parameter in every dtype, as mixed-precision Adam keeps.
-    ``recompute``: activation recomputation per layer (:mod:`~primepar_fx.levers.recompute`): ``"auto"`` (the
-    default: none when the fastest plan fits the budget, else the fastest of none, selective and full on the
-    fewest first layers that fit), or ``"none"``, ``"selective"``, ``"full"`` on every layer.
-    ``zero``: ZeRO's stage for the parameters the plan replicates (:mod:`~primepar_fx.runtime.zero`): ``"auto"``
-    (the default: 0 when the plan fits without, else 2, which splits gradients and optimizer state over the
-    replicas at no extra time), or 0, 1, 2. Train a ZeRO plan with ``module.optimizer(torch.optim.AdamW, ...)``.
-    ``micro_batches``: gradient accumulation over micro-batches of ``batch / micro_batches``: ``"auto"`` (the
-    default: 1 unless the budget binds, then the fastest of 1, 2, 4, 8 that divide the batch) or a count; the
-    compiled module splits the batch itself (:mod:`~primepar_fx.compiler.microbatch`).
-    ``workers``: processes that price and search the groupings of the digits side by side (forked, where the
-    platform can fork: :mod:`~primepar_fx.planning.workers`); ``None`` (the default) is one per core.
-    ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
+    ``"device"`` (the default) is the cluster's device memory less a reserve, ``None`` no limit. ``dtype`` may also
+    be a torch dtype. ``workers``: processes that price and search side by side; ``None`` (the default) is one per
+    core. ``replicate_layers`` (default) captures two of the model's identical layers and replicates them
     (:mod:`primepar_fx.graph.replicate`); pass ``False`` for a model whose forward treats later layers differently.
-    Every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the
+    Train a ZeRO plan (``zero``) with ``module.optimizer(torch.optim.AdamW, ...)``. Every other option is the
+    attribute of that name of :class:`~primepar_fx.planning.options.PlanOptions` (the search: ``alpha``,
+    ``method``, ``allow_prime``, ``baselines``, ``grouped``, ``group_digits``; what a device keeps per parameter:
+    ``grad_dtype``, ``master_weights``, ``state_dtype``; the levers ``recompute``, ``zero``, ``micro_batches``), and
+    every option is checked (:meth:`PlanOptions.make <primepar_fx.planning.options.PlanOptions.make>`) before the
     capture.
     """
     options = PlanOptions.make(
@@ -148,7 +180,7 @@ def plan(
     if seq is not None and limit is not None and seq > limit:
         raise ValueError(f"seq={seq} exceeds the model's maximum sequence length of {limit} (its config)")
     args, kwargs = _split_inputs(example_inputs)
-    graph = analyze(model, args, kwargs, fallback=fallback, replicate_layers=replicate_layers)
+    graph = analyze_at(model, args, kwargs, seq, fallback=fallback, replicate_layers=replicate_layers)
     return plan_graph(graph, options)
 
 
