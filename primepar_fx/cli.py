@@ -20,7 +20,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -30,14 +29,7 @@ from primepar_fx.planning.options import DEVICE_MEMORY_RESERVE, PlanOptions, par
 from primepar_fx.planning.workers import default_workers
 from primepar_fx.record.plan import Plan
 from primepar_fx.search import InfeasibleBudget
-from primepar_fx.utils.cliargs import (  # noqa: F401  (re-exported: the command line's names)
-    digit_list,
-    non_negative_float,
-    parse_budget,
-    parse_bytes,
-    positive_int,
-    table_format,
-)
+from primepar_fx.utils.cliargs import digit_list, non_negative_float, parse_budget, positive_int, table_format
 from primepar_fx.utils.malloc import steady_malloc
 from primepar_fx.utils.units import format_bytes
 
@@ -107,35 +99,13 @@ def _at_seq(
 def _analyze_model(
     model: torch.nn.Module, ex_args: tuple[Any, ...], ex_kwargs: dict[str, Any], name: str, args: argparse.Namespace
 ) -> Any:
-    """The model's graph (two layers replicated unless ``--full-capture``). A model whose sequence length cannot
-    stay symbolic is captured at the example's (:func:`_at_seq`); where ``--seq`` differs (a shorter one), it is
-    captured again at ``--seq`` from inputs of that length, and only that capture's warning is shown. Models that
-    bring their own example inputs (``package.module:callable``) keep the first capture."""
-    from primepar_fx.api import analyze
-    from primepar_fx.frontend.specialize import StaticSeqWarning
-    from primepar_fx.models import model_example_inputs
+    """The model's graph (two layers replicated unless ``--full-capture``), for planning at ``--seq``: a model whose
+    sequence length cannot stay symbolic is captured at the example's (:func:`_at_seq`), and again at another
+    ``--seq`` (a shorter one) where its inputs can be made (:func:`primepar_fx.api.analyze_at`)."""
+    from primepar_fx.api import analyze_at
 
-    def capture(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        return analyze(model, a, k, name=name, fallback=args.fallback, replicate_layers=not args.full_capture)
-
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        graph = capture(ex_args, ex_kwargs)
-    seq, captured = getattr(args, "seq", None), graph.captured
-    again = seq is not None and captured.static_seq and captured.example_seq != seq
-    if again:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        try:
-            ex_args, ex_kwargs = model_example_inputs(model, device, captured.example_batch, seq)
-        except ValueError:  # its own examples: the planner says to capture it at --seq
-            again = False
-    for w in said:
-        if not (again and issubclass(w.category, StaticSeqWarning)):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if again:
-        log.info("%s: captured again at --seq %d, since its sequence length cannot stay symbolic", name, seq)
-        graph = capture(ex_args, ex_kwargs)
-    return graph
+    seq, replicate = getattr(args, "seq", None), not args.full_capture
+    return analyze_at(model, ex_args, ex_kwargs, seq, name=name, fallback=args.fallback, replicate_layers=replicate)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -171,15 +141,52 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """``primepar-fx plan``: capture the model, search its plan, print it against the baselines and write it."""
     from primepar_fx.planning.planner import plan_graph
 
     t0 = time.perf_counter()
     _check_digits(args)
+    _check_output_files(args)
+    options = _plan_options(args)  # every option checked before the capture
+    model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
+    built_s = time.perf_counter() - t0
+    _check_seq(model, args.seq, name)
+    graph = _analyze_model(model, *_at_seq(model, ex_args, ex_kwargs, args), name, args)
+    captured_s = time.perf_counter() - t0 - built_s
+    try:
+        plan = plan_graph(graph, options)
+    except InfeasibleBudget as e:
+        raise CliError(_infeasible(e, options, args.memory_budget is None)) from None
+    print(plan.summary_table(tablefmt=args.format, fold=not args.all_nodes))
+    _print_baselines(plan, options)
+    for warning in plan_warnings(plan, options.cluster, options.memory_budget, graph):
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    if args.report:
+        from primepar_fx.report.html import write_report
+
+        print(f"wrote {write_report(args.report, graph, plan)}")
+    print(
+        f"planned in {time.perf_counter() - t0:.1f} s: model {built_s:.2f} s, capture {captured_s:.2f} s, "
+        f"{plan.search.describe_times(plan.digits)}, baselines {plan.search.baselines_s or 0.0:.2f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _check_output_files(args: argparse.Namespace) -> None:
+    """``-o`` and ``--report`` name files, not folders."""
     if args.output and os.path.isdir(args.output):
         raise CliError(f"-o {args.output} is a folder; give the plan's file name, e.g. {args.output}/plan.json")
     if args.report and os.path.isdir(args.report):
         raise CliError(f"--report {args.report} is a folder; give the report's file name, e.g. {args.report}/plan.html")
-    options = PlanOptions.make(  # every option checked before the capture
+
+
+def _plan_options(args: argparse.Namespace) -> PlanOptions:
+    """``plan``'s options, every one checked (:meth:`PlanOptions.make`)."""
+    return PlanOptions.make(
         cluster=args.cluster,
         world_size=args.world_size,
         batch=args.batch,
@@ -204,16 +211,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty(),
         workers=default_workers() if args.workers is None else args.workers,
     )
-    model, ex_args, ex_kwargs, name = load_model(args.model, layers=args.layers)
-    built_s = time.perf_counter() - t0
-    _check_seq(model, args.seq, name)
-    graph = _analyze_model(model, *_at_seq(model, ex_args, ex_kwargs, args), name, args)
-    captured_s = time.perf_counter() - t0 - built_s
-    try:
-        plan = plan_graph(graph, options)
-    except InfeasibleBudget as e:
-        raise CliError(_infeasible(e, options, args.memory_budget is None)) from None
-    print(plan.summary_table(tablefmt=args.format, fold=not args.all_nodes))
+
+
+def _print_baselines(plan: Plan, options: PlanOptions) -> None:
+    """The plan against the best Megatron and FSDP configurations: its throughput and peak memory relative to
+    theirs, or that none of them fits the budget."""
     if plan.baselines:
         print()
     for key, title in (("megatron", "Megatron configuration"), ("fsdp", "FSDP configuration")):
@@ -236,23 +238,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"  ({base.config['fallback_nodes']} of {len(plan.nodes)} nodes could not take that configuration's "
                 "split on some digit (it does not divide their dim, or they may not split it) and are replicated there)"
             )
-    for warning in plan_warnings(plan, options.cluster, options.memory_budget, graph):
-        print(f"warning: {warning}", file=sys.stderr)
-    if args.output:
-        plan.save(args.output)
-        print(f"wrote {args.output}")
-    if args.report:
-        from primepar_fx.report.html import write_report
-
-        print(f"wrote {write_report(args.report, graph, plan)}")
-    from primepar_fx.planning.groupings import search_times
-
-    print(
-        f"planned in {time.perf_counter() - t0:.1f} s: model {built_s:.2f} s, capture {captured_s:.2f} s, "
-        f"{search_times(plan.search, plan.digits)}, baselines {plan.search['baselines_s']:.2f} s",
-        file=sys.stderr,
-    )
-    return 0
 
 
 def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str:
@@ -285,9 +270,10 @@ def _infeasible(e: InfeasibleBudget, options: PlanOptions, default: bool) -> str
     )
     searched += " and ZeRO-2 or 3" if options.zero == "auto" else f" and ZeRO stage {options.zero}"
     if options.micro_batches == "auto":
-        from primepar_fx.planning.planner import micro_batch_tries
+        from primepar_fx.levers.choices import micro_batch_tries
 
-        searched += f", in up to {max(micro_batch_tries(options))} micro-batches"
+        tries = micro_batch_tries(options.micro_batches, options.memory_budget, options.batch)  # type: ignore[arg-type]
+        searched += f", in up to {max(tries)} micro-batches"
     else:
         searched += f", in {options.micro_batches} micro-batches"
     if e.floor:
@@ -423,12 +409,27 @@ def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="search the cheapest plan and compare it with Megatron and data parallelism")
     pl.add_argument("model", help=MODEL_HELP)
     _add_model_args(pl)
+    _add_priced_at_args(pl)
+    _add_dtype_args(pl)
+    _add_memory_args(pl)
+    _add_search_args(pl)
+    pl.add_argument("-o", "--output", help="write the plan JSON here")
+    pl.add_argument("--report", metavar="HTML", help="write a self-contained HTML report of the plan here")
+    pl.set_defaults(func=cmd_plan)
+
+
+def _add_priced_at_args(pl: argparse.ArgumentParser) -> None:
+    """``plan``'s cluster, batch and sequence length: what the plan is priced at."""
     pl.add_argument(
         "--cluster",
         help="preset name or spec file (.json/.toml) (default: $PRIMEPAR_CLUSTER, else v100-paper)",
     )
     pl.add_argument("--batch", type=positive_int, required=True, help="global batch size the plan is priced at")
     pl.add_argument("--seq", type=positive_int, required=True, help="sequence length the plan is priced at")
+
+
+def _add_dtype_args(pl: argparse.ArgumentParser) -> None:
+    """``plan``'s dtypes: of parameters and activations, gradients, master weights and optimizer moments."""
     pl.add_argument(
         "--dtype",
         default="fp32",
@@ -451,6 +452,10 @@ def _add_plan_parser(sub: Any) -> None:
         choices=["fp32", "bf16", "fp16"],
         help="dtype of the optimizer's two moments (default fp32)",
     )
+
+
+def _add_memory_args(pl: argparse.ArgumentParser) -> None:
+    """``plan``'s memory levers (recomputation, ZeRO, micro-batches), its budget and the weight of memory."""
     pl.add_argument(
         "--recompute",
         default="auto",
@@ -481,6 +486,11 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument(
         "--alpha", type=non_negative_float, default=0.0, help="weight of memory (per byte) in the objective"
     )
+
+
+def _add_search_args(pl: argparse.ArgumentParser) -> None:
+    """How ``plan`` searches: the solver, the split orders and digit groupings searched, the baselines, the
+    workers."""
     pl.add_argument(
         "--method",
         default="auto",
@@ -519,9 +529,6 @@ def _add_plan_parser(sub: Any) -> None:
         help="processes that price and search the groupings of the digits side by side (default: one per core; "
         "1: this process alone)",
     )
-    pl.add_argument("-o", "--output", help="write the plan JSON here")
-    pl.add_argument("--report", metavar="HTML", help="write a self-contained HTML report of the plan here")
-    pl.set_defaults(func=cmd_plan)
 
 
 def _add_dump_parser(sub: Any) -> None:
@@ -578,9 +585,10 @@ def run(argv: list[str] | None = None) -> None:
     """The console entry point (``primepar-fx``, ``python -m primepar_fx``): :func:`main`, then a quick exit.
 
     A planning process ends holding millions of objects (torch's and transformers' modules, the priced graph), which
-    the interpreter's exit would free: about a second on a 2-core machine, after the answer is printed. Exit status,
-    streams and ``atexit`` handlers are a normal exit's; only that teardown is skipped (``os._exit``, as mypy's
-    command line does). Other exceptions than :class:`SystemExit` leave with their traceback. :func:`main` returns.
+    the interpreter's exit would free, a noticeable wait after the answer is printed
+    (docs/benchmarks/measured_in_code.md). Exit status, streams and ``atexit`` handlers are a normal exit's; only
+    that teardown is skipped (``os._exit``, as mypy's command line does). Other exceptions than :class:`SystemExit`
+    leave with their traceback. :func:`main` returns.
     """
     try:
         code: Any = main(argv)

@@ -170,7 +170,7 @@ def test_plan_searches_within_the_device_memory_by_default(capsys: pytest.Captur
     rc, _, err = run(capsys, *argv[:3], "512", *argv[4:], "--no-baselines", "-o", str(out_file))
     assert rc == 0, err
     plan = Plan.load(out_file)
-    assert plan.search["memory_budget"] == int(0.9 * 2**31) >= plan.predicted.peak_memory_bytes
+    assert plan.search.memory_budget == int(0.9 * 2**31) >= plan.predicted.peak_memory_bytes
 
 
 def test_explain_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,7 +201,7 @@ def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
     assert all(
         plan.predicted.step_time_s <= (b.predicted.step_time_s + slack) * (1 + 1e-9) for b in plan.baselines.values()
     )
-    assert plan.search["proven_optimal"] is True
+    assert plan.search.proven_optimal is True
 
 
 def test_plan_searches_every_grouping_past_three_digits(capsys, tmp_path) -> None:
@@ -224,24 +224,24 @@ def test_plan_searches_every_grouping_past_three_digits(capsys, tmp_path) -> Non
     rc, _, err = run(capsys, *base, "-o", str(out))
     assert rc == 0 and "3 groupings of the digits priced and searched" in err, err
     every = Plan.load(out)
-    assert [g["digits"] for g in every.search["groupings"]] == [[4, 2, 2], [2, 2, 4], [2, 4, 2]]
-    searched = [g for g in every.search["groupings"] if g["objective"] is not None]
-    assert every.search["objective"] == min(g["objective"] for g in searched)
+    assert [g.digits for g in every.search.groupings] == [(4, 2, 2), (2, 2, 4), (2, 4, 2)]
+    searched = [g for g in every.search.groupings if g.objective is not None]
+    assert every.search.objective == min(g.objective for g in searched)
     # under the device's budget a grouping whose fastest plan is no faster than the best found is not searched
-    assert all(g["bound"] >= every.search["objective"] for g in every.search["groupings"] if g["objective"] is None)
+    assert all(g.bound >= every.search.objective for g in every.search.groupings if g.objective is None)
     with pytest.raises(SystemExit):
         main([*base, "--grouped", "all", "--no-grouped"])
     assert "not allowed with" in capsys.readouterr().err
     full = tmp_path / "full.json"  # the full mesh, then the groupings; never worse than the best of them
     rc, _, err = run(capsys, *base, "--no-grouped", "-o", str(full))
     assert rc == 0 and "the full mesh and 3 groupings of the digits priced and searched" in err, err
-    listed = Plan.load(full).search["groupings"]
-    assert [g["digits"] for g in listed] == [[2, 2, 2, 2], [4, 2, 2], [2, 2, 4], [2, 4, 2]]
-    assert Plan.load(full).search["objective"] <= every.search["objective"] * (1 + 1e-12)
+    listed = Plan.load(full).search.groupings
+    assert [g.digits for g in listed] == [(2, 2, 2, 2), (4, 2, 2), (2, 2, 4), (2, 4, 2)]
+    assert Plan.load(full).search.objective <= every.search.objective * (1 + 1e-12)
     # --group-digits 4 of four digits is the full mesh; it goes with the groupings of every digit only
     rc, _, err = run(capsys, *base, "--group-digits", "4", "-o", str(full))
     assert rc == 0 and "the full mesh and 3 groupings of the digits priced and searched" in err, err
-    assert Plan.load(full).search["group_digits"] == 4
+    assert Plan.load(full).search.group_digits == 4
     rc, _, err = run(capsys, *base, "--group-digits", "4", "--grouped", "leading")
     assert rc == 2 and "group_digits=4 adds groupings to grouped='all', not to grouped='leading'" in err, err
 

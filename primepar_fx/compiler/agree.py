@@ -24,8 +24,9 @@ from primepar_fx.calibrate.machine import machine_spec, one_host
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionError
+from primepar_fx.planning.forced import forced_plan
 from primepar_fx.planning.options import PlanOptions, parse_plan
-from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.record.plan import Plan
 from primepar_fx.runtime.groups import ProcessGroups
 

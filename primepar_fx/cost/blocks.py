@@ -145,7 +145,7 @@ class CostOptions:
         return f"{self.param_state_bytes} B a parameter: {kept}{zero}"
 
     def training_state(self) -> dict[str, object]:
-        """What a plan records of these (``plan.search["training_state"]``; :meth:`from_training_state`)."""
+        """What a plan records of these (``plan.search.training_state``; :meth:`from_training_state`)."""
         return {
             "grad_dtype": dtype_key(self.grad_dtype or self.dtype),
             "master_weights": self.keeps_master,

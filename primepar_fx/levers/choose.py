@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from primepar_fx.cost.model import CostOptions
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.graph import OpGraph
 from primepar_fx.levers.peak import plan_peak, solve_for_peak
 from primepar_fx.levers.recompute import Chosen, choose_recompute

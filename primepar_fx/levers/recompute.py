@@ -38,7 +38,6 @@ layers costs time but frees memory for faster partitions).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -91,17 +90,20 @@ class LayerPricing:
         self._edges: dict[tuple, tuple] = {}  # _edge_again's, by the ids of its arrays
         self._applied: tuple[Recompute, PricedGraph] | None = None  # apply's last
 
-    def detached(self) -> LayerPricing:
-        """A copy without the graph (a captured graph does not pickle) and without the memos (rebuilt as read):
-        what a worker process sends back (:func:`~primepar_fx.planning.workers.search_forked`); the receiver gives
-        it the graph again (:meth:`attach`) before reading it."""
-        out = copy.copy(self)
-        out.graph = None  # type: ignore[assignment]
-        out._how, out._memo, out._edges, out._applied = {}, {}, {}, None
-        return out
+    def __getstate__(self) -> dict:
+        """Pickled (what a worker process sends back: :mod:`~primepar_fx.planning.workers`) without the graph, which
+        does not pickle, and without the memos, rebuilt as read; the receiver gives it the graph again
+        (:meth:`attach`) before reading it."""
+        state = dict(self.__dict__)
+        state["graph"] = None
+        state["_how"], state["_memo"], state["_edges"], state["_applied"] = {}, {}, {}, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def attach(self, graph: OpGraph) -> None:
-        """Give a :meth:`detached` copy its graph again (the one it was priced from, as the receiver holds it)."""
+        """Give an unpickled copy its graph again (the one it was priced from, as the receiver holds it)."""
         if self.graph is not None and self.graph is not graph:
             raise ValueError("attach: this recomputation pricing has another graph already")
         self.graph = graph
@@ -310,13 +312,8 @@ class Chosen:
     #: is active: what :func:`restricted` prices a subspace from
     layers: LayerPricing | None = None
 
-    def detached(self) -> Chosen:
-        """This, fit to send to another process: its recomputation pricing without the graph
-        (:meth:`LayerPricing.detached`); :meth:`attach` gives it back."""
-        return self if self.layers is None else dataclasses.replace(self, layers=self.layers.detached())
-
     def attach(self, graph: OpGraph) -> None:
-        """Give a :meth:`detached` plan's recomputation pricing its graph again."""
+        """Give an unpickled plan's recomputation pricing its graph again (it travels without: a worker's plan)."""
         if self.layers is not None:
             self.layers.attach(graph)
 
@@ -412,7 +409,7 @@ def _least_real(layers: LayerPricing, policy: Recompute, applied: PricedGraph) -
 
     Memory alone is searched on :attr:`PricedGraph.cost_graph`, without the virtual nodes of shared re-layouts:
     they hold no memory and forbid nothing their pass-through state does not, so the least memory is the same, and
-    its DP is a few times faster (many of these run under a budget: :func:`_fewest_full`, :func:`_fewest_fitting`)."""
+    its DP is smaller, so faster (many of these run under a budget: :func:`_fewest_full`, :func:`_fewest_fitting`)."""
     graph = applied.cost_graph
     static, choice = least_plan(graph, ring_buffers(applied, graph))
     if choice is None:
@@ -460,57 +457,71 @@ def choose_recompute(
     free = _solve_policy(layers, Recompute.uniform(stack, count, "none"), None, alpha, method)
     if memory_budget is None or alpha > 0 or free.solution.memory <= memory_budget:
         return dataclasses.replace(free, recompute=None)
-    # the budget binds: the fastest of no recomputation, selective, and full on the fewest first layers that fit
-    needs: list[float] = []
-    cuts: list[CutOff] = []
-    found = [_try(layers, Recompute.uniform(stack, count, "none"), memory_budget, alpha, method, needs, cutoff, cuts)]
+    return _PolicySearch(layers, memory_budget, alpha, method, cutoff).run()
 
-    def best_cost() -> float:
-        return min((c.solution.cost for c in found if c is not None), default=cutoff)
 
-    def bounded(policy: Recompute) -> tuple[Chosen | None, bool]:
+class _PolicySearch:
+    """:func:`choose_recompute` where the budget binds: the fastest of no recomputation, selective, and full on the
+    fewest first layers that fit. Keeps every plan found, what each policy tried needs where nothing fits, and the
+    budgeted searches per count of layers recomputed in full."""
+
+    def __init__(self, layers: LayerPricing, budget: float, alpha: float, method: str, cutoff: float) -> None:
+        self.layers, self.budget, self.alpha, self.method, self.cutoff = layers, budget, alpha, method, cutoff
+        self.stack, self.count = layers.units.stack, len(layers.units)
+        self.needs: list[float] = []
+        self.cuts: list[CutOff] = []
+        self.found: list[Chosen | None] = []
+        self.tried: dict[int, tuple[Chosen | None, bool, bool]] = {}
+
+    def run(self) -> Chosen:
+        layers, stack, count = self.layers, self.stack, self.count
+        none = Recompute.uniform(stack, count, "none")
+        self.found.append(_try(layers, none, self.budget, self.alpha, self.method, self.needs, self.cutoff, self.cuts))
+        if layers.selective_differs:
+            self.found.append(self.bounded(Recompute.uniform(stack, count, "selective"))[0])
+        k = _fewest_full(layers, self.budget)
+        while k is not None:  # more layers recomputed free memory for faster partitions: k, 2k, 4k, ..., all
+            got, searched, unfit = self.full_on(k)
+            if not searched:  # recomputing more layers only adds time to every plan: no larger k can beat this bound
+                break
+            if unfit:  # the fewest k that fits lies above: bisected, not stepped (a 70B stack is 80 layers)
+                k = _fewest_fitting(layers, self.budget, k, self.full_on)
+                continue
+            k = None if k == count else min(count, 2 * k)
+        best = min((c for c in self.found if c is not None), key=lambda c: c.solution.cost, default=None)
+        if best is None and self.cutoff < math.inf:  # nothing that fits beats the caller's plan (if anything fits)
+            raise CutOff(self.cutoff)
+        if best is None:
+            full = Recompute.uniform(stack, count, "full")
+            self.needs.append(_least_real(layers, full, layers.apply(full))[0])
+            raise InfeasibleBudget(self.budget, min(self.needs))  # the least of the modes tried
+        return best if best.recompute is None or best.recompute.active else dataclasses.replace(best, recompute=None)
+
+    def best_cost(self) -> float:
+        return min((c.solution.cost for c in self.found if c is not None), default=self.cutoff)
+
+    def bounded(self, policy: Recompute) -> tuple[Chosen | None, bool]:
         """The plan under ``policy``, and whether a budgeted search found it. The policy's fastest plan without
         a budget bounds it from below: the policy is skipped (``None``) where the bound is no faster than the best
         plan found or the caller's (fitting or not, it cannot win), that plan is the answer where it fits, and only
         otherwise does the budgeted search (several DP runs) run."""
-        bound = _solve_policy(layers, policy, None, alpha, method)
-        if bound.solution.cost >= best_cost():
+        bound = _solve_policy(self.layers, policy, None, self.alpha, self.method)
+        if bound.solution.cost >= self.best_cost():
             return None, False
-        if bound.solution.memory <= memory_budget:
+        if bound.solution.memory <= self.budget:
             return bound, False
-        return _try(layers, policy, memory_budget, alpha, method, needs, best_cost(), cuts), True
+        got = _try(self.layers, policy, self.budget, self.alpha, self.method, self.needs, self.best_cost(), self.cuts)
+        return got, True
 
-    if layers.selective_differs:
-        found.append(bounded(Recompute.uniform(stack, count, "selective"))[0])
-    tried: dict[int, tuple[Chosen | None, bool, bool]] = {}
-
-    def full_on(k: int) -> tuple[Chosen | None, bool, bool]:
+    def full_on(self, k: int) -> tuple[Chosen | None, bool, bool]:
         """The plan with the first ``k`` layers recomputed in full, whether a budgeted search ran, and whether
         nothing fits (once per ``k``)."""
-        if k not in tried:
-            before = len(needs)
-            got, searched = bounded(Recompute.uniform(stack, count, "full", k))
-            found.append(got)
-            tried[k] = (got, searched, len(needs) > before)
-        return tried[k]
-
-    k = _fewest_full(layers, memory_budget)
-    while k is not None:  # more layers recomputed free memory for faster partitions: k, 2k, 4k, ..., all
-        got, searched, unfit = full_on(k)
-        if not searched:  # recomputing more layers only adds time to every plan: no larger k can beat this bound
-            break
-        if unfit:  # the fewest k that fits lies above: bisected, not stepped (a 70B stack is 80 layers)
-            k = _fewest_fitting(layers, memory_budget, k, full_on)
-            continue
-        k = None if k == count else min(count, 2 * k)
-    best = min((c for c in found if c is not None), key=lambda c: c.solution.cost, default=None)
-    if best is None and cutoff < math.inf:  # nothing that fits beats the caller's plan (if anything fits)
-        raise CutOff(cutoff)
-    if best is None:
-        full = Recompute.uniform(stack, count, "full")
-        needs.append(_least_real(layers, full, layers.apply(full))[0])
-        raise InfeasibleBudget(memory_budget, min(needs))  # the least of the modes tried
-    return best if best.recompute is None or best.recompute.active else dataclasses.replace(best, recompute=None)
+        if k not in self.tried:
+            before = len(self.needs)
+            got, searched = self.bounded(Recompute.uniform(self.stack, self.count, "full", k))
+            self.found.append(got)
+            self.tried[k] = (got, searched, len(self.needs) > before)
+        return self.tried[k]
 
 
 def _try(

@@ -11,8 +11,8 @@ from typing import Any
 
 import sympy
 
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.moe import MOE_EXPERTS
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph
@@ -147,7 +147,7 @@ def best_fsdp(
     (:func:`best_micro_batches`): the parameters gathered again for every micro-batch, the local gradients
     accumulated whole and reduce-scattered once a step (FSDP2's ``set_requires_gradient_sync(False)`` until the
     last micro-batch); config ``"micro_batches"``."""
-    config, predicted = _fsdp(graph, mesh, cluster, values, opts, memory_budget, dp)
+    config, predicted = fsdp_at(graph, mesh, cluster, values, opts, memory_budget, dp)
     if memory_budget is not None:
         batch = values[B]
 
@@ -156,7 +156,7 @@ def best_fsdp(
             if micro[B] % mesh.size:
                 return None  # its ranks would share a sample
             costs = dataclasses.replace(opts, micro_batches=m)
-            config, p = _fsdp(
+            config, p = fsdp_at(
                 graph, mesh, cluster, micro, costs, memory_budget, data_parallel_assignment(graph, mesh, values=micro)
             )
             config = {**config, "micro_batches": m}
@@ -167,7 +167,7 @@ def best_fsdp(
     return Baseline("fsdp", config, predicted, {n: str(s) for n, s in dp.items()})
 
 
-def _fsdp(
+def fsdp_at(
     graph: OpGraph,
     mesh: DeviceMesh,
     cluster: ClusterSpec,

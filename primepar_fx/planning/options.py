@@ -37,6 +37,7 @@ from primepar_fx.graph import check_fallback
 from primepar_fx.levers.choices import check_choice, check_zero
 from primepar_fx.levers.choose import LeverOptions
 from primepar_fx.partition import DeviceMesh
+from primepar_fx.planning.groupings import Grouped
 from primepar_fx.record.plan import Plan
 from primepar_fx.utils.units import memory_budget_bytes
 
@@ -162,11 +163,12 @@ class PlanOptions:
         allow_prime: whether P(S x S) is in the space (``False``: the split-only space).
         baselines: also price Megatron-LM, data parallelism and split-only.
         digits: device digits overriding the cluster's (their product is ``world_size``).
-        grouped: past three device digits, which meshes the search runs on
-            (:func:`~primepar_fx.planning.groupings.search_meshes`): ``None`` or ``"all"`` every grouping of the digits
-            into three, the cheapest plan kept; ``True`` or ``"leading"`` only the leading digits merged; ``False``
-            the full mesh, then every grouping, the cheapest plan kept.
-        group_digits: with ``grouped`` ``None`` or ``"all"``, also the groupings into 4, ..., this many digits
+        grouped: past three device digits, which meshes the search runs on (a
+            :class:`~primepar_fx.planning.groupings.Grouped`: every grouping of the digits into three, the default;
+            the leading digits merged only; or the full mesh, then every grouping; :meth:`make` also takes ``None``,
+            ``True``, ``False`` and the members' values).
+        group_digits: with ``grouped`` :attr:`~primepar_fx.planning.groupings.Grouped.ALL`, also the groupings into
+            4, ..., this many digits
             (finer, slower; at least the mesh's digits: the full mesh); 3, the default, the groupings into three.
         canonical: search one sequence per class of equivalent ones.
         fallback: ``"replicate"`` runs ops without a dimension rule replicated; ``None`` raises.
@@ -193,7 +195,7 @@ class PlanOptions:
     allow_prime: bool = True
     baselines: bool = True
     digits: tuple[int, ...] | None = None
-    grouped: bool | str | None = None
+    grouped: Grouped = Grouped.ALL
     group_digits: int = 3
     canonical: bool = False
     fallback: str | None = None
@@ -233,13 +235,13 @@ class PlanOptions:
         w = self.workers
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"workers must be a whole number >= 1, got {w!r}")
-        if self.grouped not in (None, True, False, "leading", "all"):
-            raise ValueError(f"grouped must be None, True, False, 'leading' or 'all', got {self.grouped!r}")
+        if not isinstance(self.grouped, Grouped):
+            raise ValueError(f"grouped must be a Grouped here (use PlanOptions.make), got {self.grouped!r}")
         g = self.group_digits
         if isinstance(g, bool) or not isinstance(g, int) or g < 3:
             raise ValueError(f"group_digits must be a whole number >= 3, got {g!r}")
-        if g != 3 and self.grouped not in (None, "all"):
-            raise ValueError(f"group_digits={g} adds groupings to grouped='all', not to grouped={self.grouped!r}")
+        if g != 3 and self.grouped is not Grouped.ALL:
+            raise ValueError(f"group_digits={g} adds groupings to grouped='all', not to grouped={self.grouped.value!r}")
         if self.digits is not None:
             if not self.digits or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 for d in self.digits):
                 raise ValueError(f"digits must be radices >= 2, got {self.digits!r}")
@@ -261,12 +263,14 @@ class PlanOptions:
         digits: Any = None,
         zero: object = "auto",
         micro_batches: object = "auto",
+        grouped: object = None,
         **fields: Any,
     ) -> PlanOptions:
         """Options from user input: ``cluster`` a spec, preset name, spec file or ``None`` (:func:`default_cluster`,
         ``running`` as there); ``memory_budget`` bytes, a size such as ``"30GiB"``, ``"device"`` (the default:
         :func:`device_budget` of the cluster) or ``None`` / ``"none"`` (no limit); ``dtype`` a key or a torch
-        dtype (``None``: the model's); the other fields as the class has them."""
+        dtype (``None``: the model's); ``grouped`` as :meth:`Grouped.of <primepar_fx.planning.groupings.Grouped.of>`
+        reads it; the other fields as the class has them."""
         spec = resolve_cluster(cluster, running=running)
         if isinstance(memory_budget, str) and memory_budget.strip().lower() in ("device", "none"):
             memory_budget = device_budget(spec) if memory_budget.strip().lower() == "device" else None
@@ -278,6 +282,7 @@ class PlanOptions:
             state_dtype=dtype_key(state_dtype),
             digits=None if digits is None else tuple(digits),
             zero=check_zero(zero),
+            grouped=Grouped.of(grouped),
             micro_batches=int(micro_batches)
             if isinstance(micro_batches, str) and micro_batches.strip().isdigit()
             else micro_batches,
@@ -315,4 +320,3 @@ class PlanOptions:
         if self.world_size is not None and mesh.size != self.world_size:
             raise ValueError(f"device digits {mesh.digits} make {mesh.size} devices, not world size {self.world_size}")
         return mesh
-

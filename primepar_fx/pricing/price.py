@@ -23,9 +23,9 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.model import (
-    CostOptions,
     NodeCost,
     direction_key,
     edge_cost_matrix,
@@ -55,9 +55,8 @@ log = logging.getLogger(__name__)
 
 #: bytes the pricing holds at its peak per entry of a distinct edge matrix (its seconds and bytes, both directions
 #: and Forward alone, the net of a fused reduce-scatter, the consumers' share, and the re-layouts' temporaries, which
-#: grow with the world). Measured, resident memory over the ~0.36 GB before pricing: two layers on the full mesh of
-#: 16 devices, llama2-70b 1.48 GB for 1.38e7 entries (107 B an entry), BLOOM-176B 0.52 GB for 6.96e6 (75 B); BLOOM-176B
-#: on 32 devices passed 21.5 GB for 1.51e8 (143 B) and was stopped there
+#: grow with the world): a little above the most measured, the growth of resident memory during pricing per entry
+#: (docs/benchmarks/measured_in_code.md)
 BYTES_PER_ENTRY = 150
 
 

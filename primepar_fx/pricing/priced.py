@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from primepar_fx.cost.model import CostOptions, NodeCost
+from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.cost.model import NodeCost
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.partition import DeviceMesh, PartitionSeq
 from primepar_fx.pricing.deferred import DeferredSaving

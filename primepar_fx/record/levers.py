@@ -62,5 +62,3 @@ class Recompute:
         if not isinstance(data, Mapping) or set(data) != {"stack", "layers"}:
             raise ValueError(f"plan.recompute must be an object with keys 'stack' and 'layers', got {data!r}")
         return cls(data["stack"], data["layers"])
-
-

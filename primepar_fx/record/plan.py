@@ -8,7 +8,7 @@ frozen dataclass that validates itself and round-trips through JSON (never pickl
      "nodes": [{"name": "fc1", "op": "aten.mm.default", "partition": "B,P2x2", "cost": {...}}, ...],
      "predicted": {"step_time_s": ..., "peak_memory_bytes": ..., "comm_bytes": ...},
      "baselines": {"megatron": {"config": {...}, "predicted": {...}, "partitions": {...}}},
-     "search": {"method": "dp", "seconds": 1.2, "proven_optimal": true, ...}}
+     "search": {"method": "dp", "proven_optimal": true, "objective": ..., "memory_budget": null, ...}}
 
 Loading rejects unknown fields and names the offending field path in every error (``plan.nodes[3].partition:
 ...``). Only cheap, graph-independent checks live here (a ``P(S x S)`` needs ``S*S`` to divide ``world_size``);
@@ -40,6 +40,7 @@ from primepar_fx.partition.seq import PartitionSeq
 from primepar_fx.record import fields as fieldcheck
 from primepar_fx.record.fields import PlanError
 from primepar_fx.record.levers import Recompute
+from primepar_fx.record.search import SearchRecord
 
 PLAN_FORMAT = "primepar-plan/2"
 #: formats this version reads no more, and why
@@ -260,9 +261,9 @@ class Plan:
 
     ``digits`` are the device-ID radices (most significant first; their product is ``world_size``), ``nodes``
     the per-node partitions in graph order, ``predicted`` the modelled totals, ``baselines`` reference
-    strategies by name and ``search`` how the plan was found (``method``, ``seconds``, ``proven_optimal``,
-    ``alpha``, ``memory_budget``, ...; plain JSON). ``model_fingerprint`` is :meth:`fingerprint` of the graph's
-    node names and ops ("" if unknown).
+    strategies by name and ``search`` how the plan was found (a :class:`~primepar_fx.record.search.SearchRecord`:
+    ``method``, ``proven_optimal``, ``alpha``, ``memory_budget``, ...). ``model_fingerprint`` is :meth:`fingerprint`
+    of the graph's node names and ops ("" if unknown).
     """
 
     format: str = PLAN_FORMAT
@@ -277,7 +278,7 @@ class Plan:
     nodes: tuple[NodePlan, ...]
     predicted: Predicted
     baselines: dict[str, Baseline] = field(default_factory=dict)
-    search: dict[str, Any] = field(default_factory=dict)
+    search: SearchRecord = field(default_factory=SearchRecord)
     recompute: Recompute | None = None
 
     def __post_init__(self) -> None:
@@ -302,20 +303,17 @@ class Plan:
         if not isinstance(self.predicted, Predicted):
             fieldcheck.fail("plan.predicted", f"must be a Predicted, got {type(self.predicted).__name__}")
         self._check_baselines()
-        fieldcheck.mapping("plan.search", self.search, "search settings and results")
-        fieldcheck.set_attr(self, "search", fieldcheck.json_plain("plan.search", self.search))
+        if not isinstance(self.search, SearchRecord):
+            fieldcheck.fail("plan.search", f"must be a SearchRecord, got {type(self.search).__name__}")
         try:
             self.cost_options()
         except ValueError as e:
             fieldcheck.fail("plan.search", str(e).removeprefix("plan.search."))
 
     def cost_options(self) -> CostOptions:
-        """What the plan was priced with: its dtype, ``search["alpha"]`` and ``search["training_state"]`` (what a
+        """What the plan was priced with: its dtype, ``search.alpha`` and ``search.training_state`` (what a
         device keeps per parameter; a plan without it: the defaults)."""
-        alpha = self.search.get("alpha") or 0.0
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise ValueError(f"plan.search.alpha must be a number of seconds per byte, got {alpha!r}")
-        return CostOptions.from_training_state(self.dtype, float(alpha), self.search.get("training_state"))
+        return CostOptions.from_training_state(self.dtype, float(self.search.alpha or 0.0), self.search.training_state)
 
     @property
     def micro_batches(self) -> int:
@@ -484,7 +482,7 @@ class Plan:
         d["nodes"] = [n.to_dict() for n in self.nodes]
         d["predicted"] = self.predicted.to_dict()
         d["baselines"] = {k: b.to_dict() for k, b in self.baselines.items()}
-        d["search"] = fieldcheck.json_plain("plan.search", self.search)
+        d["search"] = self.search.to_dict()
         if self.recompute is not None:
             d["recompute"] = self.recompute.to_dict()
         return d
@@ -499,6 +497,8 @@ class Plan:
                 d["recompute"] = Recompute.from_dict(d["recompute"])
             except ValueError as e:
                 fieldcheck.fail("plan.recompute", str(e).removeprefix("plan.recompute").lstrip(". "))
+        if "search" in d:
+            d["search"] = SearchRecord.from_dict(d["search"], "plan.search")
         if not isinstance(d["nodes"], list):
             fieldcheck.fail("plan.nodes", f"must be a list of nodes, got {type(d['nodes']).__name__}")
         d["nodes"] = tuple(NodePlan.from_dict(n, f"plan.nodes[{i}]") for i, n in enumerate(d["nodes"]))

@@ -29,10 +29,11 @@ from functools import lru_cache
 import sympy
 from tabulate import tabulate
 
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec
-from primepar_fx.cost.model import CostOptions, NodeCost
+from primepar_fx.cost.model import NodeCost
 from primepar_fx.cost.scatter import ScatterSaving
-from primepar_fx.frontend.symbols import B, S
+from primepar_fx.frontend.symbols import B, S, Shape
 from primepar_fx.graph import OpGraph
 from primepar_fx.levers.recompute import layer_pricing
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
@@ -40,7 +41,7 @@ from primepar_fx.planning.options import resolve_cluster
 from primepar_fx.pricing.price import price_graph
 from primepar_fx.pricing.priced import PricedGraph
 from primepar_fx.record.plan import MiB, Plan
-from primepar_fx.rules.spec import OpDims, Shape
+from primepar_fx.rules.spec import OpDims
 from primepar_fx.utils.tables import fold_repeats
 
 
@@ -170,8 +171,8 @@ def price_plan(
         spec,
         values,
         opts,
-        allow_prime=bool(plan.search.get("allow_prime", True)),
-        canonical=bool(plan.search.get("canonical", False)),
+        allow_prime=plan.search.allow_prime is not False,
+        canonical=bool(plan.search.canonical),
         fixed=fixed,
         replicate_constants=False,  # every other node is pinned; the free one shows its whole space
         restrict=keep_chosen,
@@ -432,8 +433,8 @@ def _options(
 
 def _plan_line(plan: Plan) -> str:
     """One line about the plan: model, devices, cluster, sizes, dtype, how it was made."""
-    how = plan.search.get("forced") or plan.search.get("method") or "given"
-    budget = plan.search.get("memory_budget")
+    how = plan.search.forced or plan.search.method or "given"
+    budget = plan.search.memory_budget
     return (
         f"plan for {plan.model} on {plan.world_size} devices {list(plan.digits)} of {plan.cluster} "
         f"(B={plan.batch}, S={plan.seq}, {plan.dtype}; {how}{f', memory budget {budget:.4g} B' if budget else ''})"
@@ -442,10 +443,10 @@ def _plan_line(plan: Plan) -> str:
 
 def _why_not(plan: Plan) -> str:
     """Why the plan may pass over an alternative that is cheaper with the neighbours held fixed."""
-    if plan.search.get("forced"):
-        return f"the plan was forced ({plan.search['forced']!r}), not searched"
-    if plan.search.get("memory_budget"):
+    if plan.search.forced:
+        return f"the plan was forced ({plan.search.forced!r}), not searched"
+    if plan.search.memory_budget:
         return "the plan was searched under a memory budget, which the cheaper ones may exceed"
-    if not plan.search.get("proven_optimal", False):
+    if not plan.search.proven_optimal:
         return "the search did not prove its plan optimal"
     return "unexpected for a proven-optimal plan without a memory budget: was it priced on another cluster?"

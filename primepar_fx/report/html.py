@@ -142,7 +142,7 @@ def memory_chart(plan: Plan, groups: Sequence[Group]) -> str:
 
 def baselines_section(plan: Plan) -> str:
     ours = plan.predicted
-    budget = plan.search.get("memory_budget")
+    budget = plan.search.memory_budget
     rows = [("primepar (this plan)", "", ours, True)]
     for key, b in plan.baselines.items():
         rows.append((b.config.get("name", key), key, b.predicted, b.config.get("fits_budget", True) is not False))
@@ -266,25 +266,27 @@ def search_section(graph: OpGraph, plan: Plan) -> str:
     counts = [r.sequences for r in explain_rows(graph, mesh, batch=plan.batch, seq=plan.seq)]
     log10 = sum(math.log10(c) for c in counts if c > 0)
     facts = [
-        ("method", s.get("method", "-")),
-        ("proven optimal", s.get("proven_optimal", "-")),
+        ("method", _or_dash(s.method)),
+        ("proven optimal", _or_dash(s.proven_optimal)),
         ("legal partition sequences per node", f"{min(counts)} to {max(counts)}, mean {sum(counts) / len(counts):.1f}"),
         ("plans in the space (product over nodes)", f"10^{log10:.1f}"),
-        ("allow P(S x S)", s.get("allow_prime", "-")),
-        ("pricing", _seconds(s.get("pricing_s"))),
-        ("search", _seconds(s.get("search_s"))),
-        ("baselines", _seconds(s.get("baselines_s"))),
+        ("allow P(S x S)", _or_dash(s.allow_prime)),
+        ("pricing", _seconds(s.pricing_s)),
+        ("search", _seconds(s.search_s)),
+        ("baselines", _seconds(s.baselines_s)),
     ]
-    if "groupings" in s:
-        facts.append(
-            ("digit groupings priced and searched", f"{len(s['groupings'])} in {_seconds(s.get('groupings_s'))}")
-        )
-    if s.get("memory_budget"):
-        facts.append(("memory budget", format_bytes(s["memory_budget"])))
-    if s.get("split_only_kept"):  # the budgeted search landed above the split-only search's plan (planning.md)
+    if s.groupings:
+        facts.append(("digit groupings priced and searched", f"{len(s.groupings)} in {_seconds(s.groupings_s)}"))
+    if s.memory_budget:
+        facts.append(("memory budget", format_bytes(s.memory_budget)))
+    if s.split_only_kept:  # the budgeted search landed above the split-only search's plan (planning.md)
         facts.append(("plan from", "the split-only search, cheaper than what the whole space's search found"))
     facts.append(("counting the space for this page", _seconds(time.perf_counter() - t0)))
     return "<h2>The searched space and the search</h2>" + _facts([(k, v) for k, v in facts if v != "-"])
+
+
+def _or_dash(value: Any) -> Any:
+    return "-" if value is None else value
 
 
 def _ms(seconds: float) -> str:

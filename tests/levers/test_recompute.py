@@ -19,11 +19,13 @@ from primepar_fx.levers import recompute as recompute_module
 from primepar_fx.levers.peak import plan_peak
 from primepar_fx.levers.recompute import choose_recompute, layer_pricing, restricted
 from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.planning.forced import forced_plan
 from primepar_fx.planning.options import resolve_cluster
-from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.pricing.price import price_graph
+from primepar_fx.record.fields import PlanError
 from primepar_fx.record.levers import Recompute
-from primepar_fx.record.plan import Plan, PlanError
+from primepar_fx.record.plan import Plan
 from primepar_fx.search import InfeasibleBudget, solve
 
 
@@ -295,9 +297,9 @@ def test_auto_micro_batches_give_the_fastest_fixed_count_and_the_next_count_boun
     fastest = _fastest_fixed(budget, (1, 2))
     assert auto.predicted.step_time_s == pytest.approx(fastest.predicted.step_time_s, rel=1e-12)
     assert auto.micro_batches == fastest.micro_batches and auto.predicted.peak_memory_bytes <= budget
-    tried = auto.search["micro_batches_tried"]  # one batch, the probe of two, and on while slower counts may not be
-    assert tried[:2] == [1, 2] and set(tried) <= {1, 2, 4, 8} and auto.micro_batches in tried
-    assert probe.search["micro_batches_tried"] == [2]
+    tried = auto.search.micro_batches_tried  # one batch, the probe of two, and on while slower counts may not be
+    assert tried[:2] == (1, 2) and set(tried) <= {1, 2, 4, 8} and auto.micro_batches in tried
+    assert probe.search.micro_batches_tried == (2,)
 
 
 def test_where_no_later_counts_fastest_plan_fits_the_most_micro_batches_are_searched_ahead_and_bound_the_first(
@@ -320,7 +322,7 @@ def test_where_no_later_counts_fastest_plan_fits_the_most_micro_batches_are_sear
     best = min(fixed.values(), key=lambda p: p.predicted.step_time_s)
     assert auto.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-12)
     assert auto.micro_batches == best.micro_batches == 1 and auto.predicted.peak_memory_bytes <= budget
-    assert 8 in auto.search["micro_batches_tried"]
+    assert 8 in auto.search.micro_batches_tried
 
 
 @pytest.mark.parametrize("budget", [4_300_000, 5_000_000])
@@ -328,16 +330,16 @@ def test_a_count_whose_fastest_plan_fits_but_is_slower_than_the_plan_found_ends_
     """One micro-batch with recomputation beats the fastest plan of a larger count that fits as it is (a probe):
     that count is not searched again, nor are the counts after it (more micro-batches only run smaller ones), and
     the plan is still the fastest of every count planned on its own."""
-    import primepar_fx.planning.planner as planner
+    import primepar_fx.planning.counts as counts
 
     searched = []
-    original = planner._search_at
+    original = counts.search_count
 
-    def spy(graph, opts, meshes, m, upper=None, **kwargs):
+    def spy(state, m, bound=None, **kwargs):
         searched.append((m, kwargs.get("free_only", False)))
-        return original(graph, opts, meshes, m, upper, **kwargs)
+        return original(state, m, bound, **kwargs)
 
-    monkeypatch.setattr(planner, "_search_at", spy)
+    monkeypatch.setattr(counts, "search_count", spy)
     auto = plan_graph(graph(), **{**SIZES, "memory_budget": budget})
     monkeypatch.undo()
     probes = [m for m, free in searched if free]  # each later count's fastest plan, up to the first that fits
@@ -352,46 +354,19 @@ def test_a_count_whose_fastest_plan_fits_but_is_slower_than_the_plan_found_ends_
 def test_a_count_probed_and_then_searched_is_priced_once(budget, monkeypatch) -> None:
     """Two micro-batches' probe and then their search price the same mesh at the same sizes: the second reads the
     first's pricing (the plan is the one a fresh pricing gives: test above)."""
-    import primepar_fx.planning.planner as planner
+    import primepar_fx.planning.meshes as meshes
 
     priced = []
-    original = planner.price_graph
+    original = meshes.price_graph
 
     def spy(graph, mesh, cluster, values, opts, **kwargs):
         priced.append((mesh, tuple(sorted(values.items(), key=str)), opts))
         return original(graph, mesh, cluster, values, opts, **kwargs)
 
-    monkeypatch.setattr(planner, "price_graph", spy)
+    monkeypatch.setattr(meshes, "price_graph", spy)
     auto = plan_graph(graph(), **{**SIZES, "memory_budget": budget})
-    assert 2 in auto.search["micro_batches_tried"] and len(priced) == len(set(priced))
+    assert 2 in auto.search.micro_batches_tried and len(priced) == len(set(priced))
     assert {values[0][1] for _, values, _ in priced} >= {8, 4}  # B of one and of two micro-batches
-
-
-def test_the_pricings_kept_for_reading_again_stay_within_their_bounds() -> None:
-    from primepar_fx.planning.groupings import KeptPricings
-
-    priced = layers().priced
-    size = priced.array_nbytes()
-    kept = KeptPricings(2)
-    for key in ("a", "b", "c"):
-        kept.put((key,), priced)
-    assert kept.get(("a",)) is None and kept.get(("b",)) is priced is kept.get(("c",)) and kept.held == 2 * size
-    kept.put(("b",), priced)  # again: replaced, not counted twice
-    assert kept.held == 2 * size
-    small = KeptPricings(10)
-    import primepar_fx.planning.groupings as groupings
-
-    limit = groupings.KEEP_PRICED
-    try:
-        groupings.KEEP_PRICED = size  # one fits, two do not
-        small.put(("a",), priced)
-        small.put(("b",), priced)
-        assert small.get(("a",)) is None and small.get(("b",)) is priced and small.held == size
-        groupings.KEEP_PRICED = size - 1  # none fits: not kept
-        small.put(("c",), priced)
-        assert small.get(("c",)) is None
-    finally:
-        groupings.KEEP_PRICED = limit
 
 
 def test_the_fewest_layers_that_fit_are_bisected_not_stepped() -> None:
@@ -489,8 +464,8 @@ def test_a_budgeted_plan_is_never_slower_than_its_split_only_baseline() -> None:
         split = ours.baselines["split_only"]
         assert split.config["fits_budget"]
         assert ours.predicted.step_time_s <= split.predicted.step_time_s * (1 + 1e-12), share
-        if ours.search.get("split_only_kept"):
-            assert ours.predicted == split.predicted and not ours.search["proven_optimal"]
+        if ours.search.split_only_kept:
+            assert ours.predicted == split.predicted and not ours.search.proven_optimal
 
 
 def test_a_plan_sent_from_a_worker_without_its_graph_reads_as_before_once_the_graph_is_given_back() -> None:
@@ -507,8 +482,8 @@ def test_a_plan_sent_from_a_worker_without_its_graph_reads_as_before_once_the_gr
     chosen = choose_recompute(graph(), priced, values, CostOptions(), choice="full", **opts)
     assert chosen.recompute.active and chosen.layers is not None
     with pytest.raises(Exception):  # noqa: B017 -- the graph does not pickle (whatever torch raises)
-        pickle.dumps(chosen)
-    sent = pickle.loads(pickle.dumps(chosen.detached()))
+        pickle.dumps(graph())
+    sent = pickle.loads(pickle.dumps(chosen))  # pickled without the graph
     assert chosen.layers.graph is graph() and sent.layers.graph is None  # the plan sent from is left whole
     sent.attach(graph())
     split_only = lambda seq: not seq.prime  # noqa: E731

@@ -14,15 +14,18 @@ import pytest
 from torch import fx
 
 from primepar_fx.api import analyze
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.passes.runner import DISABLE_ENV
 from primepar_fx.planning.baselines import megatron_assignment
+from primepar_fx.planning.forced import forced_plan
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.planner import forced_plan, make_plan, summarize
+from primepar_fx.planning.planner import make_plan
 from primepar_fx.pricing.price import price_graph
+from primepar_fx.pricing.summary import summarize
+from primepar_fx.record.search import SearchRecord
 from primepar_fx.report.dump import fake_rank_graphs
 from primepar_fx.runtime.collectives import AllReduce, ReduceScatter
 from primepar_fx.runtime.exchange import Redistribute
@@ -45,7 +48,7 @@ def megatron(sp: bool):
     priced = price_graph(graph(), mesh, spec, values, opts, fixed=assignment)
     summary = summarize(graph(), priced, dict.fromkeys(priced.strategies, 0), opts)
     options = PlanOptions.make(cluster=spec, world_size=WORLD, batch=BATCH, seq=SEQ)
-    return make_plan(graph(), options, mesh, summary, baselines={}, search={"forced": "megatron"})
+    return make_plan(graph(), options, mesh, summary, baselines={}, search=SearchRecord(forced="megatron"))
 
 
 @functools.cache

@@ -247,7 +247,7 @@ def test_megatron_fits_a_budget_with_its_distributed_optimizer() -> None:
     fits: fp32 Adam keeps 8 bytes of moments a parameter, split 4 ways leaves 2, and nothing else moves."""
     from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planning.planner import price_baselines
+    from primepar_fx.planning.compare import price_baselines
 
     graph, params = graph_of("llama-tiny"), sum(p.numel() for p in build("llama-tiny").parameters())
     mesh, cluster, values = DeviceMesh((4,)), load_cluster("cpu-gloo"), {B: 8, S: 64}
@@ -274,7 +274,8 @@ def test_megatron_recomputes_to_fit_and_says_when_nothing_does() -> None:
     every configuration nothing fits and the fastest is kept, marked."""
     from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planning.planner import forced_plan, price_baselines
+    from primepar_fx.planning.compare import price_baselines
+    from primepar_fx.planning.forced import forced_plan
 
     graph = graph_of("llama-tiny")
     mesh, cluster, values = DeviceMesh((4,)), load_cluster("cpu-gloo"), {B: 8, S: 64}
@@ -283,7 +284,7 @@ def test_megatron_recomputes_to_fit_and_says_when_nothing_does() -> None:
     sizes = {"world_size": 4, "cluster": "cpu-gloo", "batch": 8, "seq": 64, "memory_budget": None}
     name = free.config["name"].removeprefix("megatron ")
     full = forced_plan(graph, "megatron", recompute="full", **sizes)  # the same split, recomputing every layer
-    assert full.search["config"]["name"] == free.config["name"] and f"megatron {name}" == free.config["name"]
+    assert full.search.config["name"] == free.config["name"] and f"megatron {name}" == free.config["name"]
     fitted = price_baselines(graph, mesh, cluster, values, CostOptions(), full.predicted.peak_memory_bytes)
     mega = fitted["megatron"]
     assert mega.config["fits_budget"] and mega.predicted.peak_memory_bytes <= full.predicted.peak_memory_bytes
@@ -298,7 +299,7 @@ def test_fsdp_shards_everything_and_gathers_each_layer_twice() -> None:
     whole; it sends data parallelism's all-reduce and one all-gather more (3/2 of its bytes)."""
     from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planning.planner import price_baselines
+    from primepar_fx.planning.compare import price_baselines
 
     graph, model = graph_of("llama-tiny"), build("llama-tiny")
     params = sum(p.numel() for p in model.parameters())
@@ -323,15 +324,14 @@ def test_fsdp_accumulates_gradients_over_micro_batches_where_that_is_the_fastest
     from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
     from primepar_fx.planning.baselines import data_parallel_assignment
-    from primepar_fx.planning.compare import _fsdp
-    from primepar_fx.planning.planner import price_baselines
+    from primepar_fx.planning.compare import fsdp_at, price_baselines
 
     graph = graph_of("llama-tiny")
     mesh, cluster, values = DeviceMesh((4,)), load_cluster("v100-paper"), {B: 32, S: 1024}
     free = price_baselines(graph, mesh, cluster, values, CostOptions(), None)["fsdp"]
     assert "micro_batches" not in free.config and free.config["recompute"] == "none"
     half = {B: 16, S: 1024}
-    config, one = _fsdp(
+    config, one = fsdp_at(
         graph,
         mesh,
         cluster,
@@ -351,7 +351,7 @@ def test_fsdp_accumulates_gradients_over_micro_batches_where_that_is_the_fastest
     whole = price_baselines(graph, mesh, cluster, values, CostOptions(), one.peak_memory_bytes - 1)["fsdp"]
     assert whole.config["fits_budget"] and whole.config["recompute"] != "none"
     assert "micro_batches" not in whole.config  # two micro-batches would recompute as well: slower
-    both, two = _fsdp(
+    both, two = fsdp_at(
         graph,
         mesh,
         cluster,
@@ -370,8 +370,7 @@ def test_megatron_accumulates_gradients_over_micro_batches_where_that_is_the_fas
     per-step overhead then)."""
     from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.planning.compare import best_megatron
-    from primepar_fx.planning.planner import price_baselines
+    from primepar_fx.planning.compare import best_megatron, price_baselines
 
     graph = graph_of("llama-tiny")
     mesh, cluster, values = DeviceMesh((4,)), load_cluster("v100-paper"), {B: 32, S: 1024}

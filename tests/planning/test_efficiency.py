@@ -10,7 +10,8 @@ import pytest
 import sympy
 
 from primepar_fx.api import analyze
-from primepar_fx.cost.cluster import ClusterSpec, ComputeModel, load_cluster
+from primepar_fx.cost.cluster import ClusterSpec, load_cluster
+from primepar_fx.cost.latency import ComputeModel
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq

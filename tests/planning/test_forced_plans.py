@@ -10,7 +10,8 @@ from primepar_fx.api import analyze
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
-from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.record.plan import Plan
 
 CLUSTER = "cpu-gloo"
@@ -57,13 +58,13 @@ def test_megatron_and_data_parallel_match_the_baselines_of_the_searched_plan() -
         plan = forced(name, 4)
         assert {n.name: n.partition for n in plan.nodes} == base[name].partitions, name
         assert plan.predicted == base[name].predicted, name
-    assert forced("megatron", 4).search["config"] == base["megatron"].config
+    assert forced("megatron", 4).search.config == base["megatron"].config
 
 
 def test_megatron_sp_is_the_fastest_sequence_parallel_configuration_and_uses_reduce_scatters() -> None:
     sp = forced("megatron-sp", 4)
-    assert sp.search["config"]["sequence_parallel"] is True
-    assert sp.search["config"]["name"].endswith("+SP")
+    assert sp.search.config["sequence_parallel"] is True
+    assert sp.search.config["name"].endswith("+SP")
     kinds = {k for n in sp.nodes for k in n.cost.comm_bytes}
     assert "reduce-scatter" in kinds
     with pytest.raises(ValueError, match="unknown forced plan"):
@@ -75,7 +76,7 @@ def test_a_forced_plan_is_a_full_plan_for_its_model_and_round_trips_through_json
     plan.check_model((n.name, n.op) for n in g.nodes.values())
     assert (plan.model, plan.world_size, plan.digits, plan.cluster) == ("gpt2-tiny", 4, (2, 2), CLUSTER)
     assert (plan.batch, plan.seq, plan.dtype, plan.baselines) == (8, 64, "fp32", {})
-    assert plan.search["forced"] == "data_parallel"
+    assert plan.search.forced == "data_parallel"
     assert all(n.cost is not None for n in plan.nodes)
     assert Plan.from_json(plan.to_json()) == plan
 

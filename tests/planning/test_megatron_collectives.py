@@ -13,13 +13,14 @@ import dataclasses
 import functools
 
 from primepar_fx.api import analyze
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.planning.baselines import megatron_assignment
-from primepar_fx.planning.planner import _price_assignments, forced_plan
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.pricing.fixed import price_assignments
 from primepar_fx.report.dump import fake_rank_graphs
 
 BATCH, SEQ, WORLD = 8, 64, 4
@@ -35,7 +36,7 @@ def graph(layers: int):
 
 def runtime_relayouts(layers: int) -> int:
     plan = forced_plan(graph(layers), "megatron-sp", world_size=WORLD, batch=BATCH, seq=SEQ, cluster="cpu-gloo")
-    assert plan.search["config"]["mp"] == 2 and plan.search["config"]["sequence_parallel"]
+    assert plan.search.config["mp"] == 2 and plan.search.config["sequence_parallel"]
     rank = fake_rank_graphs(graph(layers), plan, [0])[0]
     return collections.Counter(type(m).__name__ for m in rank.gm.modules())["Redistribute"]
 
@@ -44,7 +45,7 @@ def priced_relayouts(layers: int) -> int:
     """Edges that move bytes under Megatron dp2 x mp2 + SP, less those the cost model prices as shared."""
     g, mesh = graph(layers), DeviceMesh((2, 2))
     assignment = megatron_assignment(g, mesh, dp=2, mp=2, sequence_parallel=True, values=VALUES)
-    priced, (choice,) = _price_assignments(g, [assignment], mesh, load_cluster("cpu-gloo"), VALUES, CostOptions())
+    priced, (choice,) = price_assignments(g, [assignment], mesh, load_cluster("cpu-gloo"), VALUES, CostOptions())
     moving = {(u, v) for (u, v), b in priced.edge_bytes.items() if b[choice[u], choice[v]] > 0}
     shared = {(s.u, s.v) for s in priced.not_run(choice) if not s.tied}  # (and those sharing an all-reduce)
     return len(moving - shared)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
+import torch
 
 import primepar_fx
-from primepar_fx import analyze
+from primepar_fx import StaticSeqWarning, analyze
 from primepar_fx.models import build, example_inputs
 from primepar_fx.partition import Prime
 from primepar_fx.planning import compare
@@ -37,6 +39,59 @@ def test_plan_works_on_a_meta_device_model_and_round_trips_through_json(tmp_path
     with pytest.raises(ValueError, match="it is a folder"):
         plan.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no temporary file left behind
+
+
+def _without_search(plan: Plan) -> dict:
+    """The plan's JSON less its search record (timings)."""
+    return {k: v for k, v in json.loads(plan.to_json()).items() if k != "search"}
+
+
+@pytest.mark.parametrize("family", ["gpt_neo", "mpt"])
+def test_a_model_whose_seq_cannot_stay_symbolic_is_captured_again_at_the_seq_planned(family: str) -> None:
+    """GPT-Neo (its causal-mask buffer) and MPT (its position bias) are captured at the example's S: planned at
+    another ``seq``, the model is captured again at it, and the plan is the one planned from examples of that length,
+    with one warning, at that length."""
+    pytest.importorskip("transformers")
+    from primepar_fx.models import build_hf_tiny, model_example_inputs
+
+    model = build_hf_tiny(family)
+    device = next(model.parameters()).device
+    options = {"world_size": 2, "memory_budget": None, "baselines": False, "workers": 1}
+    with pytest.warns(StaticSeqWarning) as said:
+        again = primepar_fx.plan(model, model_example_inputs(model, device, 2, 16), seq=64, **options)
+    messages = [str(w.message) for w in said if issubclass(w.category, StaticSeqWarning)]
+    assert len(messages) == 1 and "S=64" in messages[0], messages
+    with pytest.warns(StaticSeqWarning):
+        direct = primepar_fx.plan(model, model_example_inputs(model, device, 2, 64), **options)
+    assert (again.batch, again.seq) == (2, 64)
+    assert _without_search(again) == _without_search(direct)
+
+
+class _BranchOnSeq(torch.nn.Module):
+    """A forward that branches on the sequence length, so it is captured at the example's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + 1 if ids.shape[1] > 8 else h).sum()
+
+
+def test_a_static_seq_model_whose_inputs_cannot_be_made_at_the_seq_planned_says_to_capture_it_there() -> None:
+    """Inputs of its own (no config to make them from), or other arguments than the ones made (GPT-Neo's ids passed
+    positionally): the model is not captured again, and planning it at another ``seq`` names the way out."""
+    pytest.importorskip("transformers")
+    from primepar_fx.models import build_hf_tiny
+
+    neo = build_hf_tiny("gpt_neo")
+    ids = torch.randint(0, 64, (2, 16))
+    options = {"world_size": 2, "seq": 32, "memory_budget": None, "baselines": False, "workers": 1}
+    refused = "captured at S=16 .* cannot be planned at S=32: capture it with example inputs of sequence length 32"
+    for model in (_BranchOnSeq(), neo):
+        with pytest.warns(StaticSeqWarning, match="S=16"), pytest.raises(ValueError, match=refused):
+            primepar_fx.plan(model, (ids,), **options)
 
 
 def test_every_node_gets_a_legal_partition_and_the_plan_matches_its_model(capsys) -> None:
@@ -74,17 +129,20 @@ def test_a_budget_below_the_training_state_over_every_device_is_refused_before_a
     """16 B a parameter (fp32 value, gradient and two moments) split over all 4 devices is a floor no plan goes
     below: a budget under it fails at once, naming the floor; one at it is searched (and fails with the search's
     least, above the floor: activations come on top)."""
-    from primepar_fx.planning import planner
+    from primepar_fx.levers.floor import state_floor
+    from primepar_fx.planning import counts
+    from primepar_fx.planning.planner import resolve_options
 
     g = graph("opt-tiny")
     floor = g.param_count() * 16 / 4
-    assert planner.state_floor(g, planner._options(g, None, {"world_size": 4, "batch": 8, "seq": 64}))[0] == floor
+    opts = resolve_options(g, None, {"world_size": 4, "batch": 8, "seq": 64})
+    assert state_floor(g, opts.cost_options(), 4)[0] == floor
 
     def no_search(*args, **kwargs):
         raise AssertionError("searched although the budget is below the floor")
 
     with monkeypatch.context() as m:
-        m.setattr(planner, "_search_at", no_search)
+        m.setattr(counts, "search_count", no_search)
         with pytest.raises(InfeasibleBudget, match="the training state alone, split evenly over all 4 devices") as info:
             plan_graph(g, world_size=4, batch=8, seq=64, baselines=False, memory_budget=floor - 1)
     assert info.value.min_memory == floor and "parameters" in info.value.floor
@@ -153,18 +211,19 @@ def test_a_grouped_plan_costs_the_same_written_out_on_every_digit():
     """Past three digits the search merges the node digits. A plan there, with each merged digit written out as
     the same split on every digit it replaces, is a plan on the full mesh with the same predicted time, bytes and
     peak: grouping only narrows the space, it never misprices. Checked on the searched plan and on random ones."""
+    from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.cost.model import CostOptions
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import PartitionSeq, Prime
-    from primepar_fx.planning.planner import _price_fixed, _random_assignment
+    from primepar_fx.planning.forced import random_assignment
+    from primepar_fx.pricing.fixed import price_fixed
 
     g = graph("llama-tiny")
     values, opts = {B: 16, S: 64}, CostOptions(dtype="fp32")
     plan = plan_graph(
         g, world_size=16, cluster="v100-paper", batch=16, seq=64, baselines=False, method="dp", grouped="leading"
     )
-    assert plan.digits == (4, 2, 2) and plan.search["grouped"] is True
+    assert plan.digits == (4, 2, 2) and plan.search.grouped is True
     spec = load_cluster("v100-paper")
     full = spec.mesh(16)
     grouped = full.grouped(3)
@@ -179,16 +238,16 @@ def test_a_grouped_plan_costs_the_same_written_out_on_every_digit():
         return out
 
     assignments = [{n.name: n.seq for n in plan.nodes}]
-    assignments += [_random_assignment(g, grouped, values, seed) for seed in range(3)]
+    assignments += [random_assignment(g, grouped, values, seed) for seed in range(3)]
     assert any(str(seq.elements[0]) != "R" for a in assignments[1:] for seq in a.values())
     for assignment in assignments:
-        ours = _price_fixed(g, assignment, grouped, spec, values, opts).predicted
-        theirs = _price_fixed(g, written_out(assignment), full, spec, values, opts).predicted
+        ours = price_fixed(g, assignment, grouped, spec, values, opts).predicted
+        theirs = price_fixed(g, written_out(assignment), full, spec, values, opts).predicted
         assert theirs.step_time_s == pytest.approx(ours.step_time_s, rel=1e-9)
         assert (theirs.comm_bytes, theirs.peak_memory_bytes) == (ours.comm_bytes, ours.peak_memory_bytes)
-    assert _price_fixed(g, assignments[0], grouped, spec, values, opts).predicted == plan.predicted
+    assert price_fixed(g, assignments[0], grouped, spec, values, opts).predicted == plan.predicted
     ungrouped = plan_graph(g, world_size=8, cluster="v100-paper", batch=16, seq=64, baselines=False, method="dp")
-    assert ungrouped.digits == (2, 2, 2) and ungrouped.search["grouped"] is False
+    assert ungrouped.digits == (2, 2, 2) and ungrouped.search.grouped is False
 
 
 def test_bad_options_fail_before_the_capture_and_good_spellings_are_accepted(monkeypatch) -> None:
@@ -216,7 +275,7 @@ def test_bad_options_fail_before_the_capture_and_good_spellings_are_accepted(mon
     with pytest.raises(ValueError, match="cluster must be a preset name, a spec file path or a ClusterSpec, got 3"):
         primepar_fx.plan(model, inputs, world_size=2, cluster=3)
     plan = primepar_fx.plan(model, inputs, world_size=2, memory_budget="2GiB", dtype=torch.bfloat16, baselines=False)
-    assert plan.dtype == "bf16" and plan.search["memory_budget"] == 2**31
+    assert plan.dtype == "bf16" and plan.search.memory_budget == 2**31
     assert (
         Plan.from_json(primepar_fx.plan(model, inputs, world_size=2, dtype="tf32", baselines=False).to_json()).dtype
         == "tf32"
@@ -228,8 +287,8 @@ def test_the_fastest_plan_of_a_pricing_is_solved_once_and_only_for_its_own_searc
     pickled with it, as a worker sends it back); a pricing narrowed or with other memory solves its own."""
     import pickle
 
+    from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.cost.model import CostOptions
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import DeviceMesh
     from primepar_fx.pricing import priced as priced_module
@@ -289,11 +348,12 @@ def test_a_fastest_plan_with_prime_leaves_the_split_only_baseline_to_its_search(
 
 def _priced(g, world: int):
     from primepar_fx.frontend.symbols import B, S
-    from primepar_fx.planning.planner import _options, search_mesh
+    from primepar_fx.planning.groupings import leading_grouping
+    from primepar_fx.planning.planner import resolve_options
     from primepar_fx.pricing.price import price_graph
 
-    opts = _options(g, None, {"world_size": world, "batch": 8, "seq": 64})
-    mesh = search_mesh(opts.mesh(), None)
+    opts = resolve_options(g, None, {"world_size": world, "batch": 8, "seq": 64})
+    mesh = leading_grouping(opts.mesh())
     return opts, price_graph(g, mesh, opts.cluster, {B: opts.batch, S: opts.seq}, opts.cost_options())
 
 
@@ -308,8 +368,8 @@ def test_a_space_whose_edge_matrices_would_not_fit_in_memory_is_refused_before_t
     1.4e7): pricing stops before any re-layout is priced, naming the digits, the entries, the widest node and what
     to search instead; at exactly the memory it needs it goes on. The command line prints the one error."""
     from primepar_fx.cli import main
+    from primepar_fx.cost.blocks import CostOptions
     from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.cost.model import CostOptions
     from primepar_fx.frontend.symbols import B, S
     from primepar_fx.partition import DeviceMesh
     from primepar_fx.pricing import price as pricing

@@ -10,8 +10,9 @@ import pytest
 from primepar_fx.api import analyze
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.planner import forced_plan
-from primepar_fx.record.plan import Plan, PlanError
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.record.fields import PlanError
+from primepar_fx.record.plan import Plan
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_a_data_parallel_plan_counts_every_parameter_at_its_bytes() -> None:
     assert peak["bf16"] - peak["bf16 no master"] == 4 * params
     assert peak["bf16 fp32 grads"] - peak["bf16"] == 2 * params
     plan = data_parallel("bf16")
-    assert plan.search["training_state"] == {
+    assert plan.search.training_state == {
         "grad_dtype": "bf16",
         "master_weights": True,
         "optimizer_states": 2,
@@ -109,7 +110,7 @@ def test_zero_splits_what_data_parallel_replicas_keep_alike() -> None:
     peak = {z: data_parallel("bf16", zero=z).predicted.peak_memory_bytes for z in (0, 1, 2)}
     assert peak[0] - peak[1] == pytest.approx(12 * params * 3 / 4, rel=1e-3)
     assert peak[0] - peak[2] == pytest.approx((12 + 2) * params * 3 / 4, rel=1e-3)
-    assert data_parallel("bf16", zero=2).search["training_state"]["zero"] == 2
+    assert data_parallel("bf16", zero=2).search.training_state["zero"] == 2
 
 
 def test_micro_batches_hold_one_micro_batch_and_sum_gradients_once() -> None:
@@ -137,7 +138,7 @@ def test_zero3_splits_the_parameters_and_gathers_those_backward_reads_twice() ->
     params = sum(p.numel() for p in model.parameters())
     table = model.embed_tokens.weight.numel()
     two, three = data_parallel("bf16", zero=2), data_parallel("bf16", zero=3)
-    assert three.zero == 3 and three.search["training_state"]["zero"] == 3
+    assert three.zero == 3 and three.search.training_state["zero"] == 3
     largest = max(p.numel() for p in model.parameters())  # (a node's gathered blocks: its parameters but its chunk)
     drop = 2 * params * 3 / 4
     assert two.predicted.peak_memory_bytes - three.predicted.peak_memory_bytes == pytest.approx(

@@ -1,6 +1,7 @@
 """Planning pieces in forked workers (``planning.workers``): ``run_forked`` gives every item's result once, the
 same as in one process, this process's items in order first; a worker's error comes back as a message for the
-caller to run again here; where there is nothing to share out, no process is forked. ``Forked`` runs one job
+caller to run again here; where there is nothing to share out, no process is forked; with ``cheapest_whole`` a
+worker sends its cheapest result whole and the others light. ``Forked`` runs one job
 beside the caller: its value, its error or its death as a message, or stopped when no longer needed.
 ``search_forked`` is a branch and bound over such workers that finds what one process finds."""
 
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from primepar_fx.planning.options import PlanOptions
-from primepar_fx.planning.workers import Forked, can_fork, default_workers, run_forked, search_forked
+from primepar_fx.planning.workers import Forked, can_fork, default_workers, in_worker, run_forked, search_forked
 
 forking = pytest.mark.skipif(not can_fork(), reason="no fork on this platform")
 STATE = {"scale": 3}  # set before the fork: a worker sees the planner's memory as it was
@@ -47,20 +48,47 @@ def test_the_work_is_shared_between_this_process_and_the_workers():
     assert len({value[1] for _, _, value in got}) == 3  # each process took items while any were left
 
 
-def largest_marked(done: list) -> list:
-    """A worker's results with its largest item's value marked (what it keeps of its best item goes back)."""
-    top = max(i for i, _, _ in done)
-    return [(i, ok, (*value, "kept") if i == top else value) for i, ok, value in done]
+@dataclasses.dataclass
+class Priced:
+    """A stand-in for a result that is sent light (its cost, what it found dropped) unless it is a worker's
+    cheapest: ``cost``, the heavy ``plan``, and who made it."""
+
+    cost: float | None
+    plan: str | None
+    pid: int
+
+    def light(self) -> Priced:
+        return dataclasses.replace(self, plan=None)
+
+
+def priced(i: int) -> Priced:
+    time.sleep(0.1)  # the items spread over the processes
+    return Priced([5.0, 4.0, 6.0, 4.0, None, 1.0][i], f"plan {i}", os.getpid())
 
 
 @forking
-def test_a_worker_finishes_its_results_before_sending_them():
-    got = {i: value for i, ok, value in run_forked(slow_square, range(6), 3, finish=largest_marked)}
-    assert sorted(got) == list(range(6)) and all(v[0] == i * i * 3 for i, v in got.items())
-    workers = {v[1] for v in got.values()} - {os.getpid()}
-    marked = {v[1]: i for i, v in got.items() if v[-1] == "kept"}
-    assert set(marked) == workers  # one per worker, on its largest item; none on this process's
-    assert all(i == max(j for j, v in got.items() if v[1] == pid) for pid, i in marked.items())
+def test_a_worker_sends_its_cheapest_result_whole_and_the_others_light():
+    got = {i: value for i, ok, value in run_forked(priced, range(6), 3, cheapest_whole=True)}
+    assert sorted(got) == list(range(6)) and all(v.cost == priced(i).cost for i, v in got.items())
+    assert all(v.plan == f"plan {i}" for i, v in got.items() if v.pid == os.getpid())  # this process's: as they are
+    for pid in {v.pid for v in got.values()} - {os.getpid()}:
+        own = {i: v for i, v in got.items() if v.pid == pid}
+        costed = [(v.cost, i) for i, v in own.items() if v.cost is not None]
+        whole = [i for i, v in own.items() if v.plan is not None]
+        assert whole == ([min(costed)[1]] if costed else [])  # the first of its cheapest, alone
+
+
+@forking
+def test_a_job_knows_whether_it_runs_in_a_worker():
+    got = {i: (pid, inside) for i, _, (pid, inside) in run_forked(where_it_runs, range(4), 2)}
+    assert all(inside == (pid != os.getpid()) for pid, inside in got.values())
+    assert any(inside for _, inside in got.values()) and not in_worker()
+    assert Forked(in_worker).result() == (True, True)
+
+
+def where_it_runs(i: int) -> tuple[int, bool]:
+    time.sleep(0.2)
+    return os.getpid(), in_worker()
 
 
 def fails_on_odd(i: int) -> int:
@@ -144,17 +172,13 @@ def test_a_forked_job_no_longer_needed_is_stopped():
 
 @dataclasses.dataclass
 class Plan:
-    """A stand-in for a mesh's search result (``planning.workers.Found``): its cost, the plan, who found it."""
+    """A stand-in for a mesh's search result (``planning.meshes.MeshResult``): its cost, the plan, who found it."""
 
     cost: float | None
     plan: str | None
     pid: int
-    sent: bool = False
 
-    def portable(self) -> Plan:
-        return dataclasses.replace(self, sent=True)
-
-    def lite(self) -> Plan:
+    def light(self) -> Plan:
         return dataclasses.replace(self, plan=None)
 
 
@@ -181,8 +205,7 @@ def test_a_branch_and_bound_side_by_side_finds_the_first_cheapest_plan_whole(wor
     assert sorted(got) == list(range(len(costs)))
     found = {i: r for i, r in got.items() if r is not None and r.cost is not None}
     assert min(found, key=lambda i: (found[i].cost, i)) == 1 and found[1].plan == "plan 1"  # the first of the 3s
-    assert all(r.plan is None or r.pid == os.getpid() or r.sent for r in found.values())  # a worker's sent whole
-    for pid in {r.pid for r in found.values()} - {os.getpid()}:  # a worker sends its cheapest whole, the rest lite
+    for pid in {r.pid for r in found.values()} - {os.getpid()}:  # a worker sends its cheapest whole, the rest light
         whole = [i for i, r in found.items() if r.pid == pid and r.plan is not None]
         assert whole == [min((r.cost, i) for i, r in found.items() if r.pid == pid)[1]]
     if workers == 1:  # one after another: an item is searched only where its bound beats the plans before it
@@ -214,4 +237,5 @@ def test_an_earlier_item_as_cheap_as_a_later_ones_plan_is_kept_as_one_process_ke
 
     got = dict(search_forked([0, 1], search, bound=lambda i: 2.0, best=math.inf, ceiling=math.inf, workers=2))
     assert seen[0] == math.nextafter(3.0, math.inf)
-    assert got[0].cost == got[1].cost == 3.0 and got[0].plan == "plan 0" and got[1].sent
+    assert got[0].cost == got[1].cost == 3.0 and got[0].plan == "plan 0"
+    assert got[1].plan == "plan 1" and got[1].pid != os.getpid()  # the worker's cheapest: sent whole

@@ -21,8 +21,8 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import DecoderConfig, build, example_inputs
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.passes import localize
-from primepar_fx.planning.compare import price_assignments
-from primepar_fx.planning.planner import forced_plan
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.pricing.fixed import price_assignments
 from primepar_fx.pricing.summary import summarize
 from primepar_fx.runtime.groups import ProcessGroups
 from primepar_fx.runtime.pending import DeferredGradients

@@ -9,14 +9,14 @@ import random
 import pytest
 
 import primepar_fx
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.levers.peak import least_plan, ring_buffers
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.planner import summarize
 from primepar_fx.pricing.price import price_graph
 from primepar_fx.pricing.sharing import SUFFIX, complete_choice, virtual
+from primepar_fx.pricing.summary import summarize
 from primepar_fx.search import solve
 from primepar_fx.search.problem import evaluate
 

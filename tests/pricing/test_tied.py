@@ -12,14 +12,16 @@ import random
 import pytest
 
 import primepar_fx
-from primepar_fx.cost.cluster import load_cluster, ring_factors
-from primepar_fx.cost.model import CostOptions
+from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.planning.baselines import data_parallel_assignment
-from primepar_fx.planning.planner import forced_plan, summarize
+from primepar_fx.planning.forced import forced_plan
 from primepar_fx.pricing.price import price_graph
 from primepar_fx.pricing.sharing import SUFFIX, virtual
+from primepar_fx.pricing.summary import summarize
 from primepar_fx.report.dump import fake_rank_graphs
 from primepar_fx.runtime.collectives import AllReduce
 from primepar_fx.search import solve

@@ -10,15 +10,9 @@ from typing import Any
 import pytest
 
 from primepar_fx.partition.seq import PartitionSeq, Prime, Split
-from primepar_fx.record.plan import (
-    PLAN_FORMAT,
-    Baseline,
-    CostBreakdown,
-    NodePlan,
-    Plan,
-    PlanError,
-    Predicted,
-)
+from primepar_fx.record.fields import PlanError
+from primepar_fx.record.plan import PLAN_FORMAT, Baseline, CostBreakdown, NodePlan, Plan, Predicted
+from primepar_fx.record.search import GroupingRecord, SearchRecord
 
 MiB = 1 << 20
 GRAPH = [("fc1", "aten.mm.default"), ("relu", "aten.relu.default"), ("fc2", "aten.mm.default")]
@@ -58,7 +52,7 @@ def _plan(**over: Any) -> Plan:
             "megatron": Baseline("megatron", {"tp": 8, "dp": 1}, Predicted(0.015, 2048 * MiB, 20000), {"fc1": "R,R,N"}),
             "data_parallel": Baseline("data_parallel", {"dp": 8}, Predicted(0.02, 512 * MiB, 40000)),
         },
-        search={"method": "dp", "seconds": 0.5, "proven_optimal": True, "alpha": 0.0, "memory_budget": None},
+        search=SearchRecord(method="dp", search_s=0.5, proven_optimal=True, alpha=0.0, memory_budget=None),
     )
     return Plan(**(kw | over))
 
@@ -121,7 +115,7 @@ def test_optional_top_level_fields_default_when_absent():
         del d["baselines"], d["search"], d["model_fingerprint"]
 
     plan = Plan.from_json(_tampered(drop))
-    assert plan.baselines == {} and plan.search == {} and plan.model_fingerprint == ""
+    assert plan.baselines == {} and plan.search == SearchRecord() and plan.model_fingerprint == ""
 
 
 def test_times_given_as_ints_round_trip_equal():
@@ -131,10 +125,36 @@ def test_times_given_as_ints_round_trip_equal():
     assert NodePlan.from_dict(json.loads(json.dumps(node.to_dict()))) == node
 
 
-def test_search_tuples_become_lists_so_round_trips_stay_equal():
-    plan = _plan(search={"mesh": (2, 2, 2)})
-    assert plan.search == {"mesh": [2, 2, 2]}
+def test_the_search_record_round_trips_with_its_groupings():
+    groupings = (
+        GroupingRecord(digits=(2, 4, 4), objective=1.5, bound=1.25, seconds=0.5),
+        GroupingRecord(digits=[4, 8]),
+    )
+    plan = _plan(search=SearchRecord(method="dp", micro_batches_tried=[1, 2], groupings=groupings, groupings_s=2.0))
+    assert plan.search.micro_batches_tried == (1, 2) and plan.search.groupings[1].digits == (4, 8)
+    data = json.loads(plan.to_json())["search"]
+    assert data["groupings"] == [
+        {"digits": [2, 4, 4], "objective": 1.5, "bound": 1.25, "seconds": 0.5},
+        {"digits": [4, 8], "objective": None, "seconds": 0.0},
+    ]
+    assert data["memory_budget"] is None and "split_only_kept" not in data and "forced" not in data
     assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        ({"bogus": 1}, "plan.search.bogus: unknown field"),
+        ({"proven_optimal": "yes"}, "plan.search.proven_optimal: must be true or false"),
+        ({"micro_batches_tried": [1, 0]}, "plan.search.micro_batches_tried[1]"),
+        ({"objective": "fast"}, "plan.search.objective: must be a finite number"),
+        ({"groupings": [{"digits": [2, 2], "seconds": -1}]}, "plan.search.groupings[0].seconds"),
+        ({"groupings": [{"objective": 1.0}]}, "plan.search.groupings[0].digits: required field is missing"),
+        ({"training_state": [16]}, "plan.search.training_state"),
+    ],
+)
+def test_a_bad_search_record_names_the_field(edit, where):
+    _raises(_tampered(lambda d: d["search"].update(edit)), where)
 
 
 # ---------------------------------------------------------------------------------------------------- queries
@@ -401,10 +421,12 @@ def test_a_binary_or_non_json_file_is_a_plan_error_naming_it(tmp_path, content, 
 
 
 def test_plans_are_frozen_and_inputs_are_copied():
-    search = {"method": "dp"}
-    plan = _plan(search=search)
-    search["method"] = "ilp"
-    assert plan.search == {"method": "dp"}
+    config = {"tp": 2}
+    plan = _plan(search=SearchRecord(forced="megatron", config=config))
+    config["tp"] = 4
+    assert plan.search.config == {"tp": 2}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.search.method = "ilp"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.batch = 4  # type: ignore[misc]
     data = json.loads(plan.to_json())

@@ -15,7 +15,8 @@ import primepar_fx
 from primepar_fx.api import analyze
 from primepar_fx.cli import main
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.record.plan import Plan
 from primepar_fx.report.dump import dump, dump_module, edge_redistribution_bytes, fake_rank_graphs, normalize_code
 
@@ -168,7 +169,7 @@ def linear_names() -> list[str]:
 
 def test_explain_marks_the_choice_and_no_alternative_of_a_searched_plan_is_cheaper() -> None:
     plan = searched()
-    assert plan.search["proven_optimal"] and plan.search["memory_budget"] is None
+    assert plan.search.proven_optimal and plan.search.memory_budget is None
     for name in linear_names():
         why = primepar_fx.explain(plan, name, graph=graph())
         assert why.chosen.partition == plan.node(name).partition and why.chosen.chosen

@@ -14,12 +14,13 @@ import pytest
 
 import primepar_fx
 from primepar_fx.api import analyze
+from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
-from primepar_fx.cost.model import CostOptions
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.planning.planner import _price_fixed, forced_plan
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.pricing.fixed import price_fixed
 from primepar_fx.record.plan import Plan
 from primepar_fx.report.explain import Explanation, price_plan
 
@@ -53,7 +54,7 @@ def switched(name: str, partition: str):
     assignment[name] = next(s for s in seqs if str(s) == partition)
     values = {B: plan.batch, S: plan.seq}
     mesh = DeviceMesh(tuple(plan.digits))
-    return _price_fixed(graph(), assignment, mesh, load_cluster(plan.cluster), values, CostOptions(dtype=plan.dtype))
+    return price_fixed(graph(), assignment, mesh, load_cluster(plan.cluster), values, CostOptions(dtype=plan.dtype))
 
 
 def options(why: Explanation):

@@ -17,7 +17,8 @@ from primepar_fx.api import analyze
 from primepar_fx.cli import main
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition.seq import PartitionSeq
-from primepar_fx.planning.planner import forced_plan, plan_graph
+from primepar_fx.planning.forced import forced_plan
+from primepar_fx.planning.planner import plan_graph
 from primepar_fx.report.html import linear_seq, node_groups, report_html, write_report
 
 WORLD, BATCH, SEQ = 4, 8, 64
@@ -62,7 +63,7 @@ def test_the_report_compares_with_every_baseline_and_names_the_search():
 def test_the_report_says_when_the_plan_is_the_split_only_searchs():
     plan = searched()
     assert "plan from" not in report_html(graph(), plan)
-    kept = dataclasses.replace(plan, search={**plan.search, "split_only_kept": True})
+    kept = dataclasses.replace(plan, search=plan.search.replace(split_only_kept=True))
     assert "<td>plan from</td><td>the split-only search," in report_html(graph(), kept)
 
 
