@@ -21,7 +21,7 @@ layers cut to the most whose 16 bytes a parameter take at most half the cluster'
 rest is left for activations), at the same world size, and the row says how many layers.
 
 From 16 GPUs the planner searches its grouped mesh (the node digits merged into one, e.g. ``8x2x2`` for 32 GPUs;
-:func:`primepar_fx.planning.groupings.search_mesh`); the Megatron baseline is priced on the full mesh.
+:func:`primepar_fx.planning.groupings.leading_grouping`); the Megatron baseline is priced on the full mesh.
 
 Writes a markdown table and, when matplotlib is installed, a PNG chart next to it.
 """

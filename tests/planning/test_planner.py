@@ -361,33 +361,3 @@ def _split_only(g, world: int):
     """The split-only baseline searched (no plan of ours given)."""
     opts, priced = _priced(g, world)
     return compare.plan_baselines(g, priced, opts.mesh(), opts, opts.cost_options())["split_only"].predicted
-
-
-def test_a_space_whose_edge_matrices_would_not_fit_in_memory_is_refused_before_they_are_priced(monkeypatch, capsys):
-    """The full 32-device mesh of llama2-70b would hold 3.4e8 edge-matrix entries (~48 GiB; the 16-device one
-    1.4e7): pricing stops before any re-layout is priced, naming the digits, the entries, the widest node and what
-    to search instead; at exactly the memory it needs it goes on. The command line prints the one error."""
-    from primepar_fx.cli import main
-    from primepar_fx.cost.blocks import CostOptions
-    from primepar_fx.cost.cluster import load_cluster
-    from primepar_fx.frontend.symbols import B, S
-    from primepar_fx.partition import DeviceMesh
-    from primepar_fx.pricing import price as pricing
-
-    cluster, values, mesh = load_cluster("v100-paper"), {B: 8, S: 64}, DeviceMesh((2, 2))
-    full = pricing.price_graph(graph("gpt2-tiny"), mesh, cluster, values, CostOptions())
-    # one matrix per distinct data-flow edge (identical layers share theirs)
-    entries = sum({id(full.edge_bytes[e]): full.edge_bytes[e].size for e in full.flows}.values())
-    need = entries * pricing.BYTES_PER_ENTRY
-    monkeypatch.setattr(pricing, "physical_memory", lambda: need - 1)
-    monkeypatch.setattr(pricing._Pricing, "_add_layouts", lambda *_: pytest.fail("an edge was laid out"))
-    with pytest.raises(pricing.SpaceTooLarge, match=rf"digits \(2, 2\) .* have {entries:,} entries") as info:
-        pricing.price_graph(graph("gpt2-tiny"), mesh, cluster, values, CostOptions())
-    widest = max(full.strategies, key=lambda n: len(full.strategies[n]))
-    assert f"node {widest} alone has {len(full.strategies[widest])} strategies" in str(info.value)
-    assert "groupings of the digits" in str(info.value)
-    assert main(["plan", "gpt2-tiny", "--world-size", "4", "--batch", "8", "--seq", "64", "--no-baselines"]) == 2
-    assert capsys.readouterr().err.startswith("error: the partition space on device digits (2, 2) is too large")
-    monkeypatch.undo()
-    monkeypatch.setattr(pricing, "physical_memory", lambda: need)
-    assert pricing.price_graph(graph("gpt2-tiny"), mesh, cluster, values, CostOptions()).strategies == full.strategies
