@@ -6,8 +6,8 @@ Systems, all training the same reference decoder (:data:`CONFIG`, Llama style, o
 * ``primepar (no options)``: what ``primepar_fx.compile(model, args)`` does, a search on this machine as its ranks
   measured it (:mod:`primepar_fx.calibrate.machine`; measured on the first run, then read from the cache);
   ``primepar data_parallel``: the forced data-parallel plan (its gradients in DDP-style buckets), also with ZeRO
-  stage 1 and 2 (``+ZeRO-1``, ``+ZeRO-2``). Every primepar row trains with ``module.optimizer(AdamW)``: plain AdamW,
-  or the sharded optimizer of a ZeRO plan.
+  stage 1, 2 and 3 (``+ZeRO-1``, ``+ZeRO-2``, ``+ZeRO-3``). Every primepar row trains with
+  ``module.optimizer(AdamW)``: plain AdamW, or the sharded optimizer of a ZeRO plan.
 * ``primepar searched``: the plan :func:`~primepar_fx.compiler.module.compile_graph` searches on ``cpu-gloo``,
   and ``primepar searched (calibrated)`` with ``--spec``, a cluster spec from ``primepar-fx calibrate`` on this machine,
   also under a memory budget (``(calibrated, budget)``: the predicted peak of Megatron dp1 x mp4 +SP on that spec);
@@ -127,7 +127,7 @@ BUDGETED = "primepar searched (calibrated, budget)"  # within the predicted peak
 NO_OPTIONS = "primepar (no options)"  # compile(model, args): searched on this machine as measured (cached)
 DATA_PARALLEL = "primepar data_parallel"
 #: data parallelism with ZeRO: the optimizer steps 1/world of the state on each rank, its updates all-gathered
-ZERO_DP = {f"{DATA_PARALLEL} +ZeRO-{k}": k for k in (1, 2)}
+ZERO_DP = {f"{DATA_PARALLEL} +ZeRO-{k}": k for k in (1, 2, 3)}
 SYSTEMS = (
     NO_OPTIONS,
     DATA_PARALLEL,

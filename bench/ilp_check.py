@@ -32,7 +32,7 @@ from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.cost.model import clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
-from primepar_fx.planning.groupings import search_meshes
+from primepar_fx.planning.groupings import Grouped, search_meshes
 from primepar_fx.pricing.price import price_graph
 from primepar_fx.search import DPOptions, TableTooLarge, evaluate, reduce_graph, solve
 from primepar_fx.search.ilp import solve_ilp, solver_name
@@ -85,7 +85,7 @@ def one(model: str, world: int, limit: int) -> dict:
     row.update(variables=ilp.variables, all_variables=sum(red.graph.strategies(n) for n in red.graph.nodes) + pairs)
     row["gap"] = (row["dp"] - row["ilp"]) / row["ilp"]
     row["groupings"] = []
-    for mesh in search_meshes(full, None, cluster):
+    for mesh in search_meshes(full, Grouped.ALL, cluster):
         if mesh.digits == full.digits:
             continue
         clear_caches()

@@ -343,7 +343,7 @@ def describe(plan) -> str:
     """A few words on a plan: the Megatron configuration, or how many nodes use P(S x S) or replicate."""
     from primepar_fx.partition import PartitionSeq, Replicate
 
-    if "config" in plan.search:
+    if plan.search.config is not None:
         return plan.search.config["name"].removeprefix("megatron ")
     seqs = [PartitionSeq.parse(n.partition) for n in plan.nodes]
     replicated = sum(all(isinstance(e, Replicate) for e in q.elements) for q in seqs)

@@ -33,7 +33,7 @@ from primepar_fx.cost.model import clear_caches
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import enumerate_sequences
-from primepar_fx.planning.groupings import search_meshes
+from primepar_fx.planning.groupings import Grouped, search_meshes
 from primepar_fx.pricing.price import price_graph
 from primepar_fx.search import SearchError, solve
 from primepar_fx.search.ilp import ilp_size
@@ -153,7 +153,7 @@ def one(graph, small, world: int) -> dict:
     against ILP on the two-layer ``small`` on the kept mesh."""
     cluster = load_cluster(CLUSTER)
     full = cluster.mesh(world)  # past the preset's 32 GPUs: more of its nodes (4 GPUs, NVLink inside, IB between)
-    meshes = search_meshes(full, None, cluster)
+    meshes = search_meshes(full, Grouped.ALL, cluster)
     row = {"world": world, "groupings": len(meshes), "pricing_s": 0.0, "search_s": 0.0}
     row["P_full"] = max_strategies(graph, full) if len(full.digits) <= 5 else None
     opts = CostOptions(dtype="fp16")

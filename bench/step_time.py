@@ -232,7 +232,7 @@ READING = """## Reading the results
   optimal. The budget is Megatron's predicted peak (50.7 MiB), and the unconstrained plan's predicted peak is
   35.6 MiB. But the search constrains a different quantity, `M(p)`: the sum over nodes of
   `CostBreakdown.memory_bytes`, which adds every node's ring buffers and comes to 54.6 MiB for that plan.
-  `Predicted.peak_memory_bytes` counts only the largest buffer (`planner.summarize`). So a budget taken from
+  `Predicted.peak_memory_bytes` counts only the largest buffer (`pricing.summary.summarize`). So a budget taken from
   one plan's reported peak can exclude plans whose reported peak is lower.
 """
 
