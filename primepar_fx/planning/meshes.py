@@ -29,7 +29,7 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.levers.choose import choose_levers
 from primepar_fx.levers.recompute import Chosen
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.planning.state import Bound, Found, KeptPricings, Planning, forks
+from primepar_fx.planning.state import Bound, Found, KeptPricings, Planning, workers_for
 from primepar_fx.planning.workers import run_forked, search_forked
 from primepar_fx.pricing.price import price_graph
 from primepar_fx.pricing.priced import PricedGraph
@@ -91,7 +91,7 @@ class CountSearch:
         self.state, self.m, self.bound, self.free_only, self.meshes = state, m, bound, free_only, meshes
         self.values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
         self.costs = dataclasses.replace(opts.cost_options(), micro_batches=m)
-        self.workers = min(opts.workers, len(meshes)) if forks(opts) else 1
+        self.workers = workers_for(opts, len(meshes))
         self.fastest: list[float | None] = [None] * len(meshes)  # each mesh's fastest plan, where bounded
         self.kept: dict[int, tuple[PricedGraph, float]] = {}  # a bound's pricing, kept for the mesh's search
         self.records: dict[int, GroupingRecord] = {}

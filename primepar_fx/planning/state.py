@@ -111,8 +111,7 @@ class Bound:
 
     def cutoff(self) -> float:
         """The objective per micro-batch a plan must beat: the cheaper of :attr:`found` and :meth:`ceiling`."""
-        own = self.found
-        return min(own, self.ceiling())
+        return min(self.found, self.ceiling())
 
 
 @dataclass
@@ -148,7 +147,7 @@ class Planning:
     @property
     def workers(self) -> int:
         """The processes the meshes are searched on side by side (1: this one alone)."""
-        return min(self.opts.workers, len(self.meshes)) if forks(self.opts) else 1
+        return workers_for(self.opts, len(self.meshes))
 
     @property
     def probing(self) -> bool:
@@ -163,3 +162,8 @@ class Planning:
 def forks(opts: PlanOptions) -> bool:
     """Whether the options ask for workers and this platform can fork them."""
     return opts.workers > 1 and can_fork()
+
+
+def workers_for(opts: PlanOptions, items: int) -> int:
+    """The processes that share out ``items`` pieces of work (1: this one alone)."""
+    return min(opts.workers, items) if forks(opts) else 1

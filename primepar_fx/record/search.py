@@ -127,7 +127,7 @@ class SearchRecord:
     seconds: float | None = None
 
     def __post_init__(self) -> None:
-        self._check_texts()
+        self._check_scalars()
         self._check_numbers()
         if self.micro_batches_tried is not None:
             tried = self._list("micro_batches_tried", self.micro_batches_tried)
@@ -146,7 +146,7 @@ class SearchRecord:
                 fieldcheck.mapping(f"search.{name}", value, "settings")
                 fieldcheck.set_attr(self, name, fieldcheck.json_plain(f"search.{name}", value))
 
-    def _check_texts(self) -> None:
+    def _check_scalars(self) -> None:
         for name in ("forced", "method"):
             if getattr(self, name) is not None:
                 fieldcheck.text(f"search.{name}", getattr(self, name))
