@@ -72,6 +72,15 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
 
 
+def held_param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters this rank holds between steps: under primepar's ZeRO-3 the chunks of its units
+    (``module.parameters()`` are views of storage freed between uses), else this rank's part of every parameter."""
+    units = getattr(getattr(module, "zero3", None), "units", ())
+    inside = {id(p) for u in units for p in u.params}
+    rest = tensor_bytes(p for p in module.parameters() if id(p) not in inside)
+    return rest + tensor_bytes(u.local for u in units)
+
+
 def wire_bytes() -> int:
     """Bytes this process has written so far (``wchar``: files, pipes and sockets, every thread)."""
     with open("/proc/self/io") as f:
@@ -323,7 +332,7 @@ def memory_probe(
         loss = forward()
     loss.backward()
     opt.step()
-    params = tensor_bytes(module.parameters())
+    params = held_param_bytes(module)
     grads = tensor_bytes(p.grad for p in module.parameters())
     grads += tensor_bytes(s.master.grad for s in getattr(opt, "shards", ()))  # ZeRO-2's reduce-scattered chunks
     state = tensor_bytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))

@@ -187,7 +187,7 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
     for plan in plans:
         module = compile_graph(graph, plan=with_levers(graph, world, plan))
         opt = module.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3)
-        losses, planned, grads_kept = [], 0.0, 0.0
+        losses, planned, grads_kept, gathers = [], 0.0, 0.0, 0
         for step in range(steps):
             opt.zero_grad()
             module.comm_stats.reset()
@@ -197,6 +197,7 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
             opt.step()
             if step == 0:
                 planned = _summed([float(module.comm_stats.planned)])[0]
+                gathers = module.zero3.gathers if module.zero3 is not None else 0
             losses.append(float(loss.detach()))
         state = sum(t.numel() for st in opt.state.values() for t in st.values() if t.dim() > 0)
         local = sum(p.numel() for p in module.parameters())
@@ -226,6 +227,8 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
             "param_elems": _summed([float(local)])[0],
             "stored_param_elems": _summed([float(stored)])[0],
             "freed_between_steps": freed,
+            "gathers": gathers,  # ZeRO-3's all-gathers in the first step
+            "units": [[u.read, u.kept] for u in module.zero3.units] if module.zero3 is not None else [],
             "sharded_buckets": len(opt.describe()) if hasattr(opt, "describe") else 0,
             "unsharded_elems": _summed([float(sum(p.numel() for p in getattr(opt, "plain", [])))])[0],
         }

@@ -67,6 +67,9 @@ from primepar_fx.runtime.zero3 import ShardedParameters, gather_around_uses
 log = logging.getLogger(__name__)
 
 #: what gloo and nccl say when a peer died or stopped answering
+#: ZeRO-3's buckets are its units (:func:`~primepar_fx.compiler.zero3.zero3_units`), whole layers whatever their
+#: size (one all-gather each, as FSDP2's): no size bound splits them
+_ZERO3_BUCKETS = {"bucket_cap_mb": float("inf"), "first_bucket_cap_mb": float("inf")}
 _PEER_FAILURE = ("connection closed", "connection reset", "timed out", "broken pipe", "nccl error", "watchdog")
 
 
@@ -200,17 +203,20 @@ class PrimeParModule(nn.Module):
         ZeRO-3 the parameter chunks, gathered around their uses."""
         plan = self.plan
         self.grad_reductions = dict(rank_graph.grad_reductions)
+        units = zero3_units(self._graph, plan.recompute) if plan.zero == 3 else {}
         self.grad_buckets = GradientBuckets(
             [
                 (self._param_of[n], self.shards[self._key_of[self._param_of[n]]], r)  # type: ignore[index]
                 for n, r in rank_graph.grad_reductions.items()
             ],
             self.comm_stats,
-            apart=zero3_units(self._graph, plan.recompute) if plan.zero == 3 else None,
+            **(_ZERO3_BUCKETS | {"apart": units} if plan.zero == 3 else {}),
         )
         self.grad_buckets.take_deferred(rank_graph.gm)
         if plan.zero == 3:
-            self.zero3 = ShardedParameters(self.grad_buckets, self.rank, self.comm_stats)
+            read = {fqn for fqn, key in units.items() if key.read}
+            kept = {fqn for fqn, key in units.items() if key.kept}
+            self.zero3 = ShardedParameters(self.grad_buckets, self.rank, self.comm_stats, read=read, kept=kept)
             self._gather_in(rank_graph.gm)
 
     def _gather_in(self, gm: Any) -> None:

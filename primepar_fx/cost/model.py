@@ -272,11 +272,13 @@ class _NodePricing:
             if in_bucket(op, c):
                 self.replicas[int(c.tensor[4:])] = (cluster.group_size(self.part.mesh, c.digits), c.digits)
 
-    def price_zero(self, weights: dict[int, int]) -> None:
+    def price_zero(self, weights: dict[int, int], kept: tuple[int, ...] = ()) -> int:
         """ZeRO over the replicas of each weight (``weights``: input -> its block's bytes): this device's shard and
-        the all-gathers of stages 1 and 3."""
+        the all-gathers of stages 1 and 3. ``kept``: weights that stage 3 keeps whole from Forward to Backward
+        (:func:`~primepar_fx.cost.zero3.kept_whole`): gathered once a micro-batch. Returns the bytes of those
+        that Backward reads, held whole from Forward to Backward beyond this device's shard of them."""
         if not self.replicas:
-            return
+            return 0
         opts, replicas = self.opts, self.replicas
         self.shard_bytes = sum(-(-b // replicas[k][0]) if k in replicas else b for k, b in weights.items())
         # stage 1 all-gathers the updated shards after the step (stage 2 swaps the all-reduce for a reduce-scatter
@@ -284,8 +286,10 @@ class _NodePricing:
         # micro-batch, and reduce-scatters once a step: per micro-batch the all-reduce's 1/m above and (2 - 1/m)
         # all-gathers here (with one micro-batch: one more all-gather than stage 2)
         if opts.zero not in (1, 3):
-            return
+            return 0
         read = list(replicas) if opts.regather_all else weights_read_in_backward(self.part.op, self.target)
+        held = [k for k in read if k in kept] if opts.zero == 3 else []
+        read = [k for k in read if k not in held]
         for k in replicas:
             seconds, gathered = zero_gather_price(self.part, k, self.cluster, self.vkey, opts.itemsize)
             if opts.zero == 3 and k not in read:
@@ -296,6 +300,7 @@ class _NodePricing:
                 seconds, gathered = seconds * share, int(round(gathered * share))
             self.collective_s += seconds
             self.send("all-gather", gathered)
+        return sum(weights[k] - -(-weights[k] // replicas[k][0]) for k in held if k in replicas)
 
     def buffer_bytes(self) -> int:
         """One receive buffer per tensor that moves in a phase, in the phase that needs the most (phases run one
@@ -316,9 +321,11 @@ def node_cost(
     cluster: ClusterSpec,
     values: dict[sympy.Symbol, int],
     opts: CostOptions,
+    kept: tuple[int, ...] = (),
 ) -> NodeCost:
     """Eq. 7 for one node (``part`` binds its OpDims, partition sequence and mesh), priced term by term
-    (:class:`_NodePricing`): phases, collectives, ZeRO, memory."""
+    (:class:`_NodePricing`): phases, collectives, ZeRO, memory. ``kept``: its weight inputs that ZeRO-3 keeps
+    whole from Forward to Backward (:func:`~primepar_fx.cost.zero3.kept_whole`)."""
     op = part.op
     moves = _transfers((op, part.seq, part.mesh)) if part.steps > 1 else ()
     pr = _NodePricing(part, target, cluster, opts, values_key(values), moves)
@@ -326,8 +333,8 @@ def node_cost(
     pr.price_collectives()
     weights = {k: pr.block(op.inputs[k]) for k in op.weights if op.inputs[k] is not None}
     params = sum(weights.values())
-    pr.price_zero(weights)
-    stash = sum(pr.block(op.inputs[k]) for k in stashed_inputs(op, target))
+    held = pr.price_zero(weights, kept)
+    stash = held + sum(pr.block(op.inputs[k]) for k in stashed_inputs(op, target))
     buffers = pr.buffer_bytes()
     if opts.zero == 3 and pr.shard_bytes is not None:  # its replicated blocks gathered whole while it runs (this
         buffers += params - pr.shard_bytes  # rank's chunk of them is in the state already)

@@ -38,6 +38,7 @@ from primepar_fx.cost.model import (
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
 from primepar_fx.cost.share import input_all_reduce_latency, input_all_reduce_price, signature
+from primepar_fx.cost.zero3 import kept_inputs, kept_whole
 from primepar_fx.frontend.symbols import META_DTYPES
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
@@ -260,6 +261,8 @@ class _Pricing:
 
     def __post_init__(self) -> None:
         self.vkey = values_key(self.values)
+        #: ZeRO-3's parameters kept whole from Forward to Backward (gathered once a micro-batch)
+        self.kept = kept_whole(self.graph) if self.opts.zero == 3 else frozenset()
 
     # ---------------------------------------------------------------------------------------------- the nodes
     def bind_nodes(self, progress: bool) -> None:
@@ -290,10 +293,11 @@ class _Pricing:
 
     def _bind(self, name: str, node: OpNode, seqs: list[PartitionSeq]) -> None:
         nk = node_key(node)
-        key = (nk, None if seqs is self.legal.get(nk) else tuple(seqs))  # None: the legal sequences, not hashed again
+        kept = self._kept_of(name)
+        key = (nk, None if seqs is self.legal.get(nk) else tuple(seqs), kept)  # None: the legal sequences
         if key not in self.node_cache:
             bound = [bound_partition((node.dims, s, self.mesh)) for s in seqs]
-            priced = [node_cost(p, node.target, self.cluster, self.values, self.opts) for p in bound]
+            priced = [node_cost(p, node.target, self.cluster, self.values, self.opts, kept) for p in bound]
             self.node_cache[key] = (len(self.node_cache), seqs, priced, bound)
         self.entry[name], self.strategies[name], self.costs[name], self.partitions[name] = self.node_cache[key]
 
@@ -481,6 +485,9 @@ class _Pricing:
                 sec = sec - np.where(saving.shared, saving.reduce_s[None, :], -latency)
             elif latency.any():
                 sec = sec + latency
+            fix = self._kept_block(u, k_u, v, k_v)
+            if fix is not None:
+                sec, nbytes = sec + fix[0], nbytes + fix[1]
             found = self._tied_scatter(u, k_u, v, k_v, saving)
             if found is not None:
                 fused, net = found
@@ -552,14 +559,32 @@ class _Pricing:
         if self.opts.zero in (1, 3):  # nor its extra all-gathers (ZeRO stage 1: after the step; 3: before use)
             # (stage 3 gathers the one parameter before Backward if either reads it: v keeps that one if u does not)
             nu, nv = self.graph.nodes[u], self.graph.nodes[v]
-            read_u = k_u in weights_read_in_backward(nu.dims, nu.target)
-            read_v = k_v in weights_read_in_backward(nv.dims, nv.target)
+            read_u = k_u in weights_read_in_backward(nu.dims, nu.target) and k_u not in self._kept_of(u)
+            read_v = k_v in weights_read_in_backward(nv.dims, nv.target) and k_v not in self._kept_of(v)
             share = zero_gather_share(self.opts, read_u and read_v)
             gathers = [zero_gather_price(part, k_v, self.cluster, self.vkey, item) for part in self.partitions[v]]
             gathers = [(s * share, int(round(b * share))) for s, b in gathers]
             reduce_s = frozen(reduce_s + np.array([g[0] for g in gathers]))
             reduce_bytes = frozen(reduce_bytes + np.array([g[1] for g in gathers], np.int64), np.int64)
         return TiedSaving(shared, reduce_s, reduce_bytes)
+
+    def _kept_block(self, u: str, k_u: int, v: str, k_v: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A parameter ZeRO-3 keeps whole that ``v`` reads in Backward, first read by ``u``: ``v``'s cost has one
+        gather of its own block off (:func:`~primepar_fx.cost.model.node_cost`'s ``kept``), but the gather the
+        runtime saves is of the block it stores, ``u``'s. Per pair of strategies, the seconds and bytes that correct
+        the one to the other (zero where both read the same block); ``None`` where there is nothing to correct."""
+        nv = self.graph.nodes[v]
+        if k_v not in self._kept_of(v) or k_v not in weights_read_in_backward(nv.dims, nv.target):
+            return None
+        item = self.opts.itemsize
+        gu = [zero_gather_price(part, k_u, self.cluster, self.vkey, item) for part in self.partitions[u]]
+        gv = [zero_gather_price(part, k_v, self.cluster, self.vkey, item) for part in self.partitions[v]]
+        seconds = np.array([g[0] for g in gv])[None, :] - np.array([g[0] for g in gu])[:, None]
+        nbytes = np.array([g[1] for g in gv], np.int64)[None, :] - np.array([g[1] for g in gu], np.int64)[:, None]
+        return seconds, nbytes
+
+    def _kept_of(self, name: str) -> tuple[int, ...]:
+        return kept_inputs(self.graph, name, self.kept) if self.kept else ()
 
     def _latency(self, v: str, k_in: int) -> np.ndarray:
         """Per strategy of ``v``: :func:`~primepar_fx.cost.share.input_all_reduce_latency` of input ``k_in``."""

@@ -40,14 +40,20 @@ from primepar_fx.runtime.zero3 import ShardedParameters, Unit
 class _Shard(BucketChunk):
     """One bucket's chunk on this rank: where its parameters lie in the flat bucket, and the fp32 master chunk;
     ``unit``: the bucket's ZeRO-3 unit, which stores the parameters' chunk (the master is read from and written to
-    it, with no all-gather)."""
+    it, with no all-gather; an fp32 chunk is the master itself, stepped in place, as Megatron-LM's distributed
+    optimizer steps fp32 parameters)."""
 
     def __init__(self, buckets: GradientBuckets, index: int, rank: int, unit: Unit | None = None) -> None:
         super().__init__(buckets, index, rank)
         self.unit = unit
         self.device = self.params[0].device  # the parameters' device (a GPU under NCCL): every buffer here lives there
-        self.master = nn.Parameter(torch.zeros(self.chunk, dtype=torch.float32, device=self.device))
-        self.reload()
+        #: the master is the ZeRO-3 chunk itself (fp32 parameters): nothing to copy either way
+        self.in_place = unit is not None and unit.local.dtype == torch.float32
+        if self.in_place:
+            self.master = nn.Parameter(unit.local)  # type: ignore[union-attr]
+        else:
+            self.master = nn.Parameter(torch.zeros(self.chunk, dtype=torch.float32, device=self.device))
+            self.reload()
 
     def flat(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         """``tensors`` (one per parameter, ``None`` as zeros) laid out as the padded flat bucket."""
@@ -63,6 +69,8 @@ class _Shard(BucketChunk):
     def reload(self) -> None:
         """Read this rank's chunk of the parameters into the master copy (after they changed from outside)."""
         with torch.no_grad():
+            if self.in_place:
+                return
             if self.unit is not None:
                 self.master.copy_(self.unit.local)
             else:
@@ -72,8 +80,9 @@ class _Shard(BucketChunk):
         """Write the all-gathered master chunks back into the parameters (ZeRO-3: the master into the chunk)."""
         dtype = self.params[0].dtype
         if self.unit is not None:
-            with torch.no_grad():
-                self.unit.local.copy_(self.master.detach())
+            if not self.in_place:
+                with torch.no_grad():
+                    self.unit.local.copy_(self.master.detach())
             return
         out = torch.empty(self.chunk * self.size, dtype=dtype, device=self.device)
         dist.all_gather_single(out, self.master.detach().to(dtype), group=self.handle)

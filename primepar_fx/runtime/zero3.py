@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,7 +66,13 @@ class Unit(BucketChunk):
         self.local = self.flat[self.start : self.start + self.chunk].clone()
         self.storage = self.flat.untyped_storage()
         self.nbytes = self.storage.nbytes()
+        #: the storage holds the values, or will once :attr:`work` (a prefetch in flight) is waited on
         self.whole = True
+        self.work: Any = None
+        #: whether Backward gathers it again (some parameter of it is read there): the units Backward prefetches
+        self.read = True
+        #: kept whole from Forward to Backward (:func:`~primepar_fx.cost.zero3.kept_whole`): not freed after Forward
+        self.kept = False
 
     @property
     def key(self) -> int:
@@ -81,9 +87,23 @@ class Unit(BucketChunk):
 class ShardedParameters:
     """The stage-3 units of ``buckets`` (each bucket over more than one rank; module docstring)."""
 
-    def __init__(self, buckets: GradientBuckets, rank: int, stats: CommStats | None = None) -> None:
+    def __init__(
+        self,
+        buckets: GradientBuckets,
+        rank: int,
+        stats: CommStats | None = None,
+        read: Collection[str] | None = None,
+        kept: Collection[str] = (),
+    ) -> None:
         self.stats = stats
         self.units = [Unit(buckets, b.index, rank) for b in buckets.buckets if len(b.group[1]) > 1 and b.members]
+        for u in self.units:
+            u.read = read is None or any(buckets.names[i] in read for i in u.members)
+            u.kept = u.read and all(buckets.names[i] in kept for i in u.members)
+        #: unit index -> the unit gathered next in Forward, and in Backward (:meth:`set_order`)
+        self._next: tuple[dict[int, Unit], dict[int, Unit]] = ({}, {})
+        #: bucket index -> its unit (what the graph's nodes name)
+        self.by_index = {u.index: u for u in self.units}
         self._by_storage = {u.key: u for u in self.units}
         self._by_param = {id(p): u for u in self.units for p in u.params}
         self._left: dict[int, int] = {}  # unit index -> gradients still to come in this backward
@@ -106,13 +126,40 @@ class ShardedParameters:
     def unit_of_param(self, p: nn.Parameter) -> Unit | None:
         return self._by_param.get(id(p))
 
+    def set_order(self, order: Sequence[int]) -> None:
+        """The units in the order Forward first uses them (every rank alike): each one's gather issues the next
+        one's, in Forward and, among the units Backward gathers again, in the reverse order in Backward."""
+        forward = [self.by_index[i] for i in order]
+        backward = [u for u in reversed(forward) if u.read and not u.kept]
+        after = {a.index: b for a, b in zip(backward, backward[1:])}
+        if backward:  # Backward starts with the units kept whole: their first use there issues the first gather
+            after.update((u.index, backward[0]) for u in forward if u.kept)
+        self._next = ({a.index: b for a, b in zip(forward, forward[1:])}, after)
+
+    def released_after_forward(self, index: int) -> bool:
+        """Whether unit ``index`` is freed after its last use in Forward (all but the kept ones)."""
+        return not self.by_index[index].kept
+
     def gather(self, unit: Unit) -> None:
-        """Make ``unit`` whole: all-gather the chunks of its group into its storage (a no-op when it is whole)."""
+        """Make ``unit`` whole (all-gather the chunks of its group into its storage, or wait for its prefetch), and
+        issue the gather of the unit after it (Forward's order, or Backward's in Backward), which then travels
+        while this one's nodes compute."""
+        backward = torch._C._current_graph_task_id() != -1
+        self._launch(unit)
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+        after = self._next[backward].get(unit.index)
+        if after is not None:
+            self._launch(after)
+
+    def _launch(self, unit: Unit) -> None:
+        """Issue the all-gather of ``unit`` (asynchronous: :attr:`Unit.work`) unless it is whole or on its way."""
         if unit.whole:
             return
         unit.storage.resize_(unit.nbytes)
         with torch.no_grad():
-            dist.all_gather_single(unit.flat, unit.local, group=unit.handle)
+            unit.work = dist.all_gather_into_tensor(unit.flat, unit.local, group=unit.handle, async_op=True)
         unit.whole = True
         self.gathers += 1
         if self.stats is not None:
@@ -124,6 +171,9 @@ class ShardedParameters:
 
     def release(self, unit: Unit) -> None:
         if unit.whole:
+            if unit.work is not None:  # a prefetch in flight writes into the storage: let it land first
+                unit.work.wait()
+                unit.work = None
             unit.storage.resize_(0)
             unit.whole = False
 
@@ -172,17 +222,24 @@ class ShardedParameters:
     # ------------------------------------------------------------------------------------------------ contexts
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """One run of the rank graph: saved tensors of units kept as references; every unit freed after it."""
+        """One run of the rank graph: saved tensors of units kept as references; every unit freed after it but the
+        kept ones, when a Backward is to come (they are freed when their gradients are in, and at the end of
+        Backward). Whatever an earlier run left whole is freed first: the optimizer may have stepped since."""
+        self.release_all()
+        backward = torch.is_grad_enabled()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
-            self.release_all()
+            for u in self.units:
+                if not (backward and u.kept):
+                    self.release(u)
 
     @contextlib.contextmanager
     def whole(self, write: bool = False) -> Iterator[None]:
         """Every parameter whole inside (collective: every rank enters it); with ``write``, what was written into
         them becomes each rank's chunk on the way out."""
+        self.release_all()  # a unit left whole by a Forward without Backward may hold values from before a step
         for u in self.units:
             self.gather(u)
         try:
@@ -218,7 +275,7 @@ class GatherUnit(nn.Module):
 
     def forward(self, index: int) -> None:
         store = self._store[0]
-        store.gather(store.units[index])
+        store.gather(store.by_index[index])
 
 
 class ReleaseUnit(nn.Module):
@@ -231,7 +288,7 @@ class ReleaseUnit(nn.Module):
 
     def forward(self, index: int, *outputs: Any) -> None:
         store = self._store[0]
-        unit = store.units[index]
+        unit = store.by_index[index]
         if any(store.unit_of(t) is unit for t in pytree.tree_leaves(outputs)):
             return
         store.release(unit)
@@ -250,7 +307,8 @@ def _aliases_input(node: fx.Node) -> bool | None:
 def gather_around_uses(gm: fx.GraphModule, units_of: dict[str, int], store: ShardedParameters) -> int:
     """Put a :class:`GatherUnit` node before the first use of each unit's parameters (the placeholders named in
     ``units_of``, placeholder name -> unit index) and a :class:`ReleaseUnit` node after the last use of them or of
-    any view of them; returns how many units got nodes. Recomputed layers gather what they read again
+    any view of them, and tell ``store`` the order of the gathers (:meth:`ShardedParameters.set_order`: each
+    prefetches the next); returns how many units got nodes. Recomputed layers gather what they read again
     (``before_run``)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -260,7 +318,7 @@ def gather_around_uses(gm: fx.GraphModule, units_of: dict[str, int], store: Shar
             placeholders.setdefault(units_of[n.name], []).append(n)
     gather = _add(gm, "zero3_gather", GatherUnit(store))
     release = _add(gm, "zero3_release", ReleaseUnit(store))
-    done = 0
+    done, firsts = 0, []
     for index, starts in sorted(placeholders.items()):
         views, users, opaque = set(starts), set(), []
         stack = list(starts)
@@ -279,9 +337,12 @@ def gather_around_uses(gm: fx.GraphModule, units_of: dict[str, int], store: Shar
         last = max(users, key=order.__getitem__)
         with graph.inserting_before(first):
             graph.call_module(gather, (index,))
-        with graph.inserting_after(last):
-            graph.call_module(release, (index, *sorted(opaque, key=order.__getitem__)))
+        if store.released_after_forward(index):
+            with graph.inserting_after(last):
+                graph.call_module(release, (index, *sorted(opaque, key=order.__getitem__)))
+        firsts.append((order[first], index))
         done += 1
+    store.set_order([index for _, index in sorted(firsts)])
     for mod in gm.modules():  # recomputed layers (:class:`~primepar_fx.passes.recompute.Checkpointed`)
         if hasattr(mod, "before_run"):
             mod.before_run = store.ensure

@@ -20,8 +20,17 @@ class _Opaque(nn.Module):
 class _Store:
     """What the pass reads of a store: nothing but what its nodes and recomputed layers call."""
 
+    order: list[int] | None = None
+    kept: tuple[int, ...] = ()
+
     def ensure(self, values):  # pragma: no cover - called only when a recomputed layer runs
         raise AssertionError
+
+    def set_order(self, order):
+        self.order = order
+
+    def released_after_forward(self, index):
+        return index not in self.kept
 
 
 def _graph() -> fx.GraphModule:
@@ -54,19 +63,21 @@ def _where(gm: fx.GraphModule) -> list[str]:
 
 def test_units_are_gathered_before_first_use_and_freed_after_last_use_of_any_view():
     gm = _graph()
-    assert gather_around_uses(gm, {"w": 0, "b": 1, "v": 2}, _Store()) == 3
+    store = _Store()
+    assert gather_around_uses(gm, {"w": 2, "b": 0, "v": 1}, store) == 3
+    assert store.order == [2, 0, 1]  # the order of first use: each gather prefetches the next
     assert _where(gm) == [
-        "gather0",
+        "gather2",
         "t",
         "mm",  # the last use of w's view t: w freed after it
-        "release0",
-        "gather1",
+        "release2",
+        "gather0",
         "add",
-        "release1",
+        "release0",
         "relu",
-        "gather2",
+        "gather1",
         "opaque",
-        "release2(opaque)",  # freed unless what the submodule returned lives in it
+        "release1(opaque)",  # freed unless what the submodule returned lives in it
         "mul",
     ]
 
@@ -90,3 +101,12 @@ def test_recomputed_layers_are_told_to_gather_what_they_read():
     store = _Store()
     gather_around_uses(gm, {"w": 0}, store)
     assert layer.before_run == store.ensure
+
+
+def test_a_unit_kept_whole_until_backward_gets_no_release():
+    gm = _graph()
+    store = _Store()
+    store.kept = (1,)
+    assert gather_around_uses(gm, {"w": 0, "b": 1}, store) == 2
+    assert _where(gm) == ["gather0", "t", "mm", "release0", "gather1", "add", "relu", "opaque", "mul"]
+    assert store.order == [0, 1]

@@ -1,0 +1,68 @@
+"""ZeRO-3's parameters kept whole from Forward to Backward (:mod:`primepar_fx.cost.zero3`): which they are, and how
+a node reading one is priced (one all-gather a micro-batch instead of two, its block held whole meanwhile)."""
+
+from __future__ import annotations
+
+import pytest
+from opdims import linear_dims as linear
+
+from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.cost.cluster import load_cluster
+from primepar_fx.cost.latency import ring_factors
+from primepar_fx.cost.model import node_cost
+from primepar_fx.cost.zero3 import kept_inputs, kept_whole
+from primepar_fx.frontend.capture import capture
+from primepar_fx.graph import build_graph
+from primepar_fx.models import build, example_inputs, get_config
+from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
+
+CLUSTER = load_cluster("v100-paper")
+
+
+def _graph(name: str):
+    config = get_config(name)
+    args, kwargs = example_inputs(config, 2, 8)
+    return build_graph(capture(build(config), args, kwargs))
+
+
+def test_the_parameters_only_nodes_after_the_stack_read_in_backward_are_kept():
+    # Llama: the final norm and the untied head; the embedding is not read in Backward at all
+    assert kept_whole(_graph("llama-tiny")) == {"final_norm.weight", "lm_head.weight"}
+    # GPT-2: the final layer norm (scale and shift) and the tied embedding, which only the head reads in Backward
+    gpt2 = _graph("gpt2-tiny")
+    assert kept_whole(gpt2) == {"final_norm.weight", "final_norm.bias", "lm_head.weight"}
+    readers = [n for n, node in gpt2.nodes.items() if "lm_head.weight" in node.params]
+    assert len(readers) == 2  # the embedding and the head both read it, so both nodes see it kept
+    assert all(kept_inputs(gpt2, n, kept_whole(gpt2)) for n in readers)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_kept_weight_is_gathered_once_a_micro_batch_and_held_whole_until_backward(micro_batches):
+    """Data parallelism over 4 devices (``B,B``): the weight block is whole on each, 4 replicas."""
+    op = linear(8, 16, 32, 64)
+    part = OpPartition(op, PartitionSeq.parse("B,B"), DeviceMesh((2, 2)))
+    opts = CostOptions(zero=3, micro_batches=micro_batches)
+    released, kept = (node_cost(part, None, CLUSTER, {}, opts, kept) for kept in ((), (1,)))
+    block = 32 * 64 * 4
+    gather = ring_factors("all-gather", 4)[0] * block
+    m = micro_batches
+    # released: Forward and Backward each gather it (less the reduce-scatter's share of the all-reduce: 1/m)
+    assert released.comm_bytes["all-gather"] == pytest.approx((2 - 1 / m) * gather, abs=1)
+    # kept: Forward's gather only (with one micro-batch, exactly the half of the all-reduce ZeRO-3 leaves out)
+    assert kept.comm_bytes.get("all-gather", 0) == pytest.approx((1 - 1 / m) * gather, abs=1)
+    assert kept.collective_s < released.collective_s
+    # kept: the whole block stays from Forward to Backward, beyond this device's quarter in the state
+    assert kept.stash_bytes - released.stash_bytes == block - block // 4
+    assert kept.shard_bytes == released.shard_bytes == block // 4
+
+
+def test_an_fp32_zero3_shard_is_its_own_master():
+    """ZeRO-3 steps an fp32 shard in place: no fp32 copy of it beside the parameter shard (a 16-bit one keeps its
+    fp32 master); ZeRO-2 keeps a copy of an fp32 shard (the parameter is whole)."""
+    elems, shard = 4096, 1024
+    for dtype, item in (("fp32", 4), ("bf16", 2)):
+        zero3 = CostOptions(dtype=dtype, zero=3).state_bytes(elems, shard)
+        moments = 8
+        assert zero3 == shard * item + shard * item + shard * (moments + (4 if item == 2 else 0)), dtype
+    zero2 = CostOptions(dtype="fp32", zero=2).state_bytes(elems, shard)
+    assert zero2 == elems * 4 + shard * 4 + shard * (8 + 4)
