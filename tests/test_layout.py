@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+from collections import Counter
 
 import networkx as nx
 import pytest
@@ -309,6 +310,10 @@ def test_the_tests_mirror_the_packages():
     for folder in folders:
         for test in (tests / folder).glob("test_*.py"):
             assert not (tests / test.name).exists(), f"{test.name} is both in tests/ and tests/{folder}/"
+    # pytest imports each test file by its base name (its default import mode): two of one name cannot both run
+    names = Counter(test.name for test in tests.rglob("test_*.py"))
+    twice = [n for n, k in names.items() if k > 1]
+    assert not twice, f"test files of one name: {twice}"
 
 
 CYCLE_PROBE = r"""
