@@ -5,12 +5,15 @@ width drawn from choices that 2 and 3 divide; LayerNorm or RMSNorm; GELU, ReLU o
 positions; fused or separate QKV; tied or untied embeddings; with or without biases), a world size in
 {1, 2, 3, 4, 6, 8}, a batch and sequence length, and a plan: mostly ``"random:SEED"`` (a uniformly random legal
 partition sequence per node, not only the optimal one), sometimes ``"prime"`` (on 4 or 8), ``"megatron"``,
-``"data_parallel"`` or the searched plan, and on 6 ranks sometimes the other digit order (2, 3); a model of two
-or more layers is sometimes run with every layer recomputed in full, and a plan on two or more ranks sometimes
-with ZeRO stage 1 or 2 (issue 18's levers). One training step of the compiled per-rank module must give the
-single-device loss and, gathered, every single-device gradient (``RTOL``, ``ATOL``); with ZeRO the step is
-taken by ``module.optimizer(AdamW)`` and the parameters after it must be one device's too (stage 2 leaves no
-gradients to gather).
+``"data_parallel"`` or the searched plan, and on 6 ranks sometimes the other digit order (2, 3). Every memory
+lever is drawn too (issues 18 and 60): a model of two or more layers is sometimes run with every layer recomputed
+in full or selectively (the reference decoder's attention is one fused op, which keeps no scores, so selective
+recomputes nothing there: it checks that such a plan compiles and runs), a plan on two or more ranks sometimes
+with ZeRO stage 1, 2 or 3, and about half the plans run the batch as 2, 3 or 4 micro-batches where the count
+divides it (:data:`MICRO_BATCHES`; the plan is priced at the micro-batch, so its splits of the batch divide
+that). One training step of the compiled per-rank module must give the single-device loss and, gathered, every
+single-device gradient (``RTOL``, ``ATOL``); with ZeRO the step is taken by ``module.optimizer(AdamW)`` and the
+parameters after it must be one device's too (stages 2 and 3 leave no gradients to gather).
 
 How examples are drawn, and why. One definition, :func:`draw_case`, draws a case through a ``choose(options)``
 callable, so the same generator serves two drivers:
@@ -54,6 +57,7 @@ from distributed_checks import ATOL, RTOL, _mismatch
 WORLDS = (1, 2, 3, 4, 6, 8)
 CI_WORLDS = (2, 4, 1, 3, 8, 6, 2, 1, 4, 3, 2, 1)  # world sizes of the first cases (draw_cases)
 TIMEOUT_PER_CASE = 120.0  # seconds a bucket may take per case before every rank is killed
+MICRO_BATCHES = (1, 1, 1, 2, 3, 4)  # drawn among those that divide the batch: 1 about half the time
 
 Choose = Callable[[Sequence[Any]], Any]
 
@@ -71,8 +75,9 @@ class Case:
     digits: tuple[int, ...] | None = None  # device digits other than the cluster's default (forced plans only)
     index: int = 0
     note: dict[str, Any] = field(default_factory=dict)
-    recompute: str = "none"  # activation recomputation of every layer: "none" or "full" (issue 18)
+    recompute: str = "none"  # activation recomputation of every layer: "none", "selective" or "full" (issue 18)
     zero: int = 0  # ZeRO stage of the plan (issue 18)
+    micro_batches: int = 1  # micro-batches a step runs the batch as (gradient accumulation, issue 18)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -101,6 +106,8 @@ class Case:
             parts.append(f"recompute {self.recompute}")
         if self.zero:
             parts.append(f"ZeRO-{self.zero}")
+        if self.micro_batches > 1:
+            parts.append(f"{self.micro_batches} micro-batches")
         return ", ".join(parts)
 
 
@@ -145,8 +152,10 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Ca
         digits = (2, 3)  # the cluster's default is (3, 2)
     batch, seq = choose(((6, 12), (6, 24), (12, 24)))  # B != S: capture tells the two apart by size
     seed = choose(range(1000))
-    recompute = choose(("none", "none", "full")) if config["layers"] >= 2 else "none"  # a stack needs two layers
+    # recomputation needs a layer stack: two layers or more
+    recompute = choose(("none", "none", "full", "selective")) if config["layers"] >= 2 else "none"
     zero = choose((0, 0, 1, 2, 3)) if world > 1 else 0
+    micro_batches = choose([m for m in MICRO_BATCHES if batch % m == 0])
     return Case(
         config=config,
         world=world,
@@ -158,6 +167,7 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Ca
         index=index,
         recompute=recompute,
         zero=zero,
+        micro_batches=micro_batches,
     )
 
 
@@ -195,8 +205,8 @@ def _model_and_inputs(case: Case):
 
 
 def _plan_for(case: Case, graph, world: int, rank: int):
-    """What ``compile_graph`` gets: the name, a plan path, or (other digits, recomputation) a Plan made on rank 0."""
-    if case.digits is None and case.recompute == "none" and not case.zero:
+    """What ``compile_graph`` gets: the name, a plan path, or (other digits, a lever) a Plan made on rank 0."""
+    if case.digits is None and case.recompute == "none" and not case.zero and case.micro_batches == 1:
         return case.plan
     if rank != 0:
         return None  # rank 0's plan is broadcast
@@ -205,10 +215,10 @@ def _plan_for(case: Case, graph, world: int, rank: int):
 
     cap = graph.captured
     sizes = {"world_size": world, "batch": cap.example_batch, "seq": cap.example_seq, "recompute": case.recompute}
-    sizes.update(cluster="cpu-gloo", memory_budget=None, zero=case.zero)
+    sizes.update(cluster="cpu-gloo", memory_budget=None, zero=case.zero, micro_batches=case.micro_batches)
     if case.plan == "searched":
         return plan_graph(graph, baselines=False, **sizes)
-    if case.plan.endswith(".json"):  # a pinned plan records its own recomputation and ZeRO stage
+    if case.plan.endswith(".json"):  # a pinned plan records its own levers
         return case.plan
     return forced_plan(graph, case.plan, digits=case.digits, **sizes)
 
@@ -247,14 +257,18 @@ def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) ->
     losses[rank] = float(loss.detach())
     if world > 1:
         dist.all_reduce(losses)
+    asked = {"zero": case.zero, "micro_batches": case.micro_batches}
     report = {
         "loss": [float(x) for x in losses],
         "ref_loss": float(ref_loss.detach()),
         "bad_grads": bad,
         "fallbacks": list(module.fallbacks),
+        "levers": {k: getattr(module.plan, k) for k in asked if getattr(module.plan, k) != asked[k]},
     }
-    report["ok"] = not bad and all(
-        abs(x - report["ref_loss"]) <= ATOL + RTOL * abs(report["ref_loss"]) for x in report["loss"]
+    report["ok"] = (
+        not bad
+        and not report["levers"]
+        and all(abs(x - report["ref_loss"]) <= ATOL + RTOL * abs(report["ref_loss"]) for x in report["loss"])
     )
     return report
 
@@ -331,6 +345,8 @@ def describe(case: Case, report: dict[str, Any], case_file: Path) -> str:
         lines.append(f"  loss {report['loss'][:2]} vs one device {report['ref_loss']}")
     if report.get("bad_grads"):
         lines.append(f"  gradients differ: {report['bad_grads'][:4]}")
+    if report.get("levers"):
+        lines.append(f"  the compiled plan's levers are not the case's: {report['levers']}")
     if report.get("timeout"):
         lines.append(f"  {report['timeout']}")
     lines.append(f"  repro: {repro_command(case_file)}")

@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 
-from fuzz_checks import WORLDS, Case, by_world, describe, draw_case, draw_cases, run_cases, save_failure
+from fuzz_checks import MICRO_BATCHES, WORLDS, Case, by_world, describe, draw_case, draw_cases, run_cases, save_failure
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +50,11 @@ def test_drawn_cases_are_valid_models_and_round_trip(case):
     example_inputs(config, case.batch, case.seq)
     assert case.world in WORLDS
     assert case.plan != "prime" or case.world in (4, 8)
+    assert case.recompute in ("none", "selective", "full") and (case.recompute == "none" or config.layers >= 2)
+    assert case.zero in (0, 1, 2, 3) and (case.zero == 0 or case.world > 1)
+    assert case.micro_batches in MICRO_BATCHES and case.batch % case.micro_batches == 0
     assert Case.from_dict(case.to_dict()) == case
+    assert Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
 
 
 def test_seeded_cases_cover_every_world_size_and_repeat():
