@@ -1,7 +1,8 @@
 """Benchmark: primepar's plans against PyTorch's own parallelisms on the same model, 4 gloo ranks, one run.
 
-Systems, all training the same reference decoder (:data:`CONFIG`, Llama style, or with ``--model gpt2``
-:data:`GPT2`, GPT-2 style with a fused qkv projection; built from one seed) on the same global batch:
+Systems, all training the same reference decoder (:data:`CONFIG`, Llama style; with ``--model gpt2``
+:data:`GPT2`, GPT-2 style with a fused qkv projection; with ``--model opt`` :data:`OPT`, OPT style with a ReLU MLP
+and separate q/k/v projections; built from one seed) on the same global batch:
 
 * ``primepar (no options)``: what ``primepar_fx.compile(model, args)`` does, a search on this machine as its ranks
   measured it (:mod:`primepar_fx.calibrate.machine`; measured on the first run, then read from the cache);
@@ -33,7 +34,7 @@ The attention heads are local: the reference ``Attention`` splits heads with ``v
 merges them with ``reshape(B, S, -1)``, so a rank's column shard of q/k/v holds whole heads (``heads`` is a
 multiple of the world size) and no reshape names the global head count.
 
-    python bench/baselines_step_time.py [--model llama|gpt2] [--steps 15] [--spec calibrated.json] [--quick]
+    python bench/baselines_step_time.py [--model llama|gpt2|opt] [--steps 15] [--spec calibrated.json] [--quick]
 """
 
 from __future__ import annotations
@@ -105,6 +106,20 @@ GPT2 = replace(
     description="GPT-2 style, hidden 256, 4 layers, 8 heads (head dim 32), fused qkv, GELU 1024, vocab 1024, "
     "learned positions, biases, tied embeddings",
 )
+#: OPT style (LayerNorm with biases, ReLU MLP, learned positions, tied embeddings), separate q/k/v projections
+OPT = replace(
+    get_config("opt-tiny"),
+    name="opt-h256",
+    hidden=256,
+    layers=4,
+    heads=8,
+    kv_heads=None,
+    ffn_hidden=1024,
+    vocab_size=1024,
+    max_seq=128,
+    description="OPT style, hidden 256, 4 layers, 8 heads (head dim 32), separate q/k/v, ReLU 1024, vocab 1024, "
+    "learned positions, biases, tied embeddings",
+)
 #: --model -> (config, batch, seq, the --quick config, the page)
 MODELS = {
     "llama": (CONFIG, BATCH, SEQ, QUICK, "docs/benchmarks/baselines.md"),
@@ -118,6 +133,17 @@ MODELS = {
             32,
         ),
         "docs/benchmarks/baselines-gpt2.md",
+    ),
+    "opt": (
+        OPT,
+        BATCH,
+        SEQ,
+        (
+            replace(OPT, name="opt-h64", hidden=64, layers=2, heads=4, kv_heads=None, ffn_hidden=256, vocab_size=256),
+            4,
+            32,
+        ),
+        "docs/benchmarks/baselines-opt.md",
     ),
 }
 REFERENCE = "dtensor tp"
@@ -150,11 +176,14 @@ PARTS = ("wall", "compute", "queued", "blocked", "comm_cpu")  # measure.Timing
 def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> torch.nn.Module:
     """torchtitan's column/row plan for a ``Decoder`` (module docstring), in place.
 
-    GPT-2 style models also get: the fused qkv projection column-parallel (its rows are per head, Megatron's
-    layout, so a rank's rows are whole heads, and the attention is told its local head count, as torchtitan does);
-    with sequence parallelism the learned position table row-parallel like the token table (its output split by
-    sequence, dim 0 of ``(S, h)``); and the tied LM head re-tied to the token table's sharded weight (both are split
-    by vocabulary rows).
+    The submodules it names are the reference decoder's: ``attn.q_proj``/``k_proj``/``v_proj`` or the fused
+    ``attn.qkv_proj``, ``attn.o_proj``, ``mlp.up_proj``/``down_proj`` and, for SwiGLU only, ``mlp.gate_proj`` (a
+    GELU or ReLU MLP, GPT-2's and OPT's, has no gate). GPT-2 style models also get the fused qkv projection
+    column-parallel (its rows are per head, Megatron's layout, so a rank's rows are whole heads, and the attention
+    is told its local head count, as torchtitan does). Models with learned positions (GPT-2, OPT) get, with
+    sequence parallelism, the position table row-parallel like the token table (its output split by sequence, dim 0
+    of ``(S, h)``); tied ones (GPT-2, OPT) the LM head re-tied to the token table's sharded weight (both are split
+    by vocabulary rows). ALiBi (BLOOM) is not supported: its mask is built for every head, not a rank's.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -166,6 +195,8 @@ def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> to
     )
 
     config, world = model.config, mesh.size()
+    if config.position == "alibi":
+        raise ValueError(f"{config.name}: ALiBi's mask holds every head, so its heads cannot be split by this plan")
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     if sequence_parallel:
         top = {
@@ -532,7 +563,7 @@ def markdown(saved: dict, png: str | None) -> str:
         "",
         f"    {shlex.join(['python', 'bench/baselines_step_time.py', *saved['argv']])}",
         "",
-        READING_GPT2 if getattr(args, "model", "llama") == "gpt2" else READING,
+        READINGS[getattr(args, "model", "llama")],
         MEASURED,
     ]
     return "\n".join(lines)
@@ -625,6 +656,23 @@ READING_GPT2 = """## Reading the results
   parallelism without sequence parallelism (0.57x), as on the Llama-style model ([baselines.md](baselines.md)).
 """
 
+READING_OPT = """## Reading the results
+
+* **An OPT-style model**: LayerNorm with biases, a ReLU MLP (up and down projections, no gate), learned
+  positions, separate q, k and v projections and tied embeddings. Of these choices it shares only the separate
+  q, k and v with the Llama-style model ([baselines.md](baselines.md)), and differs from the GPT-2-style one
+  ([baselines-gpt2.md](baselines-gpt2.md)) in its MLP and its unfused q, k and v (three readers of the
+  attention's normed input, where GPT-2 has one).
+* **DTensor TP** runs torchtitan's column/row plan on q, k, v (whole heads on each rank: the attention's
+  ``view(B, S, -1, head_dim)`` finds its local head count), o, up and down. Like the GPT-2-style model, its
+  learned position table is row-parallel with its output split by sequence, and the LM head is re-tied to the token
+  table's sharded weight.
+* The tables above hold this run's figures; compare them row by row with the other two families' pages.
+"""
+
+#: --model -> the page's reading of its results
+READINGS = {"llama": READING, "gpt2": READING_GPT2, "opt": READING_OPT}
+
 MEASURED = """## How each figure is measured
 
 * *step ms*: forward + backward + `AdamW.step`, between two `dist.barrier()` calls, the slowest rank's time.
@@ -687,7 +735,8 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     p.add_argument("--spec", default=None, help="cluster spec from `primepar-fx calibrate` (else the row is skipped)")
     p.add_argument("--model", choices=list(MODELS), default="llama", help="the decoder (default llama)")
-    run_options(p, steps=15, warmup=2, page=PAGE + " or, for gpt2, " + MODELS["gpt2"][4], timeout=1800.0)
+    pages = ", ".join(f"for {name}, {page}" for name, (*_, page) in MODELS.items() if page != PAGE)
+    run_options(p, steps=15, warmup=2, page=f"{PAGE} or, {pages}", timeout=1800.0)
     args = p.parse_args()
     if args.spec is None:
         args.systems = [s for s in args.systems if "(calibrated" not in s]
