@@ -121,8 +121,8 @@ class CostOptions:
             return param_elems * self.param_state_bytes
         grad = self.param_grad_bytes - self.itemsize
         # the optimizer steps an fp32 copy of the shard (:mod:`primepar_fx.runtime.zero`): the master, or one more;
-        # Megatron-LM's distributed optimizer and ZeRO-3 step an fp32 parameter's shard in place
-        # (an fp32 ZeRO-3 shard is its own master, whatever ``master_weights`` says)
+        # Megatron-LM's distributed optimizer steps an fp32 parameter's shard in place, and so does ZeRO-3 (the
+        # shard is its own master, whatever ``master_weights`` says)
         if self.zero >= 3 and self.itemsize == 4:
             kept = self.optimizer_bytes - (4 if self.keeps_master else 0)
         else:

@@ -101,6 +101,20 @@ class BucketChunk:
         self.chunk = -(-self.numel // self.size)
         self.start = self.ranks.index(rank) * self.chunk
 
+    def flatten(self) -> torch.Tensor:
+        """Lay the parameters out in one flat tensor (padded to ``chunk * size``) and make each a view of it, so that
+        one all-gather writes all of them; returns the flat tensor. The parameters stay the same objects."""
+        first = self.params[0]
+        flat = torch.zeros(self.chunk * self.size, dtype=first.dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = flat[offset : offset + n].view(p.shape)
+                offset += n
+        return flat
+
 
 class GradientBuckets:
     """Bucketed asynchronous gradient sums of ``params`` (module docstring).
@@ -169,9 +183,9 @@ class GradientBuckets:
         is summed over the replicas; the next backward outside adds them to its own and sums the total once
         (micro-batches, :mod:`primepar_fx.compiler.microbatch`). What ``.grad`` held before the first such
         backward is set aside and added back after the sum, as for any accumulation."""
-        if not self._local:  # the first micro-batch of a step
-            for i, p in enumerate(self.params):
-                if p.grad is not None and i not in self._held:
+        if not self._local:  # a micro-batch of a step: .grad from before the step's first is set aside
+            for i, p in enumerate(self.params):  # (not the earlier micro-batches' local parts: summed with the last)
+                if p.grad is not None and i not in self._held and i not in self._unsummed:
                     self._held[i], p.grad = p.grad, None
         self._local = True
         try:

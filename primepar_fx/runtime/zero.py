@@ -47,13 +47,22 @@ class _Shard(BucketChunk):
         super().__init__(buckets, index, rank)
         self.unit = unit
         self.device = self.params[0].device  # the parameters' device (a GPU under NCCL): every buffer here lives there
-        #: the master is the ZeRO-3 chunk itself (fp32 parameters): nothing to copy either way
-        self.in_place = unit is not None and unit.local.dtype == torch.float32
+        #: stages 1 and 2: the parameters as views of one flat tensor, which the all-gather after the step fills
+        self.flat_params = self.flatten() if unit is None else None
+        #: the master is the ZeRO-3 chunk itself (fp32 parameters): stepped in place, nothing to copy either way
+        self.in_place = unit is not None and self.held.dtype == torch.float32
         if self.in_place:
-            self.master = nn.Parameter(unit.local)  # type: ignore[union-attr]
+            self.master = nn.Parameter(self.held)
         else:
             self.master = nn.Parameter(torch.zeros(self.chunk, dtype=torch.float32, device=self.device))
             self.reload()
+
+    @property
+    def held(self) -> torch.Tensor:
+        """This rank's chunk of the parameters: the ZeRO-3 unit's, or a view of the flat parameters."""
+        if self.unit is not None:
+            return self.unit.local
+        return self.flat_params[self.start : self.start + self.chunk]  # type: ignore[index]
 
     def flat(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         """``tensors`` (one per parameter, ``None`` as zeros) laid out as the padded flat bucket."""
@@ -71,26 +80,17 @@ class _Shard(BucketChunk):
         with torch.no_grad():
             if self.in_place:
                 return
-            if self.unit is not None:
-                self.master.copy_(self.unit.local)
-            else:
-                self.master.copy_(self.flat(self.params)[self.start : self.start + self.chunk])
+            self.master.copy_(self.held)
 
     def scatter(self) -> None:
-        """Write the all-gathered master chunks back into the parameters (ZeRO-3: the master into the chunk)."""
-        dtype = self.params[0].dtype
-        if self.unit is not None:
-            if not self.in_place:
-                with torch.no_grad():
-                    self.unit.local.copy_(self.master.detach())
-            return
-        out = torch.empty(self.chunk * self.size, dtype=dtype, device=self.device)
-        dist.all_gather_single(out, self.master.detach().to(dtype), group=self.handle)
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(out[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        """Write the stepped master into this rank's chunk of the parameters; at stages 1 and 2, all-gather the
+        chunks into the flat parameters, in place (the parameters are views of it: nothing to copy after it).
+        ZeRO-3 gathers its units where they are used."""
+        if not self.in_place:
+            with torch.no_grad():
+                self.held.copy_(self.master.detach())
+        if self.unit is None:
+            dist.all_gather_single(self.flat_params, self.held, group=self.handle)
 
     def count(self, stats: CommStats | None) -> None:
         """The all-gather's bytes, per parameter under its node (one message per bucket)."""

@@ -53,15 +53,7 @@ class Unit(BucketChunk):
 
     def __init__(self, buckets: GradientBuckets, index: int, rank: int) -> None:
         super().__init__(buckets, index, rank)
-        first = self.params[0]
-        self.flat = torch.zeros(self.chunk * self.size, dtype=first.dtype, device=first.device)
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
-                p.data = self.flat[offset : offset + n].view(p.shape)
-                offset += n
+        self.flat = self.flatten()
         #: this rank's chunk of the flat parameters: what the rank stores between uses
         self.local = self.flat[self.start : self.start + self.chunk].clone()
         self.storage = self.flat.untyped_storage()

@@ -78,3 +78,14 @@ def test_a_failure_names_its_config_plan_and_repro_command(tmp_path):
     pinned = Case.from_dict(saved)
     assert pinned.plan == str(case_file.parent / "plan.json") and pinned.note == {"drawn_plan": case.plan}
     assert (case_file.parent / "plan.json").read_text() == '{"compiled": "plan"}'
+
+
+def test_three_micro_batches_sum_every_local_part_once(tmp_path):
+    """A case the fuzz found: with three or more micro-batches the second one's start set the first one's local
+    gradient aside as if it were from before the step, so it was added back after the sum over the replicas
+    without being summed (the loss was right, the gradients were not)."""
+    config = {"name": "fuzz", "vocab_size": 192, "hidden": 24, "layers": 3, "heads": 2, "kv_heads": 2}
+    config |= {"ffn_hidden": 48, "norm": "rmsnorm", "mlp": "gelu", "position": "learned", "tied_embeddings": False}
+    config |= {"max_seq": 24}
+    case = Case(config=config, world=2, plan="data_parallel", batch=12, seq=24, seed=62, micro_batches=3)
+    _assert_no_failures(run_cases([case], str(tmp_path)), 1)

@@ -56,9 +56,9 @@ def test_a_kept_weight_is_gathered_once_a_micro_batch_and_held_whole_until_backw
     assert kept.shard_bytes == released.shard_bytes == block // 4
 
 
-def test_an_fp32_zero3_shard_is_its_own_master():
+def test_an_fp32_shard_is_its_own_master():
     """ZeRO-3 steps an fp32 shard in place: no fp32 copy of it beside the parameter shard (a 16-bit one keeps its
-    fp32 master); ZeRO-2 keeps a copy of an fp32 shard (the parameter is whole)."""
+    fp32 master); ZeRO-2 keeps a copy of an fp32 shard beside the whole parameter."""
     elems, shard = 4096, 1024
     for dtype, item in (("fp32", 4), ("bf16", 2)):
         zero3 = CostOptions(dtype=dtype, zero=3).state_bytes(elems, shard)
