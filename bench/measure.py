@@ -336,7 +336,8 @@ def memory_probe(
     grads = tensor_bytes(p.grad for p in module.parameters())
     grads += tensor_bytes(s.master.grad for s in getattr(opt, "shards", ()))  # ZeRO-2's reduce-scattered chunks
     state = tensor_bytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    state += tensor_bytes(s.master for s in getattr(opt, "shards", ()))  # a ZeRO optimizer's fp32 chunks
+    # a ZeRO optimizer's fp32 chunks (none beside an fp32 ZeRO-3 chunk, stepped in place: counted with the params)
+    state += tensor_bytes(s.master for s in getattr(opt, "shards", ()) if not getattr(s, "in_place", False))
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
