@@ -358,9 +358,14 @@ class GradientBuckets:
                 self.stats.add("collective", factor * g.numel() * g.element_size(), node, calls=1 if first else 0)
 
     def _launch_scatter(self, bucket: _Bucket) -> None:
-        """ZeRO stage 2: reduce-scatter the whole bucket (a missing gradient as zeros), padded to the group."""
+        """ZeRO stage 2: reduce-scatter the whole bucket (a missing gradient as zeros), padded to the group. The
+        reduce-scatters launched before are waited for first (they have had the Backward of a bucket to travel):
+        each holds a flat copy of its bucket's gradients until then, so at most one is in flight, as in FSDP2."""
         if all(self._grads[i] is None for i in bucket.members):
             return
+        for earlier in self.buckets[: bucket.index]:
+            if earlier.work is not None and earlier.index in self._scatter:
+                self._take_scatter(earlier)
         bucket.sent = list(bucket.members)
         size = len(bucket.group[1])
         device = self.params[bucket.members[0]].device  # the parameters' device (a GPU under NCCL), never the CPU's
@@ -412,13 +417,10 @@ class GradientBuckets:
             for bucket in self.buckets:
                 if bucket.work is None:
                     continue
-                bucket.work.wait()  # type: ignore[attr-defined]
                 if bucket.index in self._scatter:
-                    done = self._chunks.get(bucket.index)
-                    self._chunks[bucket.index] = bucket.flat if done is None else done.add_(bucket.flat)  # type: ignore[arg-type]
-                    for i in bucket.members:  # what autograd wrote there is the local part, now in the chunk
-                        self.params[i].grad = None
+                    self._take_scatter(bucket)
                     continue
+                bucket.work.wait()  # type: ignore[attr-defined]
                 if len(bucket.sent) == len(bucket.members):  # sent from the kept buffer: each sum is in its place
                     for i in bucket.sent:
                         self._write(i, self._place(bucket, i))
@@ -434,6 +436,16 @@ class GradientBuckets:
                     offset += g.numel()
         finally:
             self._reset()
+
+    def _take_scatter(self, bucket: _Bucket) -> None:
+        """Wait for a reduce-scatter and add its chunk to the ones summed since :meth:`clear_scattered` (its flat
+        input goes with the work)."""
+        bucket.work.wait()  # type: ignore[union-attr]
+        bucket.work = None
+        done = self._chunks.get(bucket.index)
+        self._chunks[bucket.index] = bucket.flat if done is None else done.add_(bucket.flat)  # type: ignore[arg-type]
+        for i in bucket.members:  # what autograd wrote there is the local part, now in the chunk
+            self.params[i].grad = None
 
     def _write(self, i: int, summed: torch.Tensor) -> None:
         p, earlier = self.params[i], self._earlier[i]
