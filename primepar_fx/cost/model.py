@@ -290,16 +290,23 @@ class _NodePricing:
         read = list(replicas) if opts.regather_all else weights_read_in_backward(self.part.op, self.target)
         held = [k for k in read if k in kept] if opts.zero == 3 else []
         read = [k for k in read if k not in held]
+        # stage 3 prefetches (:mod:`primepar_fx.runtime.zero3`): a unit's gather travels while the unit before it
+        # computes. Priced per node: hidden behind the node's own compute of the phase that needs it (Forward;
+        # Backward for the gather again), as far as that compute goes, the rest exposed
+        room = [self.phase_s[0], self.phase_s[1] + self.phase_s[2]] if opts.zero == 3 else [0.0, 0.0]
         for k in replicas:
             seconds, gathered = zero_gather_price(self.part, k, self.cluster, self.vkey, opts.itemsize)
             if opts.zero == 3 and k not in read:
                 self.recompute_gather_s += seconds
                 self.recompute_gather_bytes += gathered
             share = zero_gather_share(opts, k in read)
-            if share != 1:
-                seconds, gathered = seconds * share, int(round(gathered * share))
-            self.collective_s += seconds
-            self.send("all-gather", gathered)
+            priced = seconds * share
+            for phase in (0, 1) if k in read else (0,):
+                hidden = min(seconds, room[phase], priced)
+                room[phase] -= hidden
+                priced -= hidden
+            self.collective_s += priced
+            self.send("all-gather", int(round(gathered * share)) if share != 1 else gathered)
         return sum(weights[k] - -(-weights[k] // replicas[k][0]) for k in held if k in replicas)
 
     def buffer_bytes(self) -> int:

@@ -9,12 +9,13 @@ from opdims import linear_dims as linear
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.cost.latency import ring_factors
-from primepar_fx.cost.model import node_cost
+from primepar_fx.cost.model import node_cost, zero_gather_price
 from primepar_fx.cost.zero3 import kept_inputs, kept_whole
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
+from primepar_fx.partition.enumerate import values_key
 
 CLUSTER = load_cluster("v100-paper")
 
@@ -50,7 +51,7 @@ def test_a_kept_weight_is_gathered_once_a_micro_batch_and_held_whole_until_backw
     assert released.comm_bytes["all-gather"] == pytest.approx((2 - 1 / m) * gather, abs=1)
     # kept: Forward's gather only (with one micro-batch, exactly the half of the all-reduce ZeRO-3 leaves out)
     assert kept.comm_bytes.get("all-gather", 0) == pytest.approx((1 - 1 / m) * gather, abs=1)
-    assert kept.collective_s < released.collective_s
+    assert kept.collective_s <= released.collective_s
     # kept: the whole block stays from Forward to Backward, beyond this device's quarter in the state
     assert kept.stash_bytes - released.stash_bytes == block - block // 4
     assert kept.shard_bytes == released.shard_bytes == block // 4
@@ -66,3 +67,19 @@ def test_an_fp32_shard_is_its_own_master():
         assert zero3 == shard * item + shard * item + shard * (moments + (4 if item == 2 else 0)), dtype
     zero2 = CostOptions(dtype="fp32", zero=2).state_bytes(elems, shard)
     assert zero2 == elems * 4 + shard * 4 + shard * (8 + 4)
+
+
+@pytest.mark.parametrize(("sizes", "hides"), [((8, 16, 32, 64), True), ((4, 1, 2048, 4096), False)])
+def test_a_gather_is_priced_hidden_behind_the_nodes_compute_as_far_as_it_goes(sizes, hides):
+    """ZeRO-3 prefetches each unit's gather while the unit before it computes: a node's gathers are priced behind
+    its own compute of the phase that needs them (Forward; Backward again for a weight it reads there), the rest
+    exposed. A small weight's gathers hide; a weight that outweighs the compute shows its excess."""
+    part = OpPartition(linear(*sizes), PartitionSeq.parse("B,B"), DeviceMesh((2, 2)))
+    three = node_cost(part, None, CLUSTER, {}, CostOptions(zero=3))
+    stage2 = node_cost(part, None, CLUSTER, {}, CostOptions(zero=2))
+    gather, _ = zero_gather_price(part, 1, CLUSTER, values_key({}), 4)
+    forward, backward = three.phase_s[0], three.phase_s[1] + three.phase_s[2]
+    # one micro-batch: Backward's gather on top of stage 2 (Forward's is the half of the all-reduce stage 2 sends)
+    exposed = max(0.0, gather - min(gather, forward) - min(gather, backward))
+    assert three.collective_s - stage2.collective_s == pytest.approx(exposed, rel=1e-9, abs=1e-15)
+    assert (exposed == 0) == hides  # (the few tokens of the second: a weight far larger than its compute)
