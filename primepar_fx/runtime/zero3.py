@@ -1,30 +1,43 @@
 """ZeRO stage 3 for a compiled module: each replicated parameter block held in chunks, gathered only while in use.
 
 Stages 1 and 2 (:mod:`primepar_fx.runtime.zero`) split the optimizer state and the gradient of a parameter over
-the ranks that hold the same block of it; stage 3 splits the block itself, as FSDP does. The unit is a gradient
-bucket of :class:`~primepar_fx.runtime.gradsync.GradientBuckets` (one process group and dtype, at most 25 MiB):
+the ranks that hold the same block of it; stage 3 splits the block itself, as FSDP does, and runs as FSDP2 runs
+it. The unit is a gradient bucket of :class:`~primepar_fx.runtime.gradsync.GradientBuckets` (one process group and
+dtype), cut by :func:`~primepar_fx.compiler.zero3.zero3_units`: a whole layer, as FSDP2 wraps each block (what
+Backward reads of it apart from what it does not: its biases), and the parameters before and after the layers:
 
-* at compile time the bucket's parameters are laid out in one flat tensor, padded to a multiple of the group size
+* at compile time the unit's parameters are laid out in one flat tensor, padded to a multiple of the group size
   ``r``; the rank at position ``i`` of the group keeps chunk ``i`` of it (:attr:`Unit.local`, the parameters'
   dtype: the stored parameter), and the flat tensor's storage is freed. Each parameter stays an ``nn.Parameter``
   of its block's shape, a view of that storage, so the graph, the gradient hooks and the optimizer see the same
   tensors as without ZeRO;
-* Forward: a node before the unit's first use in the rank graph all-gathers the chunks into the storage; a node
-  after its last use (its views' uses included) frees it again (:func:`gather_around_uses`). Whatever is left is
-  freed when Forward returns;
+* Forward: a node before the unit's first use in the rank graph all-gathers the chunks into the storage, one
+  message, and issues the next unit's gather (asynchronous: it travels while this unit computes, and the next
+  unit's node waits for it); a node after its last use (its views' uses included) frees it again
+  (:func:`gather_around_uses`). Whatever is left is freed when Forward returns, but the units kept whole for
+  Backward (:func:`~primepar_fx.cost.zero3.kept_whole`: the head and the final norm, which Backward needs first);
 * Backward: a tensor that autograd saves from a unit (the weight a matmul keeps for its input gradient) is kept as
-  a reference (:meth:`ShardedParameters.pack`), and the unit is gathered again when Backward unpacks it; a
-  recomputed layer (:class:`~primepar_fx.passes.recompute.Checkpointed`) gathers what it reads before it runs
+  a reference (:meth:`ShardedParameters.pack`), and the unit is gathered again when Backward unpacks it, which
+  issues the gather of the unit Backward needs next (the units Backward reads, in the reverse of Forward's order);
+  a recomputed layer (:class:`~primepar_fx.passes.recompute.Checkpointed`) gathers what it reads before it runs
   again. The unit is freed when the gradient of each of its parameters has arrived (nothing in Backward reads it
-  after that), and at the end of Backward in any case;
-* the gradients are reduce-scattered into chunks as at stage 2, and
-  :class:`~primepar_fx.runtime.zero.ShardedOptimizer` steps the chunks and writes them into :attr:`Unit.local`:
-  no all-gather after the step.
+  after that), and at the end of Backward in any case. So at most two units are whole at once, besides the kept
+  ones, as with FSDP2's prefetching;
+* the gradients are reduce-scattered into chunks as at stage 2, a unit's as soon as its last gradient is in
+  (asynchronous, at most one in flight), and :class:`~primepar_fx.runtime.zero.ShardedOptimizer` steps the chunks
+  in place (fp32; else through an fp32 master it writes back into :attr:`Unit.local`): no all-gather after the step.
 
-So a rank sends, per parameter block of ``b`` bytes over ``r`` ranks, two all-gathers a micro-batch (Forward and
-Backward, ``(r-1)/r b`` each) and one reduce-scatter a step, as the cost model prices stage 3; every gather is
-counted in ``comm_stats`` under the node its parameter's gradient is priced on. Every rank of a group gathers its
-units in the same order: the rank graphs run the same nodes, and Backward unpacks in the same order everywhere.
+So a rank sends, per parameter block of ``b`` bytes over ``r`` ranks, an all-gather before Forward of every
+micro-batch and one before Backward where Backward reads the block and it was not kept (``(r-1)/r b`` each), and
+one reduce-scatter a step, as the cost model prices stage 3; every gather is counted in ``comm_stats`` under the
+node its parameter's gradient is priced on. Every rank of a group gathers its units in the same order: the rank
+graphs run the same nodes, and Backward unpacks in the same order everywhere.
+
+On GPUs (NCCL) the same code overlaps without a host synchronisation: an asynchronous collective runs on NCCL's
+own stream, ``wait()`` makes the computing stream wait for its event (the host goes on), and the collective
+records its tensors' use on its stream, so a storage freed after its last use on the computing stream is reused
+only after both streams are done with it. This is designed, not yet measured: ``bench/gpu_check.py`` times this
+runtime against FSDP2 per rank, and a multi-GPU run has yet to time the streams.
 
 Outside a step the parameters hold no values: read or write them inside :meth:`ShardedParameters.whole` (what
 ``gather_state_dict``, ``load_state_dict`` and the checkpoints do), never through ``module.parameters()`` directly
