@@ -77,6 +77,7 @@ ALLOWED: dict[str, set[str]] = {
         "partition",
         "cost",
         "record",
+        "pricing",  # ZeRO-3's units as the pricing priced them (pricing.zero3)
         "levers",
         "planning",
         "runtime",

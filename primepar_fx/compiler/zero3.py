@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from primepar_fx.cost.model import weights_read_in_backward
-from primepar_fx.cost.zero3 import kept_whole
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import LayerUnits, layer_units, selective_nodes
+from primepar_fx.pricing.zero3 import kept_whole
 from primepar_fx.record.levers import Recompute
 
 
@@ -17,7 +17,7 @@ class UnitKey(NamedTuple):
     unit: str
     #: Backward reads it: gathered again for Backward
     read: bool
-    #: kept whole from Forward to Backward (:func:`~primepar_fx.cost.zero3.kept_whole`)
+    #: kept whole from Forward to Backward (:func:`~primepar_fx.pricing.zero3.kept_whole`)
     kept: bool
 
 

@@ -275,7 +275,7 @@ class _NodePricing:
     def price_zero(self, weights: dict[int, int], kept: tuple[int, ...] = ()) -> int:
         """ZeRO over the replicas of each weight (``weights``: input -> its block's bytes): this device's shard and
         the all-gathers of stages 1 and 3. ``kept``: weights that stage 3 keeps whole from Forward to Backward
-        (:func:`~primepar_fx.cost.zero3.kept_whole`): gathered once a micro-batch. Returns the bytes of those
+        (:func:`~primepar_fx.pricing.zero3.kept_whole`): gathered once a micro-batch. Returns the bytes of those
         that Backward reads, held whole from Forward to Backward beyond this device's shard of them."""
         if not self.replicas:
             return 0
@@ -332,7 +332,7 @@ def node_cost(
 ) -> NodeCost:
     """Eq. 7 for one node (``part`` binds its OpDims, partition sequence and mesh), priced term by term
     (:class:`_NodePricing`): phases, collectives, ZeRO, memory. ``kept``: its weight inputs that ZeRO-3 keeps
-    whole from Forward to Backward (:func:`~primepar_fx.cost.zero3.kept_whole`)."""
+    whole from Forward to Backward (:func:`~primepar_fx.pricing.zero3.kept_whole`)."""
     op = part.op
     moves = _transfers((op, part.seq, part.mesh)) if part.steps > 1 else ()
     pr = _NodePricing(part, target, cluster, opts, values_key(values), moves)

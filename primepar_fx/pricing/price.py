@@ -38,7 +38,6 @@ from primepar_fx.cost.model import (
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
 from primepar_fx.cost.share import input_all_reduce_latency, input_all_reduce_price, signature
-from primepar_fx.cost.zero3 import kept_inputs, kept_whole
 from primepar_fx.frontend.symbols import META_DTYPES
 from primepar_fx.graph import OpGraph, OpNode
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replicate, enumerate_sequences
@@ -46,6 +45,7 @@ from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
 from primepar_fx.pricing.deferred import deferred_sums
 from primepar_fx.pricing.priced import PricedGraph, ShareFlow, TiedSaving, frozen
+from primepar_fx.pricing.zero3 import kept_inputs, kept_whole
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
 from primepar_fx.utils.machine import physical_memory, usable_cores

@@ -15,7 +15,7 @@ Backward reads of it apart from what it does not: its biases), and the parameter
   message, and issues the next unit's gather (asynchronous: it travels while this unit computes, and the next
   unit's node waits for it); a node after its last use (its views' uses included) frees it again
   (:func:`gather_around_uses`). Whatever is left is freed when Forward returns, but the units kept whole for
-  Backward (:func:`~primepar_fx.cost.zero3.kept_whole`: the head and the final norm, which Backward needs first);
+  Backward (:func:`~primepar_fx.pricing.zero3.kept_whole`: the head and the final norm, which Backward needs first);
 * Backward: a tensor that autograd saves from a unit (the weight a matmul keeps for its input gradient) is kept as
   a reference (:meth:`ShardedParameters.pack`), and the unit is gathered again when Backward unpacks it, which
   issues the gather of the unit Backward needs next (the units Backward reads, in the reverse of Forward's order);
@@ -76,7 +76,7 @@ class Unit(BucketChunk):
         self.work: Any = None
         #: whether Backward gathers it again (some parameter of it is read there): the units Backward prefetches
         self.read = True
-        #: kept whole from Forward to Backward (:func:`~primepar_fx.cost.zero3.kept_whole`): not freed after Forward
+        #: kept whole from Forward to Backward (:func:`~primepar_fx.pricing.zero3.kept_whole`): not freed after Forward
         self.kept = False
 
     @property

@@ -1,4 +1,4 @@
-"""ZeRO-3's parameters kept whole from Forward to Backward (:mod:`primepar_fx.cost.zero3`): which they are, and how
+"""ZeRO-3's parameters kept whole from Forward to Backward (:mod:`primepar_fx.pricing.zero3`): which they are, and how
 a node reading one is priced (one all-gather a micro-batch instead of two, its block held whole meanwhile)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import load_cluster
 from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.model import node_cost, zero_gather_price
-from primepar_fx.cost.zero3 import kept_inputs, kept_whole
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq
 from primepar_fx.partition.enumerate import values_key
+from primepar_fx.pricing.zero3 import kept_inputs, kept_whole
 
 CLUSTER = load_cluster("v100-paper")
 
