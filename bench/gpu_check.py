@@ -1,6 +1,6 @@
 """One prepared device check (issue 21): what one GPU can tell about primepar_fx, in one short run.
 
-Three parts, each written to a JSON file and a markdown page:
+Four parts, each written to a JSON file and a markdown page:
 
 1. **Equivalence on the device.** ``compile(model, ..., world_size=1)`` against eager PyTorch on the same device,
    fp32 and bf16: the loss of every AdamW step and the largest gradient difference after the first.
@@ -14,6 +14,11 @@ Three parts, each written to a JSON file and a markdown page:
    ``h100-dgx`` preset as ``h200-measured``, the matrix products with an efficiency table by size (how far small
    calls run from the fastest one's rate) (single-node link numbers stay the preset's data-sheet values, stated as
    such, until a multi-GPU machine measures them).
+4. **ZeRO-3 against FSDP2 on one device** (:func:`zero3_against_fsdp2`): what each memory lever costs a rank by
+   itself. On rank 0 of a fake group of 4 (every collective a no-op of the right shape), a training step of
+   primepar's data-parallel ZeRO-3 plan, of FSDP2 (``fully_shard`` per block, then the model) and of DDP (the
+   reference without sharding), steps interleaved: each system's own compute, copies, hooks and Python per step,
+   and on CUDA its peak memory. No network is measured; collectives on their own stream need a multi-GPU run.
 
     python bench/gpu_check.py                        # on CUDA: the full run (a few minutes), docs/benchmarks/gpu.md
     python bench/gpu_check.py --device cpu --quick   # the same code on tiny sizes (tests/test_gpu_check.py)
@@ -22,6 +27,7 @@ Three parts, each written to a JSON file and a markdown page:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -32,6 +38,11 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
+# pulp (the ILP's solver, imported by the planner) keeps the exception of an optional import that failed (its COPT
+# API's module-level ``err``), and with its traceback every frame that was importing it: imported here, those frames
+# hold nothing, where imported first inside a part they would keep that part's models alive for the rest of the run
+import primepar_fx.search.ilp  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 #: (zoo model, its overrides, batch, seq) for the device run and for --quick
 FULL = ("llama-tiny", {"hidden": 2048, "layers": 4, "heads": 16, "kv_heads": 16, "ffn_hidden": 5504,
@@ -39,6 +50,8 @@ FULL = ("llama-tiny", {"hidden": 2048, "layers": 4, "heads": 16, "kv_heads": 16,
 QUICK = ("llama-tiny", {"layers": 2}, 4, 32)
 PLANS = ("prime", "megatron", "searched")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
+#: part 4's systems, in the order their steps interleave; the ratios' denominators
+ZERO3, FSDP2, DDP = "primepar ZeRO-3", "fsdp2", "ddp"
 
 
 def _model(spec: tuple, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -90,20 +103,38 @@ def equivalence(spec: tuple, device: torch.device, dtype_name: str, steps: int) 
     return out
 
 
-def rank_compute(spec: tuple, device: torch.device, world: int, plans: tuple[str, ...], reps: int) -> list[dict]:
-    """Rank 0's forward + backward time under each plan in a fake ``world``, and the plan's predicted compute."""
+@contextlib.contextmanager
+def _fake_group(world: int, device: torch.device):
+    """Rank 0 of a fake process group of ``world``. On a CPU, one thread that flushes denormals: a fake receive,
+    gather or reduce-scatter leaves its output as allocated, and ``set_flush_denormal`` reaches only the calling
+    thread, so the intra-op pool's threads would crawl through the denormal garbage there (on QUICK with two
+    threads, ZeRO-3's step took 0.1-1.5 s by what the allocator handed out, and P(S x S)'s forward + backward at
+    world 4 1.7 s; with one, 10 ms and 16 ms)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    cpu, threads = device.type == "cpu", torch.get_num_threads()
+    if cpu:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if cpu:
+            torch.set_num_threads(threads)
+            torch.set_flush_denormal(False)
+
+
+def rank_compute(spec: tuple, device: torch.device, world: int, plans: tuple[str, ...], reps: int) -> list[dict]:
+    """Rank 0's forward + backward time under each plan in a fake ``world``, and the plan's predicted compute."""
     from primepar_fx.compiler.module import compile_graph
     from primepar_fx.frontend.capture import capture
     from primepar_fx.graph import build_graph
 
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    # a fake receive leaves its buffer as allocated: on a CPU, denormal garbage there makes every later op slow
-    flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     rows = []
-    try:
+    with _fake_group(world, device):
         model, args, kwargs = _model(spec, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         graph = build_graph(capture(model, args, kwargs))
         for plan in plans:
@@ -132,10 +163,6 @@ def rank_compute(spec: tuple, device: torch.device, world: int, plans: tuple[str
                     "forward_by_kind": forward_by_kind(module, graph, args, kwargs, device, reps),
                 }
             )
-    finally:
-        dist.destroy_process_group()
-        if flushed:
-            torch.set_flush_denormal(False)
     return rows
 
 
@@ -191,6 +218,139 @@ def forward_by_kind(module, graph, args, kwargs, device: torch.device, reps: int
     }
 
 
+@dataclasses.dataclass
+class _System:
+    """One system of part 4 on rank 0: what a step calls, and what its steps measured."""
+
+    module: torch.nn.Module
+    opt: torch.optim.Optimizer
+    args: tuple
+    kwargs: dict
+    batch: int  # the rows this rank computes
+    resident: int = 0  # bytes this system holds on the device (CUDA; 0 on CPU), kept up to date step by step
+    times: list[float] = dataclasses.field(default_factory=list)
+    peaks: list[int] = dataclasses.field(default_factory=list)
+
+
+def _share(spec: tuple, device: torch.device, world: int):
+    """A model built from the same seed, and rank 0's ``B / world`` rows of the batch (ids and labels)."""
+    model, args, kwargs = _model(spec, device, torch.float32)
+    rows = spec[2] // world
+    return model, (args[0][:rows],), {k: v[:rows] for k, v in kwargs.items()}, rows
+
+
+def _zero3_system(spec: tuple, device: torch.device, world: int) -> _System:
+    """primepar's forced data-parallel plan with ZeRO stage 3, on the whole batch (the module takes its rows)."""
+    from primepar_fx.compiler.module import compile_graph
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.graph import build_graph
+    from primepar_fx.planning.forced import forced_plan
+
+    model, args, kwargs = _model(spec, device, torch.float32)
+    graph = build_graph(capture(model, args, kwargs))
+    plan = forced_plan(graph, "data_parallel", world_size=world, cluster="h100-dgx", batch=spec[2], seq=spec[3], zero=3)
+    module = compile_graph(graph, plan=plan, cluster="h100-dgx")  # a cluster named: this machine is not measured
+    module.check_sizes = False  # one process: no other rank's sizes to agree with
+    program = graph.captured.program
+    for fqn in graph.captured.params.values():  # as compile() does: the module holds its chunks, not the weights
+        program.state_dict[fqn] = program.state_dict[fqn].detach().to("meta")
+    opt = module.optimizer(torch.optim.AdamW, lr=1e-3)
+    return _System(module, opt, args, kwargs, batch=spec[2] // world)
+
+
+def _fsdp2_system(spec: tuple, device: torch.device, world: int) -> _System:
+    """``fully_shard`` on every block, then on the model (bench/baselines_step_time.py), on a 1-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, args, kwargs, rows = _share(spec, device, world)
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _System(model, torch.optim.AdamW(model.parameters(), lr=1e-3), args, kwargs, batch=rows)
+
+
+def _ddp_system(spec: tuple, device: torch.device, world: int) -> _System:
+    """``DistributedDataParallel``, its buckets all-reduced by a Python hook: the default (C++) hook fails on a fake
+    group (the fake work's future holds ``None``, not the bucket: "expected the hook result is either a Tensor or a
+    TensorList found None"), so this one issues the same all-reduce and hands back the bucket, already complete."""
+    import torch.distributed as dist
+
+    def all_reduce(state, bucket):  # no annotations: DDP checks them, and this module's are strings
+        buffer = bucket.buffer().div_(world)
+        dist.all_reduce(buffer, async_op=True)
+        done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        done.set_result(buffer)
+        return done
+
+    model, args, kwargs, rows = _share(spec, device, world)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, all_reduce)
+    return _System(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), args, kwargs, batch=rows)
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _step(system: _System, device: torch.device, timed: bool) -> None:
+    """One training step, timed between two synchronisations. On CUDA, its peak: the device's peak during the
+    step less what the other systems hold (they are idle), and what this system holds after it."""
+    _sync(device)
+    start = _allocated(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    system.opt.zero_grad(set_to_none=True)
+    system.module(*system.args, **system.kwargs).backward()
+    system.opt.step()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    if timed:
+        system.times.append(seconds)
+        if device.type == "cuda":
+            system.peaks.append(torch.cuda.max_memory_allocated(device) - (start - system.resident))
+    system.resident += _allocated(device) - start
+
+
+def zero3_against_fsdp2(spec: tuple, device: torch.device, world: int, warmup: int, steps: int) -> dict:
+    """Rank 0's training step (zero_grad, forward, backward, AdamW) under primepar's ZeRO-3, FSDP2 and DDP in a
+    fake group of ``world``: the median of ``steps`` after ``warmup``, the systems' steps interleaved, and on
+    CUDA the peak memory of a step (module docstring, part 4). fp32 throughout: at bf16 FSDP2 and DDP would step
+    bf16 parameters while ZeRO-3 keeps an fp32 master, not the same work."""
+    makers = {ZERO3: _zero3_system, FSDP2: _fsdp2_system, DDP: _ddp_system}
+    systems: dict[str, _System] = {}
+    with _fake_group(world, device):
+        for label, make in makers.items():
+            before = _allocated(device)
+            systems[label] = make(spec, device, world)
+            systems[label].resident = _allocated(device) - before
+        for i in range(warmup + steps):
+            for system in systems.values():
+                _step(system, device, timed=i >= warmup)
+        rows = [
+            {
+                "system": label,
+                "batch": s.batch,
+                "step_s": statistics.median(s.times),
+                "step_min_s": min(s.times),
+                "peak_bytes": max(s.peaks) if s.peaks else None,
+                "resident_bytes": s.resident if device.type == "cuda" else None,
+            }
+            for label, s in systems.items()
+        ]
+        del systems, system
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    by = {r["system"]: r for r in rows}
+    pairs = ((ZERO3, FSDP2), (ZERO3, DDP), (FSDP2, DDP))
+    ratios = {f"{a} / {b}": by[a]["step_s"] / by[b]["step_s"] for a, b in pairs}
+    peaks = {f"{a} / {b}": by[a]["peak_bytes"] / by[b]["peak_bytes"] for a, b in pairs if by[b]["peak_bytes"]}
+    return {"world": world, "dtype": "fp32", "warmup": warmup, "steps": steps, "rows": rows, "ratios": ratios,
+            "peak_ratios": peaks}  # fmt: skip
+
+
 def calibrate(device: torch.device, quick: bool) -> tuple[dict, str]:
     """Compute models measured on ``device``, and the ``h200-measured`` spec made of them (JSON text)."""
     from primepar_fx.calibrate.measure import measure_compute
@@ -235,6 +395,24 @@ def page(result: dict) -> str:
                 [r["world"], r["plan"], kind, f"{t['measured_s'] * 1e3:.3f}", f"{t['predicted_s'] * 1e3:.3f}", shown]
             )
     kind_median = f"{statistics.median(kind_ratios):.2f}" if kind_ratios else "-"
+    zf = result["zero3_fsdp2"]
+    by = {r["system"]: r for r in zf["rows"]}
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+    lever = [
+        [
+            r["system"],
+            r["batch"],
+            f"{r['step_s'] * 1e3:.2f}",
+            f"{r['step_min_s'] * 1e3:.2f}",
+            f"{r['step_s'] / by[FSDP2]['step_s']:.2f}",
+            f"{r['step_s'] / by[DDP]['step_s']:.2f}",
+            mib(r["peak_bytes"]),
+            mib(r["resident_bytes"]),
+        ]
+        for r in zf["rows"]
+    ]
+    lever_ratios = "; ".join(f"{k}: {v:.2f}" for k, v in zf["ratios"].items())
+    peak_ratios = "; ".join(f"{k}: {v:.2f}" for k, v in zf["peak_ratios"].items()) or "not measured (CPU)"
     return "\n".join(
         [
             "# One device check",
@@ -268,6 +446,29 @@ def page(result: dict) -> str:
             "",
             f"Median measured / predicted over the kinds with a prediction: {kind_median}.",
             "",
+            "## ZeRO-3 against FSDP2 on one device: what each memory lever costs a rank by itself",
+            "",
+            f"Rank 0 of a fake group of {zf['world']}, {zf['dtype']}: a training step (zero_grad, forward, backward, "
+            f"AdamW) of each system, steps interleaved, {zf['warmup']} to warm up, then the median of {zf['steps']}. "
+            f"Step time ratios: {lever_ratios}. Peak memory ratios: {peak_ratios}.",
+            "",
+            tabulate(
+                lever,
+                ["system", "rows on rank 0", "step ms", "min ms", "/ fsdp2", "/ ddp", "peak MiB", "held MiB"],
+                tablefmt="github",
+            ),
+            "",
+            "What is measured: each system's own work on one rank, its compute, the copies into and out of its "
+            "collectives' buffers, its hooks and its Python, with every collective a no-op of the right shape "
+            "(the fake group), so no byte crosses a network and no collective overlaps anything. `peak MiB` is the "
+            "device's peak during a step less what the other systems hold, `held MiB` what the system keeps between "
+            "steps (its parameters, gradients and AdamW state); both CUDA only. primepar runs its forced "
+            "data-parallel plan with ZeRO stage 3 on the whole batch (its rank graph takes rank 0's rows); FSDP2 "
+            "(`fully_shard` per block, then the model) and DDP (the reference without sharding, its buckets "
+            "all-reduced by a Python hook: the default hook fails on a fake group) get rank 0's rows. What is not "
+            "measured: the network, and whether a collective on its own stream (NCCL's, with events, no host "
+            "synchronisation per step) hides behind the computing stream; that comparison needs a multi-GPU run.",
+            "",
             "## Compute calibration",
             "",
             "Fitted compute models per op family (``compute`` in the JSON); the `h200-measured` spec is written next "
@@ -295,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = ("fp32", "bf16") if device.type == "cuda" or not args.quick else ("fp32",)
     result["equivalence"] = [equivalence(spec, device, d, steps) for d in dtypes]
     result["rank_compute"] = [row for w in (4, 8) for row in rank_compute(spec, device, w, PLANS, reps)]
+    result["zero3_fsdp2"] = zero3_against_fsdp2(spec, device, 4, warmup=2 if args.quick else 5, steps=reps)
     result["compute"], spec_json = calibrate(device, quick=args.quick)
     result["seconds"] = time.perf_counter() - t0
     for r in result["equivalence"]:
@@ -304,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in result["rank_compute"]:
         print(f"world {r['world']} {r['plan']:9s} measured {r['measured_s'] * 1e3:8.2f} ms, "
               f"predicted compute {r['predicted_compute_s'] * 1e3:8.2f} ms")  # fmt: skip
+    for r in result["zero3_fsdp2"]["rows"]:
+        peak = "" if r["peak_bytes"] is None else f", peak {r['peak_bytes'] / 2**20:8.1f} MiB"
+        print(f"fake world 4 {r['system']:15s} step {r['step_s'] * 1e3:8.2f} ms (rows {r['batch']}){peak}")
+    print("  " + "; ".join(f"{k} {v:.2f}" for k, v in result["zero3_fsdp2"]["ratios"].items()))
     out = args.out or (None if args.quick else str(ROOT / "docs" / "benchmarks" / "gpu.md"))
     if out:
         out_path = Path(out)
