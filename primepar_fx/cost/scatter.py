@@ -228,8 +228,9 @@ class ScatterSaving:
     ``forward_*``: the producer's output all-reduce (attributed to the producer); ``backward_*``: the consumer's
     input-gradient all-reduce (attributed to the consumer). Seconds and bytes saved per device, net of a bias
     gradient's all-reduce; ``*_scattered`` the bytes the reduce-scatter itself sends; ``forward_bias_*`` the bias
-    gradient's all-reduce netted out of ``forward_*`` (it runs in Backward: a recomputed Forward saves without it).
-    Zero where no fusion.
+    gradient's all-reduce netted out of ``forward_*`` (it runs in Backward: a recomputed Forward saves without it);
+    ``*_rs_s`` the seconds the reduce-scatter itself takes (what overlapping it with a product can hide:
+    :mod:`primepar_fx.cost.matmul_overlap`). Zero where no fusion.
     """
 
     forward_s: np.ndarray
@@ -240,27 +241,42 @@ class ScatterSaving:
     backward_scattered: np.ndarray
     forward_bias_s: np.ndarray
     forward_bias_bytes: np.ndarray
+    forward_rs_s: np.ndarray
+    backward_rs_s: np.ndarray
+
+
+def reduce_scatter_seconds(cluster: ClusterSpec, block: float, mesh: DeviceMesh, digits: tuple[int, ...]) -> float:
+    """Seconds of the runtime's reduce-scatter of a ``block``-byte block over the groups of ``digits``
+    (:class:`~primepar_fx.runtime.collectives.ReduceScatter`): each device sends each of the ``g - 1`` others of its
+    group their piece, ``block / g`` bytes, and receives its own from each, all posted at once. That is the
+    point-to-point exchange the re-layouts are priced as (:func:`~primepar_fx.cost.model.p2p_seconds`): ``g - 1``
+    messages of ``(g-1)/g`` of the block in all, at the ``"p2p"`` latency of the level the group uses."""
+    g = cluster.group_size(mesh, digits)
+    if g < 2:
+        return 0.0
+    level = cluster.levels[cluster.group_level(mesh, digits)]
+    return level.p2p_time(ring_factors("reduce-scatter", g)[0] * block, messages=g - 1)
 
 
 def _saving(
     cluster: ClusterSpec, part: OpPartition, c: Collective, tensor: str, vkey, item: int, bias: int | None = None
-) -> tuple[float, int, int, float, int]:
+) -> tuple[float, int, int, float, int, float]:
     """Seconds and bytes one device saves when all-reduce ``c`` becomes a reduce-scatter of the same block (less a
-    bias gradient's all-reduce over the same group), the bytes the reduce-scatter sends, and the seconds and bytes
-    of that bias all-reduce (zero without a bias)."""
+    bias gradient's all-reduce over the same group), the bytes the reduce-scatter sends, the seconds and bytes
+    of that bias all-reduce (zero without a bias), and the seconds of the reduce-scatter."""
     block = block_bytes(part, tensor_map(part.op, tensor), vkey, item)
     group = cluster.group_size(part.mesh, c.digits)
     mesh, digits = part.mesh, c.digits
-    seconds = cluster.collective_time("all-reduce", block, mesh, digits)
-    seconds -= cluster.collective_time("reduce-scatter", block, mesh, digits)
+    scatter_s = reduce_scatter_seconds(cluster, block, mesh, digits)
+    seconds = cluster.collective_time("all-reduce", block, mesh, digits) - scatter_s
     ar, _ = ring_factors("all-reduce", group)
     rs, _ = ring_factors("reduce-scatter", group)
     saved, scattered = int(round(ar * block)) - int(round(rs * block)), int(round(rs * block))
     if bias is not None:
         extra = block_bytes(part, part.op.inputs[bias], vkey, item)  # type: ignore[arg-type]
         bias_s, bias_bytes = cluster.collective_time("all-reduce", extra, mesh, digits), int(round(ar * extra))
-        return seconds - bias_s, saved - bias_bytes, scattered, bias_s, bias_bytes
-    return seconds, saved, scattered, 0.0, 0
+        return seconds - bias_s, saved - bias_bytes, scattered, bias_s, bias_bytes, scatter_s
+    return seconds, saved, scattered, 0.0, 0, scatter_s
 
 
 def scatter_saving(
@@ -301,7 +317,7 @@ def scatter_saving(
             found, f = True, forward[i]
             saving = _saving(cluster, producers[i], f.collective, f"out{out_index}", vkey, item, f.bias)
             out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving[:3]
-            out.forward_bias_s[i, hits], out.forward_bias_bytes[i, hits] = saving[3:]
+            out.forward_bias_s[i, hits], out.forward_bias_bytes[i, hits], out.forward_rs_s[i, hits] = saving[3:]
     uses = {j: backward_held(q, in_index) for j, q in enumerate(consumers) if backward[j] is not None}
     cols = [j for j, use in uses.items() if use is not None] if grad_needed is not None else []
     tests = [(uses[j].layout_ids(vkey), backward[j]) for j in cols]  # type: ignore[union-attr]
@@ -310,6 +326,7 @@ def scatter_saving(
             found, f = True, backward[j]
             saving = _saving(cluster, consumers[j], f.collective, f"d_in{in_index}", vkey, item)  # type: ignore[union-attr]
             out.backward_s[hits, j], out.backward_bytes[hits, j], out.backward_scattered[hits, j] = saving[:3]
+            out.backward_rs_s[hits, j] = saving[5]
     return out if found else None
 
 

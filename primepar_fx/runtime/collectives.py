@@ -14,6 +14,7 @@ carries the *complete* gradient of that slice on each of them. Then
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import torch
 import torch.distributed as dist
@@ -102,9 +103,13 @@ class ReduceScatter:
 
     Every rank of the group holds a partial block of ``in_shape``; rank ``ranks[i]`` keeps the sum of the piece
     that ``pieces[i]`` copies out of it (``(source, destination)`` slices, the local part of that rank's
-    :class:`~primepar_fx.runtime.exchange.Exchange`). It runs as one ``reduce_scatter`` over pieces laid out in
-    group order, with the same :meth:`run` signature as an :class:`Exchange`, so a
-    :class:`~primepar_fx.runtime.exchange.Redistribute` can carry it in either direction.
+    :class:`~primepar_fx.runtime.exchange.Exchange`). It runs point to point, as the re-layouts do: this rank
+    (``me``) sends each peer that peer's piece of its block, one message each, all posted at once, and sums the
+    pieces it receives with its own, in group order. That is the ring's volume exactly ((g-1)/g of the block) in
+    g-1 messages; gloo's own ``reduce_scatter`` sends twice that and takes several times as long
+    (docs/runtime.md, "Reduce-scatters"). It has the same :meth:`run` signature as an :class:`Exchange`, so a
+    :class:`~primepar_fx.runtime.exchange.Redistribute` can carry it in either direction; :meth:`piece` and
+    :meth:`total` let a caller send pieces as it computes them (:mod:`primepar_fx.runtime.collective_matmul`).
     """
 
     group: object
@@ -113,6 +118,7 @@ class ReduceScatter:
     out_shape: tuple[int, ...]
     pieces: tuple[tuple[tuple[Slices, Slices], ...], ...]
     identity: bool = False
+    me: int = -1
 
     @classmethod
     def plan(
@@ -124,22 +130,46 @@ class ReduceScatter:
         if any(p.comm for p in plans):
             raise ValueError(f"a reduce-scatter over ranks {ranks} must be a local slice on each of them")
         mine = plans[ranks.index(me)]
-        return cls(group, tuple(ranks), mine.in_shape, mine.out_shape, tuple(p.local for p in plans))
+        return cls(group, tuple(ranks), mine.in_shape, mine.out_shape, tuple(p.local for p in plans), me=me)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The other ranks of the group, in group order."""
+        return tuple(r for r in self.ranks if r != self.me)
+
+    def piece(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s piece of this rank's block ``x`` (a new contiguous tensor)."""
+        out = x.new_empty(self.out_shape)
+        for src, dst in self.pieces[self.ranks.index(rank)]:
+            out[dst] = x[src]
+        return out
+
+    def nbytes(self, itemsize: int) -> int:
+        """The bus bytes ``comm_stats`` counts for one reduce-scatter of elements of ``itemsize`` bytes (the cost
+        model's ring volume: (g-1)/g of the block)."""
+        return int(round(ring_factors("reduce-scatter", len(self.ranks))[0] * prod(self.in_shape) * itemsize))
+
+    def total(self, own: torch.Tensor, received: dict[int, torch.Tensor]) -> torch.Tensor:
+        """This rank's piece summed over the group, in group order (the same order whoever sent first)."""
+        parts = [own if r == self.me else received[r] for r in self.ranks]
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
 
     def run(self, x: torch.Tensor, stats: CommStats | None = None, kind: str = "", node: str = "") -> torch.Tensor:
         """The sum over the group of this rank's piece of ``x`` (``kind`` is ignored: this is a collective)."""
         if tuple(x.shape) != self.in_shape:
             raise RuntimeError(f"reduce-scatter expected a local block of shape {self.in_shape}, got {tuple(x.shape)}")
-        inputs = []
-        for local in self.pieces:
-            piece = x.new_empty(self.out_shape)
-            for src, dst in local:
-                piece[dst] = x[src]
-            inputs.append(piece)
-        out = x.new_empty(self.out_shape)
-        dist.reduce_scatter(out, inputs, group=self.group)
+        ops, inbox = [], {}
+        for r in self.peers:
+            ops.append(dist.P2POp(dist.isend, self.piece(x, r), r))
+            inbox[r] = x.new_empty(self.out_shape)
+            ops.append(dist.P2POp(dist.irecv, inbox[r], r))
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        own = self.piece(x, self.me)
+        for req in reqs:
+            req.wait()
         if stats is not None:
-            stats.add(
-                "collective", ring_factors("reduce-scatter", len(self.ranks))[0] * x.numel() * x.element_size(), node
-            )
-        return out
+            stats.add("collective", self.nbytes(x.element_size()), node)
+        return self.total(own, inbox)

@@ -126,6 +126,35 @@ class Exchange:
             tuple(received),
         )
 
+    def post(
+        self, x: torch.Tensor, stats: CommStats | None = None, kind: str = "redistribution", node: str = ""
+    ) -> Posted:
+        """Post this rank's sends of ``x`` and its receives, all at once, and return them without waiting: one message
+        per peer, its pieces flattened and concatenated in order (the wire format :meth:`unpack` reads)."""
+        ops, sent, boxes = [], [], []
+        for peer, pieces in self.sends:
+            buf = torch.cat([x[s].reshape(-1) for s in pieces]) if pieces else x.new_empty(0)
+            ops.append(dist.P2POp(dist.isend, buf, peer))
+            sent.append(buf)
+            if stats is not None:
+                stats.add(kind, buf.numel() * buf.element_size(), node)
+        for peer, pieces in self.recvs:
+            buf = x.new_empty(sum(prod(shape) for _, shape in pieces))
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            boxes.append((peer, buf, pieces))
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        n = len(self.sends)
+        return Posted(list(zip(reqs[:n], sent)), [(req, *box) for req, box in zip(reqs[n:], boxes)])
+
+    @staticmethod
+    def unpack(out: torch.Tensor, buf: torch.Tensor, pieces: tuple[tuple[Slices, tuple[int, ...]], ...]) -> None:
+        """Cut one received message into its pieces and write each into ``out``."""
+        off = 0
+        for dst, shape in pieces:
+            n = prod(shape)
+            out[dst] = buf[off : off + n].view(shape)
+            off += n
+
     def run(
         self, x: torch.Tensor, stats: CommStats | None = None, kind: str = "redistribution", node: str = ""
     ) -> torch.Tensor:
@@ -134,28 +163,28 @@ class Exchange:
         if self.identity:
             return x
         out = x.new_empty(self.out_shape)
-        ops, inbox = [], []
-        for peer, pieces in self.sends:
-            buf = torch.cat([x[s].reshape(-1) for s in pieces]) if pieces else x.new_empty(0)
-            ops.append(dist.P2POp(dist.isend, buf, peer))
-            if stats is not None:
-                stats.add(kind, buf.numel() * buf.element_size(), node)
-        for peer, pieces in self.recvs:
-            buf = x.new_empty(sum(prod(shape) for _, shape in pieces))
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
-            inbox.append((buf, pieces))
-        reqs = dist.batch_isend_irecv(ops) if ops else []
+        posted = self.post(x, stats, kind, node)
         for src, dst in self.local:
             out[dst] = x[src]
-        for req in reqs:
+        posted.wait_sent()
+        for req, _, buf, pieces in posted.arrivals:
             req.wait()
-        for buf, pieces in inbox:
-            off = 0
-            for dst, shape in pieces:
-                n = prod(shape)
-                out[dst] = buf[off : off + n].view(shape)
-                off += n
+            self.unpack(out, buf, pieces)
         return out
+
+
+@dataclass
+class Posted:
+    """The messages of one :meth:`Exchange.post`: ``sent`` (work, buffer) pairs, the buffers kept alive until their
+    sends complete, and ``arrivals`` (work, peer, buffer, pieces), one per peer, in the exchange's receive order."""
+
+    sent: list[tuple[Any, torch.Tensor]]
+    arrivals: list[tuple[Any, int, torch.Tensor, tuple[tuple[Slices, tuple[int, ...]], ...]]]
+
+    def wait_sent(self) -> None:
+        for req, _ in self.sent:
+            req.wait()
+        self.sent = []
 
 
 def _product(per_dim: list[list]) -> list[tuple]:
