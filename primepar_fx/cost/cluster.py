@@ -269,6 +269,12 @@ class ClusterSpec(SpecData):
     do; how much of them that hides depends on the machine, so the default is 0, every byte on the critical path
     (Megatron-LM's default too: its ``--overlap-grad-reduce`` is off unless asked for). The same value prices the
     baselines, which are planned by this model too.
+
+    ``matmul_overlap`` (0 to 1): the fraction of the compute beside a re-layout that hides it where the runtime cuts a
+    linear by rows around the re-layout (collective matmul, :mod:`primepar_fx.cost.matmul_overlap`). The default, 1,
+    is Eq. 7's ``max(compute, communication)``, as the P(S x S) ring's shifts are priced; 0 prices the transfers as
+    if nothing ran beside them (a machine where a rank that waits hands its core to another, and a transfer does not
+    run while the rank computes).
     """
 
     name: str
@@ -280,6 +286,7 @@ class ClusterSpec(SpecData):
     calibrated: bool = False
     source: str = ""
     gradient_overlap: float = 0.0
+    matmul_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         text("ClusterSpec.name", self.name)
@@ -309,6 +316,10 @@ class ClusterSpec(SpecData):
         if overlap > 1:
             raise ValueError(f"ClusterSpec.gradient_overlap must be a fraction from 0 to 1, got {overlap!r}")
         set_field(self, "gradient_overlap", overlap)
+        beside = real("ClusterSpec.matmul_overlap", self.matmul_overlap, "a fraction")
+        if beside > 1:
+            raise ValueError(f"ClusterSpec.matmul_overlap must be a fraction from 0 to 1, got {beside!r}")
+        set_field(self, "matmul_overlap", beside)
 
     _hash: int | None = field(init=False, repr=False, compare=False, default=None)  # data_hash's, once computed
     __hash__ = data_hash  # dict fields: hash the canonical JSON (consistent with ==)
@@ -426,12 +437,16 @@ class ClusterSpec(SpecData):
         d = plain(self)  # the prose first, then the numbers
         if not d["gradient_overlap"]:
             del d["gradient_overlap"]  # the default: spec files that predate the field stay canonical
+        if d["matmul_overlap"] == 1.0:
+            del d["matmul_overlap"]
         return {k: d[k] for k in ("name", "description", "calibrated", "source")} | d
 
     @classmethod
     def from_dict(cls, data: Any) -> ClusterSpec:
         required = ("name", "num_devices", "devices_per_node", "device", "levels")
-        d = fields("ClusterSpec", data, required, ("description", "calibrated", "source", "gradient_overlap"))
+        d = fields(
+            "ClusterSpec", data, required, ("description", "calibrated", "source", "gradient_overlap", "matmul_overlap")
+        )
         device = within("ClusterSpec.device", DeviceSpec.from_dict, d["device"])
         if not isinstance(d["levels"], list):
             raise ValueError(f"ClusterSpec.levels must be a list of levels, got {type(d['levels']).__name__}")

@@ -195,13 +195,16 @@ class LayerPricing:
         saving = priced.scatter.get((u, v))
         if not (saving is not None and how.get(u, ("",))[0] == "all"):
             saving = None
+        overlap = priced.overlap.get((u, v))  # the Forward that runs again overlaps as the first did
         nbytes = priced.edge_bytes[(u, v)]
         # identical layers' edges share their arrays, and so do the results (the search sees them alike)
-        key = (id(seconds), id(nbytes), id(flow), id(saving))
+        key = (id(seconds), id(nbytes), id(flow), id(saving), id(overlap))
         if key not in self._edges:
             fs = flow.forward_s
             if saving is not None:  # runs again as a reduce-scatter (its bias's gradient sum does not run again)
                 fs = fs - (saving.forward_s + saving.forward_bias_s)
+            if overlap is not None:  # the gather under v's Forward; u's reduce-scatter under u's, if it runs again
+                fs = fs - overlap.forward_relayout_s - (overlap.producer_s if saving is not None else 0.0)
             again = (frozen(seconds + fs), frozen(nbytes + flow.forward_bytes, np.int64))
             ours = seconds is flow.seconds and nbytes is flow.nbytes
             self._edges[key] = (*again, dataclasses.replace(flow, seconds=again[0], nbytes=again[1]) if ours else None)

@@ -17,7 +17,9 @@ In order (:func:`~primepar_fx.passes.localize.localize` runs them on a copy of t
    split rows also gets its asynchronous count of targets); :func:`~primepar_fx.passes.gradsync.
    defer_input_gradient_sums`: a replicated parameter lookup whose output gradient is summed over a group (a
    learned position table) takes its gradient from that sum at the end of backward, the sum asynchronous.
-7. :func:`~primepar_fx.passes.recompute.recompute_layers`: the plan's recomputed layers, each one checkpointed.
+7. :func:`~primepar_fx.passes.overlap.overlap_collective_matmuls`: a re-layout that moves whole rows fused with the
+   linears beside it (collective matmul), so that the transfer and the product overlap.
+8. :func:`~primepar_fx.passes.recompute.recompute_layers`: the plan's recomputed layers, each one checkpointed.
 
 :func:`~primepar_fx.passes.runner.run_passes` runs them: on a copy, linting and recompiling after each pass, naming
 the failing pass in a :class:`~primepar_fx.passes.runner.PassError`, skipping those ``PRIMEPAR_DISABLE_PASSES``

@@ -18,7 +18,7 @@ the local form registered for its op (:func:`register_local`, keyed by ``OpOverl
 
     annotate_plan -> shard_parameters -> insert_redistributions -> insert_collectives -> share_relayouts
       -> fuse_reduce_scatters -> defer_parameter_gradients -> replace_ring_products -> rewrite_local_ops
-      -> defer_input_gradient_sums -> recompute_layers
+      -> defer_input_gradient_sums -> overlap_collective_matmuls -> recompute_layers
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from primepar_fx.passes.collectives import fuse_reduce_scatters, insert_collecti
 from primepar_fx.passes.common import META, STORAGE, NodeInfo, RankContext, add_module, arg, digits_of, info, is_getitem
 from primepar_fx.passes.gradsync import defer_input_gradient_sums, defer_parameter_gradients
 from primepar_fx.passes.layouts import NodeLayouts, local_shape
+from primepar_fx.passes.overlap import overlap_collective_matmuls
 from primepar_fx.passes.recompute import recompute_layers
 from primepar_fx.passes.redistribute import insert_redistributions, redistribute_module
 from primepar_fx.passes.ring import replace_ring_products
@@ -462,6 +463,7 @@ def localize(
         replace_ring_products,
         rewrite_local_ops,
         defer_input_gradient_sums,
+        overlap_collective_matmuls,
         recompute_layers,
     ]
     gm, counts = run_passes(gm, passes, ctx, required=REQUIRED_PASSES, input_name="captured")

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.matmul_overlap import EdgeSides, OverlapSaving, feeds_linears, linear_into, overlap_saving
 from primepar_fx.cost.model import (
     NodeCost,
     direction_key,
@@ -190,6 +191,7 @@ def price_graph(
         pricing.fanout(),
         pricing.tied,
         deferred,
+        overlap=pricing.overlap,
     )
 
 
@@ -258,6 +260,9 @@ class _Pricing:
     consumer_share: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     tied: dict[tuple[str, str], TiedSaving] = field(default_factory=dict)  # add_shared_parameters
     latency: dict[tuple, np.ndarray] = field(default_factory=dict)  # (node cache entry, input) -> _latency
+    # edge_matrices: the re-layouts overlapped with linears (cost.matmul_overlap), per edge and memoized per edge key
+    overlap: dict[tuple[str, str], OverlapSaving] = field(default_factory=dict)
+    overlap_cache: dict[tuple, tuple[OverlapSaving, np.ndarray] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.vkey = values_key(self.values)
@@ -420,6 +425,7 @@ class _Pricing:
                 if skey not in self.net_cache:  # one array per scatter key, shared like the edge cache's
                     self.net_cache[skey] = frozen(self.edge_cost[(u, v)] - saving.forward_s - saving.backward_s)
                 self.edge_cost[(u, v)] = self.net_cache[skey]
+            self._overlap(u, v, k_in, k_out, key, skey)
             self.share_flows[(u, v)] = ShareFlow(
                 k_in,
                 self.edge_cost[(u, v)],
@@ -427,6 +433,47 @@ class _Pricing:
                 *self._consumer_share(v, k_in, key[-1]),
                 *self.forward_cache[key],
             )
+
+    def _overlap(self, u: str, v: str, k_in: int, k_out: int, key: tuple, skey: tuple | None) -> None:
+        """The edge's seconds net of what overlapping its re-layouts with the linears beside them hides
+        (:mod:`primepar_fx.cost.matmul_overlap`), before the share flows read them; once per edge key and graph
+        facts."""
+        graph = self.graph
+
+        def readers(name: str) -> list:
+            return [(graph.nodes[w].target, graph.input_names(w)) for w in graph.graph.successors(name)]
+
+        gather = k_in == 0 and feeds_linears(u, readers(u))
+        scatter = skey is not None and linear_into(u, graph.nodes[u].target, readers(u))
+        memo = (key, skey, gather, scatter)
+        if memo not in self.overlap_cache:
+            self.overlap_cache[memo] = self._overlap_saving(u, v, k_in, k_out, key, skey, gather, scatter)
+        found = self.overlap_cache[memo]
+        if found is not None:
+            self.overlap[(u, v)], self.edge_cost[(u, v)] = found
+
+    def _overlap_saving(
+        self, u: str, v: str, k_in: int, k_out: int, key: tuple, skey: tuple | None, gather: bool, scatter: bool
+    ) -> tuple[OverlapSaving, np.ndarray] | None:
+        if not (gather or scatter):
+            return None
+        mesh, nodes = self.mesh, self.graph.nodes
+        sides = EdgeSides(
+            self.partitions[u], self.costs[u], nodes[u].target, k_out,
+            self.partitions[v], self.costs[v], nodes[v].target, k_in, gather, scatter,
+        )  # fmt: skip
+        both, fwd = self.edge_cache[key], self.forward_cache[key]
+        fused = self.scatter_cache[skey] if skey is not None else None
+        nothing = ([None] * len(sides.producers), [None] * len(sides.consumers))
+        fusables = self.fusions[skey][4:] if skey is not None else nothing
+        groups = tuple(
+            np.array([1 if f is None else self.cluster.group_size(mesh, f.collective.digits) for f in side], float)
+            for side in fusables
+        )
+        backward = (both[0] - fwd[0], both[1] - fwd[1])
+        share = self.cluster.matmul_overlap
+        saving = overlap_saving(sides, fwd, backward, fused, groups, self.vkey, key[-1], share)  # type: ignore[arg-type]
+        return None if saving is None else (saving, frozen(self.edge_cost[(u, v)] - saving.seconds))
 
     def _consumer_share(self, v: str, k_in: int, item: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per strategy of ``v``: the number of its :func:`~primepar_fx.cost.share.signature` on input ``k_in``,

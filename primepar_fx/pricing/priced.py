@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.cost.matmul_overlap import OverlapSaving
 from primepar_fx.cost.model import NodeCost
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.partition import DeviceMesh, PartitionSeq
@@ -50,6 +51,10 @@ class PricedGraph:
     #: (:mod:`primepar_fx.levers.recompute`): ``edge_cost`` already has the seconds saved subtracted, and the
     #: summary takes the bytes saved off the producer's recomputation
     rescattered: dict[tuple[str, str], ScatterSaving] = field(default_factory=dict)
+    #: edges whose re-layouts the runtime overlaps with the linears beside them
+    #: (:mod:`primepar_fx.cost.matmul_overlap`); ``edge_cost`` and the flows' seconds already have the seconds hidden
+    #: subtracted
+    overlap: dict[tuple[str, str], OverlapSaving] = field(default_factory=dict)
 
     @functools.cached_property
     def search_graph(self) -> CostGraph:
@@ -76,7 +81,7 @@ class PricedGraph:
         cg = self.cost_graph
         tables = (cg.node_cost, cg.node_memory or {}, cg.edge_cost, self.edge_bytes)
         arrays = [a for table in tables for a in table.values()]
-        for group in (self.flows, self.scatter, self.tied, self.deferred):
+        for group in (self.flows, self.scatter, self.tied, self.deferred, self.overlap):
             arrays += [getattr(item, f.name) for item in group.values() for f in dataclasses.fields(item)]
         for a in arrays:
             if isinstance(a, np.ndarray):
@@ -146,13 +151,13 @@ class PricedGraph:
             checked=(),
         )
 
-        def savings(of: dict[tuple[str, str], ScatterSaving]) -> dict[tuple[str, str], ScatterSaving]:
+        def savings(of: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+            """Savings whose every field is a matrix over (u's strategies, v's strategies), narrowed."""
             return {
-                (u, v): ScatterSaving(*(take(getattr(s, f.name), rows[u], rows[v]) for f in dataclasses.fields(s)))
+                (u, v): type(s)(*(take(getattr(s, f.name), rows[u], rows[v]) for f in dataclasses.fields(s)))
                 for (u, v), s in of.items()
             }
 
-        scatter = savings(self.scatter)
         flows = {
             (u, v): ShareFlow(
                 f.k_in,
@@ -179,12 +184,13 @@ class PricedGraph:
             {n: pick(c, n) for n, c in self.node_costs.items()},
             {(u, v): take(b, rows[u], rows[v]) for (u, v), b in self.edge_bytes.items()},
             self.seconds,
-            scatter,
+            savings(self.scatter),
             flows,
             self.fanout,
             tied,
-            {(u, v): DeferredSaving(take(d.seconds, rows[u], rows[v])) for (u, v), d in self.deferred.items()},
+            savings(self.deferred),
             savings(self.rescattered),
+            savings(self.overlap),
         )
 
     def shared_consumers(self, choice: Mapping[str, int]) -> dict[str, tuple[str, ...]]:

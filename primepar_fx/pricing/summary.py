@@ -83,7 +83,8 @@ class _Adjustments:
     """Per node, what the edges and savings of a choice add to or take from its own costs: re-layouts into it
     (``redis_*``), all-reduces fused into reduce-scatters (``saved*``, ``scattered``: reported on the node that runs
     the collective), all-reduces of consumers that share the first consumer's re-layout (``unshared*``: they do not
-    run), and recomputed all-reduces that run again as reduce-scatters (``resaved``)."""
+    run), recomputed all-reduces that run again as reduce-scatters (``resaved``), and reduce-scatters hidden under
+    a linear (``saved_s`` too)."""
 
     redis_s: dict[str, float]
     redis_bytes: dict[str, int]
@@ -103,6 +104,7 @@ class _Adjustments:
         adj.add_not_run(priced, choice)
         adj.add_scattered(priced, choice)
         adj.add_rescattered(priced, choice)
+        adj.add_overlapped(priced, choice)
         for (u, v), d in priced.deferred.items():  # off the edge's cost: report it as the consumer's all-reduce's
             seconds = float(d.seconds[choice[u], choice[v]])
             adj.saved_s[v] += seconds
@@ -143,16 +145,32 @@ class _Adjustments:
                     self.scattered[owner] += int(rs[i, j])
 
     def add_rescattered(self, priced: PricedGraph, choice: dict[str, int]) -> None:
-        """A recomputed all-reduce that runs again as a reduce-scatter."""
+        """A recomputed all-reduce that runs again as a reduce-scatter (and, overlapped with its producer's Forward,
+        hidden again: cost.matmul_overlap)."""
         for (u, v), sav in priced.rescattered.items():
             if (u, v) in self.sharing:
                 continue
             i, j = choice[u], choice[v]
             if sav.forward_scattered[i, j]:
                 sec = float(sav.forward_s[i, j] + sav.forward_bias_s[i, j])
+                overlap = priced.overlap.get((u, v))  # hidden again under the Forward that runs again
+                sec += float(overlap.producer_s[i, j]) if overlap is not None else 0.0
                 self.saved_s[u] += sec
                 self.redis_s[v] += sec
                 self.resaved[u] += int(sav.forward_bytes[i, j] + sav.forward_bias_bytes[i, j])
+
+    def add_overlapped(self, priced: PricedGraph, choice: dict[str, int]) -> None:
+        """Re-layouts overlapped with linears (cost.matmul_overlap): the edge cost has the seconds hidden subtracted; a
+        reduce-scatter's are reported as less collective time of the node that runs it (the edge's own re-layout's
+        stay less redistribution time on the consumer)."""
+        for (u, v), sav in priced.overlap.items():
+            if (u, v) in self.sharing:
+                continue
+            i, j = choice[u], choice[v]
+            for owner, sec in ((u, float(sav.producer_s[i, j])), (v, float(sav.consumer_s[i, j]))):
+                if sec:
+                    self.saved_s[owner] += sec
+                    self.redis_s[v] += sec
 
     def kinds(self, name: str, comm_bytes: dict[str, int], world: int) -> dict[str, int]:
         """Node ``name``'s bytes sent by kind, its own ``comm_bytes`` adjusted."""

@@ -16,7 +16,9 @@
   reduce-scatter saves (:mod:`primepar_fx.cost.scatter`). The parts of an :class:`Option` attribute that saving as
   :func:`~primepar_fx.pricing.summary.summarize` does for a plan: the re-layout counts whole in the redistribution, and
   the saving comes off the collectives of the node that runs the all-reduce: this node's (``collective_s``,
-  ``node_s``, ``comm_bytes``) or a neighbour's (``neighbour_collective_s``). The objective is unchanged.
+  ``node_s``, ``comm_bytes``) or a neighbour's (``neighbour_collective_s``). The objective is unchanged. What a
+  reduce-scatter overlapped with a linear hides (:mod:`primepar_fx.cost.matmul_overlap`) is attributed the same way;
+  what it hides of a re-layout stays off the redistribution.
 
 This module is also callable: ``primepar_fx.explain(plan, node_name, graph=graph)`` is :func:`explain_choice`.
 """
@@ -31,6 +33,7 @@ from tabulate import tabulate
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.matmul_overlap import OverlapSaving
 from primepar_fx.cost.model import NodeCost
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.frontend.symbols import B, S, Shape
@@ -370,12 +373,16 @@ def _edge_parts(priced: PricedGraph, node_name: str, count: int, world: int) -> 
         nbytes = priced.edge_bytes[(u, v)]
         incoming = v == node_name
         sec, byt = (mat[0, :], nbytes[0, :]) if incoming else (mat[:, 0], nbytes[:, 0])
-        sav = priced.scatter.get((u, v))
+        sav, hidden = priced.scatter.get((u, v)), priced.overlap.get((u, v))
         for i in range(count):
             parts.edge_s[i] += float(sec[i])
             parts.redis_b[i] += float(byt[i]) / world
-            if sav is not None and not _skipped(priced, (u, v), pinned, node_name, i):
-                _attribute_saving(parts, i, sav, (0, i) if incoming else (i, 0), (u, v), node_name)
+            if (sav is not None or hidden is not None) and not _skipped(priced, (u, v), pinned, node_name, i):
+                ij = (0, i) if incoming else (i, 0)
+                if sav is not None:
+                    _attribute_saving(parts, i, sav, ij, (u, v), node_name)
+                if hidden is not None:
+                    _attribute_hidden(parts, i, hidden, ij, (u, v), node_name)
     return parts
 
 
@@ -402,6 +409,23 @@ def _attribute_saving(
             parts.own_b[i] += int(b_[ij])
         else:
             parts.others_s[i] += float(s_[ij])
+
+
+def _attribute_hidden(
+    parts: _EdgeParts, i: int, hidden: OverlapSaving, ij: tuple[int, int], edge: tuple[str, str], node_name: str
+) -> None:
+    """Add partition ``i``'s share of what overlapping ``edge``'s reduce-scatters with a linear hides
+    (:mod:`primepar_fx.cost.matmul_overlap`) to the node that runs each: the producer's in Forward, the consumer's
+    in Backward (the re-layouts' share stays the edge's)."""
+    u, v = edge
+    for owner, seconds in ((u, hidden.producer_s), (v, hidden.consumer_s)):
+        sec = float(seconds[ij])
+        if not sec:
+            continue
+        if owner == node_name:
+            parts.own_s[i] += sec
+        else:
+            parts.others_s[i] += sec
 
 
 def _options(

@@ -278,7 +278,8 @@ def test_megatron_recomputes_to_fit_and_says_when_nothing_does() -> None:
     from primepar_fx.planning.forced import forced_plan
 
     graph = graph_of("llama-tiny")
-    mesh, cluster, values = DeviceMesh((4,)), load_cluster("cpu-gloo"), {B: 8, S: 64}
+    cluster, values = load_cluster("cpu-gloo"), {B: 8, S: 64}
+    mesh = cluster.mesh(4)  # forced_plan's mesh, so that both choose among the same configurations
     free = price_baselines(graph, mesh, cluster, values, CostOptions(), None)["megatron"]
     assert "recompute" not in free.config
     sizes = {"world_size": 4, "cluster": "cpu-gloo", "batch": 8, "seq": 64, "memory_budget": None}

@@ -28,9 +28,15 @@ def graph():
     return analyze(build(config, device="meta"), args, kwargs, name="opt-175b", replicate_layers=True)
 
 
+#: v100-paper without pricing the transfers the runtime overlaps with linears (cost.matmul_overlap): with them hidden,
+#: the plan that overlaps them beats P(S x S) here by 2% (121.2 s against 123.6 s a step), and this test weighs how
+#: slow P(S x S)'s small calls are
+PAPER = dataclasses.replace(load_cluster("v100-paper"), matmul_overlap=0.0)
+
+
 def with_table(table: tuple[tuple[float, float], ...]) -> ClusterSpec:
-    """v100-paper with its fp16 matmul model carrying ``table``."""
-    base = load_cluster("v100-paper")
+    """v100-paper (:data:`PAPER`) with its fp16 matmul model carrying ``table``."""
+    base = PAPER
     model = dataclasses.replace(base.device.compute_model("matmul", "fp16"), efficiency=table)
     device = dataclasses.replace(base.device, compute={**base.device.compute, "matmul:fp16": model})
     return dataclasses.replace(base, device=device)
@@ -64,7 +70,7 @@ def test_the_table_interpolates_in_log_flops_and_round_trips():
 
 
 def test_plans_change_only_where_the_table_says_calls_are_slow():
-    flat = plan_graph(graph(), cluster="v100-paper", **OPTIONS)
+    flat = plan_graph(graph(), cluster=PAPER, **OPTIONS)
     prime = [n for n in flat.nodes if "P" in n.partition]
     assert prime, "the flat model's plan uses P(S x S) here"
     # slow only below every call the model makes: the same plan, to the last digit
