@@ -133,7 +133,10 @@ class Exchange:
         per peer, its pieces flattened and concatenated in order (the wire format :meth:`unpack` reads)."""
         ops, sent, boxes = [], [], []
         for peer, pieces in self.sends:
-            buf = torch.cat([x[s].reshape(-1) for s in pieces]) if pieces else x.new_empty(0)
+            if len(pieces) == 1 and x[pieces[0]].is_contiguous():
+                buf = x[pieces[0]].reshape(-1)  # a view: sent before this exchange returns, so x may not change
+            else:
+                buf = torch.cat([x[s].reshape(-1) for s in pieces]) if pieces else x.new_empty(0)
             ops.append(dist.P2POp(dist.isend, buf, peer))
             sent.append(buf)
             if stats is not None:
