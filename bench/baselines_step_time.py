@@ -584,10 +584,11 @@ def markdown(saved: dict, png: str | None) -> str:
 
 READING = """## Reading the results
 
-* **Issue 60 (memory levers as fast as FSDP2 and DDP), measured in the run above.** This is one run, with the
-  four ranks sharing two cores with other work: the load average was 8.6 before the timed steps and 10.0 after.
-  Every ratio below compares steps interleaved in this run.
-  * `primepar data_parallel +ZeRO-3` takes **0.84x** FSDP2's step time (361 against 429 ms). It sends FSDP2's
+* **Issue 60 (memory levers as fast as FSDP2 and DDP), measured in the run above.** This is one run at main
+  1052faa. The four ranks shared two cores with the test suite, so the load average was 6.5 before the timed steps
+  and 8.3 after, and every step is slow: DDP took 559 ms, against 309 ms in a quieter run of the code before the
+  tensor-parallel changes. Every ratio below compares steps interleaved in this run.
+  * `primepar data_parallel +ZeRO-3` takes **0.72x** FSDP2's step time (639 against 886 ms). It sends FSDP2's
     bus bytes (31316 KiB; 6 bytes more, from padding) in 17 calls against 14, and peaks at **44.5 MiB against
     44.2 (1.01x): over by 0.3 MiB**, target missed.
     * A unit is a whole layer, gathered in one message, with the next layer's gather issued while this one
@@ -597,16 +598,22 @@ READING = """## Reading the results
     * Each reduce-scatter waits for the one before it.
     * An fp32 chunk is stepped in place.
     * Before this issue, ZeRO-3 took 1.67-1.73x FSDP2's time in 117 calls a step, with 768 KiB more bus bytes.
-  * `+ZeRO-2` takes **1.08x** DDP's step time (335 against 309 ms): target (<= 1.05x) **missed**.
+    * The quieter run measured 0.84x.
+  * `+ZeRO-2` takes **1.15x** DDP's step time (641 against 559 ms): target (<= 1.05x) **missed** (the quieter
+    run gave 1.08x).
     * Its reduce-scatters overlap Backward bucket by bucket, as DDP's all-reduces do.
-    * Its post-step all-gather now writes in place into the flat parameters, but it is still waited in the step,
-      not overlapped with the next Forward.
-  * `primepar (no options)`, data parallelism's plan, takes **0.96x** DDP's step time (298 against 309 ms). The
-    `data_parallel` row, the same plan, measured 1.03x: this machine's noise is a few percent.
-  * `primepar megatron dp1 x mp4 +SP` takes **0.74x** `dtensor tp`'s step time: target (<= 0.60x) **missed**.
-    * It measures 683 ms against a predicted 313 ms: the `cpu-gloo` preset does not describe this machine under
-      this load.
-    * Its tensor-parallel collectives are not overlapped yet (issue 60 item 3, in progress).
+    * Its post-step all-gather writes in place into the flat parameters, but it is still waited in the step, not
+      overlapped with the next Forward.
+  * `primepar (no options)`, data parallelism's plan, takes **1.01x** DDP's step time (567 against 559 ms). The
+    `data_parallel` row, the same plan, measured 1.08x, and the quieter run 0.96x: this machine's noise is several
+    percent.
+  * `primepar megatron dp1 x mp4 +SP` takes **0.53x** `dtensor tp`'s step time (886 against 1658 ms).
+    * Its reduce-scatters run point to point (each peer its piece, the ring's volume: on the wire 28.5 MiB
+      against 41.6 before).
+    * Its all-gather/linear and linear/reduce-scatter pairs run as collective matmuls (`runtime/
+      collective_matmul.py`).
+    * It measures 886 ms against a predicted 253: the `cpu-gloo` preset prices compute as if each rank had a core
+      of its own, so the within-15% target is **missed**.
   * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
 * **Earlier runs** (issue 16; the figures in the bullets below come from the run before this issue's, not from
   the table above):
@@ -675,6 +682,8 @@ READING_GPT2 = """## Reading the results
   * `primepar (no options)` takes **1.01x** (296 ms), and the same plan as `data_parallel` takes 0.97x. This is
     inside this machine's noise.
   * `primepar megatron dp1 x mp4 +SP` takes **0.69x** `dtensor tp`'s step time: target (<= 0.60x) **missed**.
+    This run is of main 72c81bc, before the point-to-point reduce-scatter and collective matmul; on the
+    Llama-style model those took the ratio from 0.74x to 0.53x ([baselines.md](baselines.md)).
   * Every primepar row sends exactly the bytes its plan predicts.
 * **Earlier runs** (issue 16; the figures in the bullets below come from the run before this issue's, not from
   the table above):
@@ -728,7 +737,8 @@ READING_OPT = """## Reading the results
   * `+ZeRO-2` takes **0.99x** DDP's step time (329 against 332 ms). `primepar (no options)` takes **0.98x**
     (325 ms).
   * `primepar megatron dp1 x mp4 +SP` takes **0.63x** `dtensor tp`'s step time (728 against 1159 ms): target
-    (<= 0.60x) **missed**. It sends 0.90x DTensor TP's bytes.
+    (<= 0.60x) **missed**. It sends 0.90x DTensor TP's bytes. This run is of main 72c81bc, before the
+    point-to-point reduce-scatter and collective matmul ([baselines.md](baselines.md)).
   * Every primepar row sends exactly the bytes its plan predicts. All first losses agree to within 1e-6.
 """
 
