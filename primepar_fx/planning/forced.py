@@ -1,7 +1,8 @@
 """Plans that follow a named strategy instead of the free search (:func:`forced_plan`), to run or compare it:
 ``"megatron"`` (the configuration :func:`~primepar_fx.planning.compare.price_baselines` picks; ``"megatron-sp"`` the
 best one with sequence parallelism), ``"data_parallel"``, ``"prime"`` (P(S x S) on every node where it is legal, the
-rest searched) or ``"random:SEED"`` (a seeded, uniformly random legal sequence per node)."""
+rest searched, on the meshes the free search runs on: past three digits, the groupings of the digits) or
+``"random:SEED"`` (a seeded, uniformly random legal sequence per node)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from primepar_fx.levers.recompute import choose_recompute, layer_pricing
 from primepar_fx.partition import DeviceMesh, PartitionSeq, enumerate_sequences
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.compare import best_megatron
+from primepar_fx.planning.groupings import search_meshes
 from primepar_fx.planning.options import PlanOptions, forced_seed
 from primepar_fx.planning.planner import make_plan, resolve_options
 from primepar_fx.pricing.fixed import price_assignments
@@ -28,6 +30,7 @@ from primepar_fx.pricing.summary import Summary, per_step, summarize
 from primepar_fx.record.levers import Recompute
 from primepar_fx.record.plan import Plan
 from primepar_fx.record.search import SearchRecord
+from primepar_fx.search import InfeasibleBudget, SearchError, TableTooLarge
 
 
 def _prime_only(seqs: list[PartitionSeq]) -> list[PartitionSeq]:
@@ -60,9 +63,9 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
     seed = forced_seed(name)
     opts = resolve_options(graph, options, kwargs)
     at = _Setting.of(opts)
-    start = time.perf_counter()
+    start, mesh = time.perf_counter(), at.mesh
     if name == "prime":
-        summary, recompute, record = _prime_plan(graph, opts, at)
+        mesh, summary, recompute, record = _prime_plan(graph, opts, at)
     elif name in ("megatron", "megatron-sp"):
         summary, recompute, record = _megatron_plan(graph, opts, at, sequence_parallel=name == "megatron-sp")
     else:
@@ -73,9 +76,10 @@ def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /
         summary, recompute = _assigned(graph, opts, at, assignment)
         record = SearchRecord(seed=seed)
     record = record.replace(
-        forced=name, memory_budget=opts.memory_budget, seconds=round(time.perf_counter() - start, 4)
-    )
-    return make_plan(graph, opts, at.mesh, summary, baselines={}, search=record, recompute=recompute, costs=at.costs)
+        forced=name, memory_budget=opts.memory_budget, seconds=round(time.perf_counter() - start, 4),
+        grouped=mesh != at.mesh,
+    )  # fmt: skip
+    return make_plan(graph, opts, mesh, summary, baselines={}, search=record, recompute=recompute, costs=at.costs)
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,41 @@ class _Setting:
         return cls(opts.mesh(), {B: opts.batch // m, S: opts.seq}, costs, mode)  # type: ignore[operator]
 
 
-def _prime_plan(graph: OpGraph, opts: PlanOptions, at: _Setting) -> tuple[Summary, Recompute | None, SearchRecord]:
-    """P(S x S) on every node where it is legal, the rest searched (under the budget, with the mode asked for)."""
+def _prime_plan(
+    graph: OpGraph, opts: PlanOptions, at: _Setting
+) -> tuple[DeviceMesh, Summary, Recompute | None, SearchRecord]:
+    """P(S x S) on every node where it is legal, the rest searched (under the budget, with the mode asked for), on
+    the meshes the free search runs on (:func:`~primepar_fx.planning.groupings.search_meshes`: past three digits,
+    the groupings of the digits). The plan kept is the one with P(S x S) on the most nodes (a grouping without two
+    equal consecutive digits has none), the cheapest of those, a tie keeping the first mesh's. A mesh whose tables are
+    too large for the dynamic program, or on which nothing fits the budget, is passed over; where every mesh is,
+    the error of the first (the smallest budget any of them needs, where none fits) is raised."""
+    best: tuple[DeviceMesh, Summary, Recompute | None, SearchRecord] | None = None
+    errors: list[SearchError] = []
+    for mesh in search_meshes(at.mesh, opts.grouped, opts.cluster, opts.group_digits):
+        try:
+            found = _prime_on(graph, opts, dataclasses.replace(at, mesh=mesh))
+        except (TableTooLarge, InfeasibleBudget) as err:
+            errors.append(err)
+            continue
+        if best is None or _prime_rank(found) < _prime_rank(best[1:]):
+            best = (mesh, *found)
+    if best is None:
+        budgets = [e for e in errors if isinstance(e, InfeasibleBudget)]
+        if budgets:
+            raise InfeasibleBudget(opts.memory_budget, min(e.min_memory for e in budgets))  # type: ignore[arg-type]
+        raise errors[0]
+    return best
+
+
+def _prime_rank(found: tuple[Summary, Recompute | None, SearchRecord]) -> tuple[int, float]:
+    """The order of :func:`_prime_plan`'s plans: most nodes with P(S x S) first, then the cheapest."""
+    summary, _, record = found
+    return -sum(node.seq.prime is not None for node in summary.nodes), record.objective  # type: ignore[return-value]
+
+
+def _prime_on(graph: OpGraph, opts: PlanOptions, at: _Setting) -> tuple[Summary, Recompute | None, SearchRecord]:
+    """:func:`_prime_plan` on one mesh, ``at.mesh``."""
     priced = price_graph(graph, at.mesh, opts.cluster, at.values, at.costs, restrict=lambda _, seqs: _prime_only(seqs))
     chosen = choose_recompute(
         graph, priced, at.values, at.costs, choice=at.mode, memory_budget=opts.memory_budget, alpha=0.0, method="dp"

@@ -52,6 +52,18 @@ def test_prime_on_eight_devices_pairs_p2x2_with_one_more_element() -> None:
     assert constants and all(plan.node(n.name).partition == "R,R,R" for n in constants)
 
 
+def test_prime_past_three_digits_runs_on_the_free_searchs_groupings_with_p_on_every_linear() -> None:
+    """Issue 61: on 16 devices of two nodes (four digits) the full mesh's tables passed the dynamic program's limit
+    (``TableTooLarge`` on Llama); the forced plan now searches the groupings the free search does and keeps the
+    one with P(S x S) on the most nodes."""
+    args, kwargs = example_inputs(get_config("llama-tiny"), 4, 16)
+    llama = analyze(build("llama-tiny"), args, kwargs, name="llama-tiny")
+    plan = forced_plan(llama, "prime", world_size=16, cluster="v100-paper", batch=8, seq=64)
+    assert plan.search.grouped and plan.world_size == 16 and len(plan.digits) == 3
+    assert plan.digits in {(4, 2, 2), (2, 2, 4)}  # the groupings with two equal consecutive digits
+    assert all("P2x2" in text.split(",") for text in linear_partitions(plan))
+
+
 def test_megatron_and_data_parallel_match_the_baselines_of_the_searched_plan() -> None:
     base = searched(4).baselines
     for name in ("megatron", "data_parallel"):
