@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -570,6 +571,11 @@ def compile_graph(
     return module
 
 
+#: one rank graph built at a time: the captured program's shape environment is shared by the ranks that build from
+#: it, which are threads of one process where ranks are simulated (:mod:`primepar_fx.runtime.simulated`)
+_BUILDING = threading.Lock()
+
+
 def rank_graph_for(
     graph: OpGraph,
     chosen: Plan,
@@ -583,7 +589,7 @@ def rank_graph_for(
     captured = graph.captured
     mesh = DeviceMesh(tuple(chosen.digits))
     sizes: dict[sympy.Symbol, int] = {B: captured.example_batch, S: captured.example_seq, **(values or {})}
-    with no_specialisation(captured):
+    with _BUILDING, no_specialisation(captured):
         rank_graph = localize(
             graph,
             chosen.partitions(),

@@ -18,6 +18,7 @@ again a plain exchange.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -51,6 +52,53 @@ def _position(s: IndexSet, lo: int, hi: int) -> int | None:
     return sum(b - a for a, b in s[:i]) + lo - s[i][0]
 
 
+#: ``(needed by, sent by, shape, source slices, destination slices)``: one block of an exchange
+Block = tuple[int, int, tuple[int, ...], Slices, Slices]
+
+
+@functools.lru_cache(maxsize=1024)
+def _matching(held: Layout, needed: Layout, mesh: DeviceMesh) -> tuple[tuple[Block, ...], tuple[int, ...]]:
+    """Every block of the exchange from ``held`` to ``needed``, for every rank, and the elements each rank receives
+    (the Eq. 9 terms, in rank order).
+
+    Every tensor dim is cut at every interval end of every rank into *atoms*; for each rank ``k`` and each block of
+    atoms it needs, the sender is the nearest holder (the rank itself where it holds it). The work is the same on
+    every rank, so it is done once per pair of layouts in a process and read per rank by :meth:`Exchange.plan`:
+    the layers repeat their layouts, and where ranks are simulated as threads of one process
+    (:mod:`primepar_fx.runtime.simulated`) every rank reads the same matching.
+    """
+    world, ndim = mesh.size, len(held[0])
+    atoms: list[list[tuple[int, int]]] = []
+    for d in range(ndim):
+        points = sorted({p for lay in (held, needed) for r in lay for iv in r[d] for p in iv})
+        atoms.append(list(zip(points, points[1:])))
+    blocks: list[Block] = []
+    received = [0] * world
+    for k in range(world):
+        # per dim: the atoms k needs, with their offset in k's block and in every rank's held block
+        per_dim = []
+        for d in range(ndim):
+            rows = []
+            for lo, hi in atoms[d]:
+                dst = _position(needed[k][d], lo, hi)
+                if dst is None:
+                    continue
+                rows.append((hi - lo, dst, [_position(held[r][d], lo, hi) for r in range(world)]))
+            per_dim.append(rows)
+        for combo in _product(per_dim):
+            shape = tuple(n for n, _, _ in combo)
+            dst = tuple(slice(o, o + n) for n, o, _ in combo)
+            holders = [r for r in range(world) if all(src[r] is not None for _, _, src in combo)]
+            if not holders:
+                raise ValueError(f"no rank holds a block that rank {k} needs (layouts do not cover the tensor)")
+            sender = nearest_holder(holders, k, mesh)  # the cost model's rule, so it counts these messages
+            src = tuple(slice(s[sender], s[sender] + n) for n, _, s in combo)  # type: ignore[operator]
+            blocks.append((k, sender, shape, src, dst))
+            if sender != k:
+                received[k] += prod(shape)
+    return tuple(blocks), tuple(received)
+
+
 @dataclass(frozen=True)
 class Exchange:
     """What rank ``me`` copies, sends and receives to go from ``held`` to ``needed``."""
@@ -78,42 +126,17 @@ class Exchange:
         out_shape = tuple(_size(s) for s in needed[me])
         if held == needed:
             return cls(me, in_shape, out_shape, (), (), (), True, False, (0,) * world)
-        atoms: list[list[tuple[int, int]]] = []
-        for d in range(ndim):
-            points = sorted({p for lay in (held, needed) for r in lay for iv in r[d] for p in iv})
-            atoms.append(list(zip(points, points[1:])))
+        blocks, received = _matching(held, needed, mesh)
         local: list[tuple[Slices, Slices]] = []
         sends: dict[int, list[Slices]] = {}
         recvs: dict[int, list[tuple[Slices, tuple[int, ...]]]] = {}
-        received = [0] * world
-        for k in range(world):
-            # per dim: the atoms k needs, with their offset in k's block and in every rank's held block
-            per_dim = []
-            for d in range(ndim):
-                rows = []
-                for lo, hi in atoms[d]:
-                    dst = _position(needed[k][d], lo, hi)
-                    if dst is None:
-                        continue
-                    rows.append((hi - lo, dst, [_position(held[r][d], lo, hi) for r in range(world)]))
-                per_dim.append(rows)
-            for combo in _product(per_dim):
-                shape = tuple(n for n, _, _ in combo)
-                dst = tuple(slice(o, o + n) for n, o, _ in combo)
-                holders = [r for r in range(world) if all(src[r] is not None for _, _, src in combo)]
-                if not holders:
-                    raise ValueError(f"no rank holds a block that rank {k} needs (layouts do not cover the tensor)")
-                sender = nearest_holder(holders, k, mesh)  # the cost model's rule, so it counts these messages
-                src = tuple(slice(s[sender], s[sender] + n) for n, _, s in combo)  # type: ignore[operator]
-                if sender == k:
-                    if k == me:
-                        local.append((src, dst))
-                    continue
-                received[k] += prod(shape)
-                if sender == me:
-                    sends.setdefault(k, []).append(src)
-                if k == me:
-                    recvs.setdefault(sender, []).append((dst, shape))
+        for k, sender, shape, src, dst in blocks:
+            if sender == me and k == me:
+                local.append((src, dst))
+            elif sender == me:
+                sends.setdefault(k, []).append(src)
+            elif k == me:
+                recvs.setdefault(sender, []).append((dst, shape))
         return cls(
             me,
             in_shape,
@@ -123,7 +146,7 @@ class Exchange:
             tuple((p, tuple(v)) for p, v in sorted(recvs.items())),
             False,
             any(received),
-            tuple(received),
+            received,
         )
 
     def post(
