@@ -115,6 +115,9 @@ class NodeCost:
     #: which it needs where its Forward runs again (activation recomputation)
     recompute_gather_s: float = 0.0
     recompute_gather_bytes: int = 0
+    #: ZeRO stages 1 and 3: per weight input, the seconds of its all-gathers in ``collective_s`` (stage 3: what
+    #: the node's own compute does not hide), as ``(input, seconds)``
+    zero_gather_s: tuple[tuple[int, float], ...] = ()
 
     @property
     def forward_s(self) -> float:
@@ -217,6 +220,7 @@ class _NodePricing:
     shard_bytes: int | None = None
     recompute_gather_s: float = 0.0
     recompute_gather_bytes: int = 0
+    zero_gather_s: list[tuple[int, float]] = field(default_factory=list)
 
     def block(self, tmap: TensorMap) -> int:
         """The bytes of this device's block of a tensor of map ``tmap``."""
@@ -306,6 +310,7 @@ class _NodePricing:
                 room[phase] -= hidden
                 priced -= hidden
             self.collective_s += priced
+            self.zero_gather_s.append((k, priced))
             self.send("all-gather", int(round(gathered * share)) if share != 1 else gathered)
         return sum(weights[k] - -(-weights[k] // replicas[k][0]) for k in held if k in replicas)
 
@@ -362,6 +367,7 @@ def node_cost(
         shard_bytes=pr.shard_bytes,
         recompute_gather_s=pr.recompute_gather_s,
         recompute_gather_bytes=pr.recompute_gather_bytes,
+        zero_gather_s=tuple(pr.zero_gather_s),
     )
 
 

@@ -610,7 +610,9 @@ class _Pricing:
             read_v = k_v in weights_read_in_backward(nv.dims, nv.target) and k_v not in self._kept_of(v)
             share = zero_gather_share(self.opts, read_u and read_v)
             gathers = [zero_gather_price(part, k_v, self.cluster, self.vkey, item) for part in self.partitions[v]]
-            gathers = [(s * share, int(round(b * share))) for s, b in gathers]
+            # no more seconds than v's cost has for them: stage 3 hides some behind v's compute
+            paid = [dict(c.zero_gather_s).get(k_v, 0.0) for c in self.costs[v]]
+            gathers = [(min(s * share, p), int(round(b * share))) for (s, b), p in zip(gathers, paid)]
             reduce_s = frozen(reduce_s + np.array([g[0] for g in gathers]))
             reduce_bytes = frozen(reduce_bytes + np.array([g[1] for g in gathers], np.int64), np.int64)
         return TiedSaving(shared, reduce_s, reduce_bytes)

@@ -83,3 +83,22 @@ def test_a_gather_is_priced_hidden_behind_the_nodes_compute_as_far_as_it_goes(si
     exposed = max(0.0, gather - min(gather, forward) - min(gather, backward))
     assert three.collective_s - stage2.collective_s == pytest.approx(exposed, rel=1e-9, abs=1e-15)
     assert (exposed == 0) == hides  # (the few tokens of the second: a weight far larger than its compute)
+
+
+def test_a_tied_weights_saved_gathers_are_no_more_than_its_reader_paid():
+    """A case the fuzz found: with ZeRO-3 a tied weight's second reader has its gathers off (the first reader's
+    serve it), but they were taken off at their full price while its cost has only the part its compute does not
+    hide: its collective seconds came out negative and the plan failed to build (``cost.collective_s: must be
+    >= 0``). Searched on two ranks of a tied rotary decoder with two micro-batches."""
+    from primepar_fx.models import DecoderConfig
+    from primepar_fx.planning.planner import plan_graph
+
+    config = DecoderConfig(name="fuzz", vocab_size=96, hidden=48, layers=3, heads=6, kv_heads=6, ffn_hidden=192,
+                           norm="layernorm", mlp="gelu", position="rotary", bias=False, tied_embeddings=True,
+                           max_seq=24)  # fmt: skip
+    (ids,), kwargs = example_inputs(config, 12, 24, seed=649)
+    graph = build_graph(capture(build(config, seed=649), (ids,), {"labels": kwargs["labels"]}))
+    plan = plan_graph(graph, world_size=2, cluster="cpu-gloo", batch=12, seq=24, zero=3, micro_batches=2,
+                      memory_budget=None, baselines=False)  # fmt: skip
+    assert (plan.zero, plan.micro_batches) == (3, 2)
+    assert all(n.cost.collective_s >= 0 for n in plan.nodes)
