@@ -35,6 +35,11 @@ the planner); the message prints the config and the one-line command that reruns
     PYTHONPATH=. python tests/fuzz_checks.py /tmp/.../case-3/case.json
 
 ``python tests/fuzz_checks.py --examples N [--seed S]`` runs N fresh examples the same way as the tests.
+
+``--simulated`` (issue 61) draws every case on 16 to 64 ranks (:data:`SIM_WORLDS`) of a preset of nodes of eight
+(:data:`SIM_CLUSTER`: meshes of up to six digits, searched as groupings), run as threads of this process
+(:mod:`primepar_fx.runtime.simulated`): the model captured, the plan made and one device's step taken once per case,
+every rank compiling the plan and training one step (:func:`check_simulated`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ WORLDS = (1, 2, 3, 4, 6, 8)
 CI_WORLDS = (2, 4, 1, 3, 8, 6, 2, 1, 4, 3, 2, 1)  # world sizes of the first cases (draw_cases)
 TIMEOUT_PER_CASE = 120.0  # seconds a bucket may take per case before every rank is killed
 MICRO_BATCHES = (1, 1, 1, 2, 3, 4)  # drawn among those that divide the batch: 1 about half the time
+SIM_WORLDS = (16, 24, 32, 48, 64)  # simulated ranks (runtime.simulated): nodes of eight of SIM_CLUSTER
+SIM_CLUSTER = "h100-dgx"  # a preset of nodes of eight devices: meshes of three to six digits, across nodes
 
 Choose = Callable[[Sequence[Any]], Any]
 
@@ -78,6 +85,7 @@ class Case:
     recompute: str = "none"  # activation recomputation of every layer: "none", "selective" or "full" (issue 18)
     zero: int = 0  # ZeRO stage of the plan (issue 18)
     micro_batches: int = 1  # micro-batches a step runs the batch as (gradient accumulation, issue 18)
+    simulated: bool = False  # ranks simulated as threads of one process, planned for SIM_CLUSTER (issue 61)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -108,6 +116,8 @@ class Case:
             parts.append(f"ZeRO-{self.zero}")
         if self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
+        if self.simulated:
+            parts.append(f"simulated on {SIM_CLUSTER}")
         return ", ".join(parts)
 
 
@@ -139,11 +149,13 @@ def draw_config(choose: Choose) -> dict[str, Any]:
     }
 
 
-def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Case:
-    """A :class:`Case`; ``choose(options)`` returns one of ``options`` (``random.Random.choice``, hypothesis)."""
+def draw_case(choose: Choose, *, world: int | None = None, index: int = 0, simulated: bool = False) -> Case:
+    """A :class:`Case`; ``choose(options)`` returns one of ``options`` (``random.Random.choice``, hypothesis).
+    ``simulated``: a world size of :data:`SIM_WORLDS` (unless given), run on simulated ranks."""
     config = draw_config(choose)
-    world = world if world is not None else choose(WORLDS)
-    plans = ["random"] * 6 + ["megatron", "data_parallel", "searched"] + (["prime"] * 2 if world in (4, 8) else [])
+    world = world if world is not None else choose(SIM_WORLDS if simulated else WORLDS)
+    prime = simulated or world in (4, 8)  # a mesh with two equal digits (past three digits, in a grouping)
+    plans = ["random"] * 6 + ["megatron", "data_parallel", "searched"] + (["prime"] * 2 if prime else [])
     plan = choose(plans)
     if plan == "random":
         plan = f"random:{choose(range(10_000))}"
@@ -168,28 +180,33 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0) -> Ca
         recompute=recompute,
         zero=zero,
         micro_batches=micro_batches,
+        simulated=simulated,
     )
 
 
-def draw_cases(n: int, seed: int) -> list[Case]:
+def draw_cases(n: int, seed: int, *, simulated: bool = False) -> list[Case]:
     """``n`` cases from a ``random.Random(seed)``.
 
     The first cases take their world sizes from :data:`CI_WORLDS` (every size present, the cheap ones more
     often: 8 ranks on 2 cores take a minute to start); later ones cycle through :data:`WORLDS` evenly.
+    ``simulated``: every case on simulated ranks, the world sizes cycling through :data:`SIM_WORLDS`.
     """
     import random
 
     rng = random.Random(seed)
-    worlds = [CI_WORLDS[i] if i < len(CI_WORLDS) else WORLDS[i % len(WORLDS)] for i in range(n)]
-    return [draw_case(rng.choice, world=w, index=i) for i, w in enumerate(worlds)]
+    if simulated:
+        worlds = [SIM_WORLDS[i % len(SIM_WORLDS)] for i in range(n)]
+    else:
+        worlds = [CI_WORLDS[i] if i < len(CI_WORLDS) else WORLDS[i % len(WORLDS)] for i in range(n)]
+    return [draw_case(rng.choice, world=w, index=i, simulated=simulated) for i, w in enumerate(worlds)]
 
 
 def by_world(cases: Sequence[Case], most: int = 20) -> list[tuple[int, list[Case]]]:
     """Buckets of at most ``most`` cases of one world size, smallest world first (a hang loses one bucket)."""
-    worlds: dict[int, list[Case]] = {}
+    worlds: dict[tuple[bool, int], list[Case]] = {}
     for case in cases:
-        worlds.setdefault(case.world, []).append(case)
-    return [(w, group[i : i + most]) for w, group in sorted(worlds.items()) for i in range(0, len(group), most)]
+        worlds.setdefault((case.simulated, case.world), []).append(case)
+    return [(w, group[i : i + most]) for (_, w), group in sorted(worlds.items()) for i in range(0, len(group), most)]
 
 
 # ------------------------------------------------------------------------------------------------ on every rank
@@ -204,18 +221,20 @@ def _model_and_inputs(case: Case):
     return model, (ids,), {"labels": kwargs["labels"].clone()}
 
 
-def _plan_for(case: Case, graph, world: int, rank: int):
-    """What ``compile_graph`` gets: the name, a plan path, or (other digits, a lever) a Plan made on rank 0."""
-    if case.digits is None and case.recompute == "none" and not case.zero and case.micro_batches == 1:
+def _plan_for(case: Case, graph, world: int):
+    """What ``compile_graph`` gets: the name, a plan path, or (other digits, a lever, simulated ranks) a Plan.
+    Every real rank makes it (compile runs rank 0's): a plan that cannot be made fails on every rank alike, where
+    one rank failing alone would leave the others waiting in a collective. Simulated ranks share one."""
+    plain = case.digits is None and case.recompute == "none" and not case.zero and case.micro_batches == 1
+    if plain and not case.simulated:
         return case.plan
-    if rank != 0:
-        return None  # rank 0's plan is broadcast
     from primepar_fx.planning.forced import forced_plan
     from primepar_fx.planning.planner import plan_graph
 
     cap = graph.captured
     sizes = {"world_size": world, "batch": cap.example_batch, "seq": cap.example_seq, "recompute": case.recompute}
-    sizes.update(cluster="cpu-gloo", memory_budget=None, zero=case.zero, micro_batches=case.micro_batches)
+    cluster = SIM_CLUSTER if case.simulated else "cpu-gloo"
+    sizes.update(cluster=cluster, memory_budget=None, zero=case.zero, micro_batches=case.micro_batches)
     if case.plan == "searched":
         return plan_graph(graph, baselines=False, **sizes)
     if case.plan.endswith(".json"):  # a pinned plan records its own levers
@@ -223,8 +242,34 @@ def _plan_for(case: Case, graph, world: int, rank: int):
     return forced_plan(graph, case.plan, digits=case.digits, **sizes)
 
 
+def reference_of(case: Case) -> dict[str, Any]:
+    """One device: the step's loss, the gradients, and the parameters after one AdamW step (eps as
+    ``distributed_checks`` explains)."""
+    ref, args, kwargs = _model_and_inputs(case)
+    ref_loss = ref(*args, **kwargs)
+    ref_loss.backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3).step()
+    params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return {"loss": float(ref_loss.detach()), "grads": grads, "params": params}
+
+
 def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) -> dict[str, Any]:
-    """One training step compiled over the ranks vs one device: every rank's loss, the gradients that differ.
+    """One training step compiled over the ranks vs one device (:func:`check_rank`), the graph captured here."""
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.graph import build_graph
+
+    ref = reference_of(case)
+    model, args, kwargs = _model_and_inputs(case)
+    graph = build_graph(capture(model, args, kwargs))
+    return check_rank(rank, world, case, graph, _plan_for(case, graph, world), args, kwargs, ref, out_dir)
+
+
+def check_rank(
+    rank: int, world: int, case: Case, graph, plan, args, kwargs, ref: dict[str, Any], out_dir: str | None = None
+) -> dict[str, Any]:
+    """One training step of ``plan`` on this rank vs one device (``ref``): every rank's loss, the gradients that
+    differ (and with ZeRO, the parameters after an AdamW step).
 
     Rank 0 writes the plan it compiled to ``out_dir/plan-I.json`` before the step, so a case that raises or hangs
     later still has its plan.
@@ -232,27 +277,18 @@ def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) ->
     import torch.distributed as dist
 
     from primepar_fx.compiler.module import compile_graph
-    from primepar_fx.frontend.capture import capture
-    from primepar_fx.graph import build_graph
 
-    ref, args, kwargs = _model_and_inputs(case)
-    ref_loss = ref(*args, **kwargs)
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-
-    model, _, _ = _model_and_inputs(case)
-    graph = build_graph(capture(model, args, kwargs))
-    module = compile_graph(graph, plan=_plan_for(case, graph, world, rank), world_size=world)
+    cluster = {"cluster": SIM_CLUSTER} if case.simulated else {}  # only prices: the plan is made already
+    module = compile_graph(graph, plan=plan, world_size=world, **cluster)
     if rank == 0 and out_dir is not None:
         Path(out_dir, f"plan-{case.index}.json").write_text(module.plan.to_json())
     opt = module.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3) if module.plan.zero else None
     loss = module(*args, **kwargs)
     loss.backward()
-    bad = _mismatch(module.gather_grads(), ref_grads) if module.plan.zero < 2 else []
-    if opt is not None:  # one AdamW step: the parameters after it (eps as distributed_checks explains)
-        torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3).step()
+    bad = _mismatch(module.gather_grads(), ref["grads"]) if module.plan.zero < 2 else []
+    if opt is not None:  # one AdamW step: the parameters after it
         opt.step()
-        bad += _mismatch(module.gather_state_dict(), {n: p.detach() for n, p in ref.named_parameters()})
+        bad += _mismatch(module.gather_state_dict(), ref["params"])
     losses = torch.zeros(world, dtype=torch.float64)  # every rank must return the same loss
     losses[rank] = float(loss.detach())
     if world > 1:
@@ -260,7 +296,7 @@ def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) ->
     asked = {"zero": case.zero, "micro_batches": case.micro_batches}
     report = {
         "loss": [float(x) for x in losses],
-        "ref_loss": float(ref_loss.detach()),
+        "ref_loss": ref["loss"],
         "bad_grads": bad,
         "fallbacks": list(module.fallbacks),
         "levers": {k: getattr(module.plan, k) for k in asked if getattr(module.plan, k) != asked[k]},
@@ -270,6 +306,30 @@ def check_case(case: Case, rank: int, world: int, out_dir: str | None = None) ->
         and not report["levers"]
         and all(abs(x - report["ref_loss"]) <= ATOL + RTOL * abs(report["ref_loss"]) for x in report["loss"])
     )
+    return report
+
+
+def check_simulated(case: Case, out_dir: str) -> dict[str, Any]:
+    """:func:`check_rank` on ``case.world`` simulated ranks; the model captured, the plan made and the reference
+    trained once, here. An exception on a rank is written to ``error-I-rankR.txt`` like a real rank's."""
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.graph import build_graph
+    from primepar_fx.runtime.simulated import simulate
+
+    t0 = time.perf_counter()
+    ref = reference_of(case)
+    model, args, kwargs = _model_and_inputs(case)
+    graph = build_graph(capture(model, args, kwargs))
+    try:
+        plan = _plan_for(case, graph, case.world)
+        report = simulate(check_rank, case.world, case, graph, plan, args, kwargs, ref, out_dir)[0]
+        error_ranks = []
+    except Exception as e:
+        rank = getattr(e, "rank", 0)
+        Path(out_dir, f"error-{case.index}-rank{rank}.txt").write_text(traceback.format_exc())
+        report, error_ranks = {"ok": False}, [rank]
+    report.update(index=case.index, seconds=round(time.perf_counter() - t0, 2), error_ranks=error_ranks)
+    report["ok"] = report["ok"] and not error_ranks
     return report
 
 
@@ -362,7 +422,9 @@ def run_cases(cases: Sequence[Case], out_dir: str, *, log: Callable[[str], None]
     for world, bucket in by_world(cases):
         t0 = time.perf_counter()
         try:
-            if world == 1:  # one rank needs no process group (compile's documented single-rank path)
+            if bucket[0].simulated:  # in this process, one case at a time (by_world keeps the kinds apart)
+                reports = [check_simulated(case, out_dir) for case in bucket]
+            elif world == 1:  # one rank needs no process group (compile's documented single-rank path)
                 reports = run_bucket(0, 1, [c.to_dict() for c in bucket], out_dir)
             else:
                 reports = spawn(
@@ -394,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("case", nargs="?", help="a case.json to rerun alone")
     parser.add_argument("--examples", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--simulated", action="store_true", help=f"simulated ranks, world sizes {SIM_WORLDS}")
     parser.add_argument("--out", default=None, help="folder for failing cases (default: a new temporary one)")
     opts = parser.parse_args(argv)
     out = opts.out or tempfile.mkdtemp(prefix="primepar-fuzz-")
@@ -403,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data.pop("report", None)
         cases = [Case.from_dict(data)]
     else:
-        cases = draw_cases(opts.examples, opts.seed)
+        cases = draw_cases(opts.examples, opts.seed, simulated=opts.simulated)
     for case in cases:
         print(f"case {case.index}: {case.label()}", flush=True)
     failures = run_cases(cases, out, log=lambda s: print(s, flush=True))

@@ -52,7 +52,12 @@ BACKEND = "primepar-sim"
 
 
 class SimulationError(RuntimeError):
-    """The simulated ranks disagree (mismatched collectives), or a rank failed and the others were stopped."""
+    """The simulated ranks disagree (mismatched collectives), or a rank failed and the others were stopped;
+    ``rank``: the rank that failed first, where one did."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class _SimWork(dist.Work):
@@ -391,7 +396,8 @@ def simulate(
             raise TimeoutError(f"{world_size} simulated ranks did not finish within {timeout:.0f} s")
         if errors:
             first = min(errors, key=lambda e: isinstance(e[1], SimulationError))  # the cause before its echoes
-            raise SimulationError(f"simulated rank {first[0]} of {world_size} failed: {first[1]}") from first[1]
+            rank, error = first
+            raise SimulationError(f"simulated rank {rank} of {world_size} failed: {error}", rank) from error
         left = world.unmatched() if check_drained else []
         if left:
             raise SimulationError(f"{world_size} simulated ranks returned with work unmatched: {'; '.join(left[:5])}")
