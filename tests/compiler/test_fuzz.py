@@ -11,7 +11,18 @@ import json
 import os
 import tempfile
 
-from fuzz_checks import MICRO_BATCHES, WORLDS, Case, by_world, describe, draw_case, draw_cases, run_cases, save_failure
+from fuzz_checks import (
+    MICRO_BATCHES,
+    SIM_WORLDS,
+    WORLDS,
+    Case,
+    by_world,
+    describe,
+    draw_case,
+    draw_cases,
+    run_cases,
+    save_failure,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +42,13 @@ def test_random_plans_train_like_one_device(tmp_path):
     n = int(os.environ.get("PRIMEPAR_FUZZ_EXAMPLES", CI_EXAMPLES))
     examples = draw_cases(n, seed=int(os.environ.get("PRIMEPAR_FUZZ_SEED", 0)))
     _assert_no_failures(run_cases(examples, str(tmp_path)), n)
+
+
+def test_a_random_case_on_thirty_two_simulated_ranks_trains_like_one_device(tmp_path):
+    """One case of the simulated fuzz (``--simulated`` draws 16 to 64 ranks, issue 61), at 32 ranks: four nodes."""
+    drawn = draw_cases(len(SIM_WORLDS), seed=int(os.environ.get("PRIMEPAR_FUZZ_SEED", 0)), simulated=True)
+    (case,) = [c for c in drawn if c.world == 32]
+    _assert_no_failures(run_cases([case], str(tmp_path)), 1)
 
 
 @settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
