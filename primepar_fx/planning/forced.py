@@ -43,10 +43,13 @@ def random_assignment(
 ) -> dict[str, PartitionSeq]:
     """A uniformly random legal sequence per node (constants included), drawn in graph order from ``seed``."""
     rng = random.Random(seed)
-    return {
-        name: rng.choice(enumerate_sequences(node.dims, mesh, values=values, allow_prime=True))
-        for name, node in graph.nodes.items()
-    }
+    legal: dict[object, list[PartitionSeq]] = {}  # the repeated layers' nodes share their dims: enumerated once
+    out = {}
+    for name, node in graph.nodes.items():
+        if node.dims not in legal:
+            legal[node.dims] = enumerate_sequences(node.dims, mesh, values=values, allow_prime=True)
+        out[name] = rng.choice(legal[node.dims])
+    return out
 
 
 def forced_plan(graph: OpGraph, name: str, options: PlanOptions | None = None, /, **kwargs: Any) -> Plan:
