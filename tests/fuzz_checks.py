@@ -184,21 +184,24 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0, simul
     )
 
 
-def draw_cases(n: int, seed: int, *, simulated: bool = False) -> list[Case]:
+def draw_cases(n: int, seed: int, *, simulated: bool = False, worlds: Sequence[int] | None = None) -> list[Case]:
     """``n`` cases from a ``random.Random(seed)``.
 
     The first cases take their world sizes from :data:`CI_WORLDS` (every size present, the cheap ones more
     often: 8 ranks on 2 cores take a minute to start); later ones cycle through :data:`WORLDS` evenly.
-    ``simulated``: every case on simulated ranks, the world sizes cycling through :data:`SIM_WORLDS`.
+    ``simulated``: every case on simulated ranks, the world sizes cycling through :data:`SIM_WORLDS`. ``worlds``:
+    cycle through these world sizes instead.
     """
     import random
 
     rng = random.Random(seed)
-    if simulated:
-        worlds = [SIM_WORLDS[i % len(SIM_WORLDS)] for i in range(n)]
+    if worlds:
+        sizes = [worlds[i % len(worlds)] for i in range(n)]
+    elif simulated:
+        sizes = [SIM_WORLDS[i % len(SIM_WORLDS)] for i in range(n)]
     else:
-        worlds = [CI_WORLDS[i] if i < len(CI_WORLDS) else WORLDS[i % len(WORLDS)] for i in range(n)]
-    return [draw_case(rng.choice, world=w, index=i, simulated=simulated) for i, w in enumerate(worlds)]
+        sizes = [CI_WORLDS[i] if i < len(CI_WORLDS) else WORLDS[i % len(WORLDS)] for i in range(n)]
+    return [draw_case(rng.choice, world=w, index=i, simulated=simulated) for i, w in enumerate(sizes)]
 
 
 def by_world(cases: Sequence[Case], most: int = 20) -> list[tuple[int, list[Case]]]:
@@ -457,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--simulated", action="store_true", help=f"simulated ranks, world sizes {SIM_WORLDS}")
+    parser.add_argument("--worlds", help="comma-separated world sizes to cycle through instead (e.g. 48,64)")
     parser.add_argument("--out", default=None, help="folder for failing cases (default: a new temporary one)")
     opts = parser.parse_args(argv)
     out = opts.out or tempfile.mkdtemp(prefix="primepar-fuzz-")
@@ -466,7 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         data.pop("report", None)
         cases = [Case.from_dict(data)]
     else:
-        cases = draw_cases(opts.examples, opts.seed, simulated=opts.simulated)
+        worlds = [int(w) for w in opts.worlds.split(",")] if opts.worlds else None
+        cases = draw_cases(opts.examples, opts.seed, simulated=opts.simulated, worlds=worlds)
     for case in cases:
         print(f"case {case.index}: {case.label()}", flush=True)
     failures = run_cases(cases, out, log=lambda s: print(s, flush=True))
