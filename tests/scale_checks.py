@@ -30,6 +30,7 @@ import torch.distributed as dist
 from distributed_checks import BATCH, SEQ, _grads_of, _mismatch, _steps, loss_of, make
 
 LR, EPS = 1e-2, 1e-3  # as distributed_checks._steps (its comment says why eps is large)
+SIM_TIMEOUT = 3600.0  # seconds for one plan on simulated ranks: 128 of them take minutes on a shared 2-core machine
 BYTES_RTOL = 1e-6  # measured bytes of all ranks over predicted bytes x ranks: integer rounding only
 
 
@@ -133,7 +134,7 @@ def check_simulated(world: int, model_name: str, specs: list[str], cluster: str,
     verdicts = []
     for spec in specs:
         plan = make_plan(graph, world, spec, cluster)
-        per_rank = simulate(run_plan, world, graph, plan, args, kwargs, ref, steps)
+        per_rank = simulate(run_plan, world, graph, plan, args, kwargs, ref, steps, timeout=SIM_TIMEOUT)
         verdicts.append(judge(spec, plan, per_rank, ref))
     return verdicts
 
