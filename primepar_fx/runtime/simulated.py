@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -345,9 +346,11 @@ def _simulated_world() -> Iterator[_World]:
     registry = {n: getattr(c10d, n) for n in _REGISTRY}
     for name in _REGISTRY:
         setattr(c10d, name, _unregistered)
+    hook = sys.excepthook  # each rank's init_process_group wraps it with its "[rankN]:" prefix: one run, N wraps
     try:
         yield _WORLD
     finally:
+        sys.excepthook = hook
         for name, f in registry.items():
             setattr(c10d, name, f)
         multi_threaded_pg._uninstall_threaded_pg()

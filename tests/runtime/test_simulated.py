@@ -107,9 +107,13 @@ def test_a_rank_that_never_gets_its_message_times_out() -> None:
 
 
 def test_a_process_can_run_simulations_one_after_another_and_bad_sizes_fail_first() -> None:
+    import sys
+
+    hook = sys.excepthook  # every rank's init_process_group wraps it; the run puts it back
     assert simulate(lambda rank, world: (rank, dist.get_rank(), dist.get_world_size()), 3) == [
         (r, r, 3) for r in range(3)
     ]
     assert simulate(lambda rank, world: dist.get_world_size(), 2) == [2, 2]
+    assert sys.excepthook is hook
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         simulate(lambda rank, world: None, 0)
