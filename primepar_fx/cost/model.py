@@ -116,8 +116,9 @@ class NodeCost:
     recompute_gather_s: float = 0.0
     recompute_gather_bytes: int = 0
     #: ZeRO stages 1 and 3: per weight input, the seconds of its all-gathers in ``collective_s`` (stage 3: what
-    #: the node's own compute does not hide), as ``(input, seconds)``
+    #: the node's own compute does not hide), as ``(input, seconds)``, and the bytes they send, as ``(input, bytes)``
     zero_gather_s: tuple[tuple[int, float], ...] = ()
+    zero_gather_bytes: tuple[tuple[int, int], ...] = ()
 
     @property
     def forward_s(self) -> float:
@@ -221,6 +222,7 @@ class _NodePricing:
     recompute_gather_s: float = 0.0
     recompute_gather_bytes: int = 0
     zero_gather_s: list[tuple[int, float]] = field(default_factory=list)
+    zero_gather_bytes: list[tuple[int, int]] = field(default_factory=list)
 
     def block(self, tmap: TensorMap) -> int:
         """The bytes of this device's block of a tensor of map ``tmap``."""
@@ -310,8 +312,10 @@ class _NodePricing:
                 room[phase] -= hidden
                 priced -= hidden
             self.collective_s += priced
+            sent = int(round(gathered * share)) if share != 1 else gathered
             self.zero_gather_s.append((k, priced))
-            self.send("all-gather", int(round(gathered * share)) if share != 1 else gathered)
+            self.zero_gather_bytes.append((k, sent))
+            self.send("all-gather", sent)
         return sum(weights[k] - -(-weights[k] // replicas[k][0]) for k in held if k in replicas)
 
     def buffer_bytes(self) -> int:
@@ -368,6 +372,7 @@ def node_cost(
         recompute_gather_s=pr.recompute_gather_s,
         recompute_gather_bytes=pr.recompute_gather_bytes,
         zero_gather_s=tuple(pr.zero_gather_s),
+        zero_gather_bytes=tuple(pr.zero_gather_bytes),
     )
 
 

@@ -45,7 +45,7 @@ from primepar_fx.partition import DeviceMesh, OpPartition, PartitionSeq, Replica
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.partition.layouts import bound_partition
 from primepar_fx.pricing.deferred import deferred_sums
-from primepar_fx.pricing.priced import PricedGraph, ShareFlow, TiedSaving, frozen
+from primepar_fx.pricing.priced import Apart, PricedGraph, ShareFlow, TiedSaving, frozen
 from primepar_fx.pricing.zero3 import kept_inputs, kept_whole
 from primepar_fx.search import CostGraph
 from primepar_fx.utils.gcpause import gc_paused
@@ -520,21 +520,24 @@ class _Pricing:
         cheaper; where it does not, both readers' gradient all-reduces stay in the graph (the runtime buckets a
         parameter's gradient only when it has one all-reduce) and the edge adds the latency their bucketed price
         left out (with three or more readers that do not share, the first reader's is counted once per pair)."""
+        stored: set[tuple[str, int]] = set()  # (first reader, input) whose Apart one pair carries
         for u, k_u, v, k_v in shared_parameters(self.graph):
             sec, nbytes = edge_cost_matrix(
                 self.partitions[u], k_u, self.partitions[v], k_v, self.cluster, self.values, self.opts, shared=True
             )
-            saving = self._tied_saving(u, k_u, v, k_v)
+            saving = self._tied_saving(u, k_u, v, k_v, first=(u, k_u) not in stored)
+            stored.add((u, k_u))
             # unless v sums into u's all-reduce, both stay in the graph: each pays its latency, not a bucket's
             latency = self._latency(u, k_u)[:, None] + self._latency(v, k_v)[None, :]
             if saving is not None:
                 self.tied[(u, v)] = saving
-                sec = sec - np.where(saving.shared, saving.reduce_s[None, :], -latency)
+                sec = sec - np.where(saving.shared, saving.reduce_s[None, :], -latency) + saving.apart_s()
             elif latency.any():
                 sec = sec + latency
             fix = self._kept_block(u, k_u, v, k_v)
-            if fix is not None:
-                sec, nbytes = sec + fix[0], nbytes + fix[1]
+            if fix is not None:  # (only where the pair shares: else nothing is gathered, TiedSaving.apart_u)
+                shares = saving.shared if saving is not None else False
+                sec, nbytes = sec + np.where(shares, fix[0], 0.0), nbytes + np.where(shares, fix[1], 0)
             found = self._tied_scatter(u, k_u, v, k_v, saving)
             if found is not None:
                 fused, net = found
@@ -554,9 +557,10 @@ class _Pricing:
         per pair as the summary reports it, and the seconds off the edge; None when no pair fuses.
 
         The all-reduce is a parameter's: priced at its share of a micro-batch, bucketed on ``v``, its own message's
-        latency on this edge (:meth:`add_shared_parameters`). The fused pairs lose both: the edge the whole
-        difference of the lone all-reduce and the reduce-scatter, the node's collective seconds that less the
-        latency, which was never the node's."""
+        latency and its other runs (every micro-batch, :class:`Apart`) on this edge
+        (:meth:`add_shared_parameters`). The fused pairs lose both: the edge the whole difference of the lone
+        all-reduce and the reduce-scatter, the node's collective seconds that less the latency, which was never the
+        node's."""
         fusable = self._fusable_all(v, k_v)
         if fusable is None:
             return None
@@ -575,34 +579,43 @@ class _Pricing:
         if saving is None:
             return None
         keep = 1.0 if tied is None else ~tied.shared  # summed into u's all-reduce: v has none of its own
-        m = self.opts.micro_batches  # (a shared parameter's edge has no Forward all-reduce: backward fields only)
-        scattered = np.round(saving.backward_scattered * keep / m)
+        # (a shared parameter's edge has no Forward all-reduce: backward fields only.) In the graph, the fused pair
+        # runs every micro-batch, as the lone all-reduce did (TiedSaving.apart_v prices that): no share of one
+        scattered = np.round(saving.backward_scattered * keep)
         if not scattered.any():
             return None
-        net = frozen(saving.backward_s * keep / m)
+        net = frozen(saving.backward_s * keep)
         latency = np.where(scattered > 0, self._latency(v, k_v)[None, :], 0.0)
         fused = dataclasses.replace(
             saving,
             backward_s=frozen(net - latency),
-            backward_bytes=frozen(np.round(saving.backward_bytes * keep / m)),
+            backward_bytes=frozen(np.round(saving.backward_bytes * keep)),
             backward_scattered=frozen(scattered),
         )
         return fused, net
 
-    def _tied_saving(self, u: str, k_u: int, v: str, k_v: int) -> TiedSaving | None:
-        """Where ``v``'s all-reduce of the gradient of the parameter it shares with ``u`` is ``u``'s
-        (:class:`TiedSaving`); None when it never is. Not when any reader reads the parameter twice (the runtime
-        then keeps every reader's own chain, :func:`~primepar_fx.passes.share.share_relayouts`)."""
+    def _tied_saving(self, u: str, k_u: int, v: str, k_v: int, first: bool) -> TiedSaving | None:
+        """Where ``v``'s all-reduce of the gradient of the parameter it shares with ``u`` is ``u``'s, and what
+        each reader costs where it is not (:class:`TiedSaving`, :class:`Apart`); None when there is neither. Never
+        shared when any reader reads the parameter twice (the runtime then keeps every reader's own chain,
+        :func:`~primepar_fx.passes.share.share_relayouts`). ``first``: ``v`` is the parameter's first
+        later reader, whose pair carries ``u``'s :class:`Apart` (with three readers or more, exact where the later
+        readers share alike, as the copies of one layer do)."""
         fqn = self.graph.nodes[u].params[sorted(self.graph.nodes[u].dims.weights).index(k_u)]
-        if any(node.params.count(fqn) > 1 for node in self.graph.nodes.values()):
-            return None
         item = self.opts.itemsize
         sig_u = self._consumer_share(u, k_u, item)[0]
         sig_v, reduce_s, reduce_bytes = self._consumer_share(v, k_v, item)
         shared = (sig_u[:, None] == sig_v[None, :]) & (reduce_bytes > 0)[None, :]
-        if not shared.any():
-            return None
+        if any(node.params.count(fqn) > 1 for node in self.graph.nodes.values()):
+            shared[:] = False
         shared.flags.writeable = False
+        apart_u = self._apart(u, k_u) if first else None
+        apart_v = self._apart(v, k_v)
+        if not shared.any():
+            if apart_u is None and apart_v is None:
+                return None
+            return TiedSaving(shared, frozen(np.zeros(len(sig_v))), frozen(np.zeros(len(sig_v)), np.int64),
+                              apart_u, apart_v)  # fmt: skip
         if self.opts.zero in (1, 3):  # nor its extra all-gathers (ZeRO stage 1: after the step; 3: before use)
             # (stage 3 gathers the one parameter before Backward if either reads it: v keeps that one if u does not)
             nu, nv = self.graph.nodes[u], self.graph.nodes[v]
@@ -615,7 +628,28 @@ class _Pricing:
             gathers = [(min(s * share, p), int(round(b * share))) for (s, b), p in zip(gathers, paid)]
             reduce_s = frozen(reduce_s + np.array([g[0] for g in gathers]))
             reduce_bytes = frozen(reduce_bytes + np.array([g[1] for g in gathers], np.int64), np.int64)
-        return TiedSaving(shared, reduce_s, reduce_bytes)
+        return TiedSaving(shared, reduce_s, reduce_bytes, apart_u, apart_v)
+
+    def _apart(self, name: str, k: int) -> Apart | None:
+        """:class:`Apart` of reader ``name`` of a tied parameter (its weight input ``k``): with micro-batches, its
+        gradient all-reduces every micro-batch beyond the share of one its cost has; with ZeRO stages 1 and 3, less
+        the all-gathers its cost has (:attr:`~primepar_fx.cost.model.NodeCost.zero_gather_s`). ``None`` where that
+        is nothing."""
+        m, item = self.opts.micro_batches, self.opts.itemsize
+        seconds, gathered, reduced = np.zeros(len(self.costs[name])), np.zeros(len(self.costs[name]), np.int64), None
+        if m > 1:
+            once = self._consumer_share(name, k, item)  # a share of one all-reduce a step
+            every = [input_all_reduce_price(part, self.graph.nodes[name].target, k, self.cluster, self.vkey, item)
+                     for part in self.partitions[name]]  # fmt: skip
+            reduced = np.array([b for _, b in every], np.int64) - once[2]
+            seconds += np.array([s for s, _ in every]) - once[1]
+        if self.opts.zero in (1, 3):
+            seconds -= [dict(c.zero_gather_s).get(k, 0.0) for c in self.costs[name]]
+            gathered += [dict(c.zero_gather_bytes).get(k, 0) for c in self.costs[name]]
+        reduced = np.zeros(len(seconds), np.int64) if reduced is None else reduced
+        if not (seconds.any() or gathered.any() or reduced.any()):
+            return None
+        return Apart(frozen(seconds), frozen(gathered, np.int64), frozen(reduced, np.int64))
 
     def _kept_block(self, u: str, k_u: int, v: str, k_v: int) -> tuple[np.ndarray, np.ndarray] | None:
         """A parameter ZeRO-3 keeps whole that ``v`` reads in Backward, first read by ``u``: ``v``'s cost has one

@@ -171,12 +171,7 @@ class PricedGraph:
             )
             for (u, v), f in self.flows.items()
         }
-        tied = {
-            (u, v): TiedSaving(
-                take(t.shared, rows[u], rows[v]), take(t.reduce_s, rows[v]), take(t.reduce_bytes, rows[v])
-            )
-            for (u, v), t in self.tied.items()
-        }
+        tied = {(u, v): t.narrowed(take, rows[u], rows[v]) for (u, v), t in self.tied.items()}
         return PricedGraph(
             sub,
             self.mesh,
@@ -220,6 +215,14 @@ class PricedGraph:
                 out.append(NotRun(u, v, 0.0, 0, float(t.reduce_s[j]), int(t.reduce_bytes[j]), tied=True))
         return out
 
+    def apart(self, choice: Mapping[str, int]) -> list[tuple[str, str, float, int, int]]:
+        """``(node, later reader, seconds, all-gather bytes, all-reduce bytes)``: what readers of a tied parameter
+        that do not share add under ``choice`` (:class:`Apart`); the seconds are already on the edge cost."""
+        out = []
+        for (u, v), t in self.tied.items():
+            out += [(node, v, *rest) for node, *rest in t.apart(u, v, choice[u], choice[v])]
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class NotRun:
@@ -249,6 +252,57 @@ class TiedSaving:
     shared: np.ndarray
     reduce_s: np.ndarray
     reduce_bytes: np.ndarray
+    #: where the pair does not share, the parameter keeps a gradient all-reduce per reader in the graph, so no
+    #: gradient bucket holds it (:mod:`~primepar_fx.passes.gradsync`): the all-reduces run every micro-batch, not
+    #: once a step, and ZeRO (stages 1 and 3) neither shards it nor all-gathers it. Per strategy of ``u`` (``None``
+    #: on every pair but its first later reader's) and of ``v``: :class:`Apart`.
+    apart_u: Apart | None = None
+    apart_v: Apart | None = None
+
+    def apart_s(self) -> np.ndarray:
+        """Per strategy pair, the seconds :class:`Apart` adds (zero where the pair shares)."""
+        u = self.apart_u.seconds[:, None] if self.apart_u is not None else 0.0
+        v = self.apart_v.seconds[None, :] if self.apart_v is not None else 0.0
+        return np.where(self.shared, 0.0, u + v)
+
+    def apart(self, u: str, v: str, i: int, j: int) -> list[tuple[str, float, int, int]]:
+        """``(node, seconds, all-gather bytes, all-reduce bytes)`` that :class:`Apart` adds to ``u`` and ``v``
+        under their strategies ``i`` and ``j``: none where the pair shares."""
+        if self.shared[i, j]:
+            return []
+        out = []
+        for node, apart, k in ((u, self.apart_u, i), (v, self.apart_v, j)):
+            if apart is not None:
+                out.append((node, float(apart.seconds[k]), int(apart.gathered[k]), int(apart.reduced[k])))
+        return out
+
+    def narrowed(self, take: Callable[..., np.ndarray], rows_u: np.ndarray, rows_v: np.ndarray) -> TiedSaving:
+        """This saving for the strategies ``rows_u`` of ``u`` and ``rows_v`` of ``v`` only (``take(array, *rows)``:
+        :meth:`PricedGraph.subset`'s)."""
+
+        def pick(apart: Apart | None, rows: np.ndarray) -> Apart | None:
+            return None if apart is None else Apart(*(take(a, rows) for a in dataclasses.astuple(apart)))
+
+        return TiedSaving(
+            take(self.shared, rows_u, rows_v),
+            take(self.reduce_s, rows_v),
+            take(self.reduce_bytes, rows_v),
+            pick(self.apart_u, rows_u),
+            pick(self.apart_v, rows_v),
+        )
+
+
+@dataclass(frozen=True)
+class Apart:
+    """What a reader of a tied parameter costs, per strategy, beyond its own price where the readers do not share
+    (:class:`TiedSaving`): ``seconds`` (per micro-batch) its gradient all-reduces add, every micro-batch where it
+    priced a share of one a step, less its ZeRO all-gathers; the bytes of those all-gathers, which do not run
+    (``gathered``, per device), and of the all-reduces' extra runs (``reduced``). Its optimizer state is priced
+    sharded still (the search prices memory per node)."""
+
+    seconds: np.ndarray
+    gathered: np.ndarray
+    reduced: np.ndarray
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,13 @@ def summarize(
         total_s += step_s
         static += c.state_bytes(opts) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
-        moved = adj.saved[name] + adj.unshared[name] + adj.resaved[name]
+        moved = (
+            adj.saved[name]
+            + adj.unshared[name]
+            + adj.resaved[name]
+            + adj.ungathered.get(name, 0)
+            - adj.rereduced.get(name, 0)
+        )
         comm += sum(c.comm_bytes.values()) - moved + adj.redis_bytes[name] / world
         if not nodes and 0.0 <= step_s < math.inf:
             continue  # (a node whose time is not a finite number of seconds gets CostBreakdown's error below)
@@ -95,6 +101,10 @@ class _Adjustments:
     unshared: dict[str, int]
     resaved: dict[str, int]
     sharing: set[tuple[str, str]]
+    #: readers of a tied parameter that no bucket holds (pricing.priced.Apart): their ZeRO all-gathers' bytes that
+    #: do not run, their gradient all-reduces' that run every micro-batch
+    ungathered: dict[str, int] = dataclasses.field(default_factory=dict)
+    rereduced: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: OpGraph, priced: PricedGraph, choice: dict[str, int]) -> _Adjustments:
@@ -102,6 +112,7 @@ class _Adjustments:
         adj = cls(dict(nothing), dict(zeros), dict(nothing), dict(zeros), dict(zeros), dict(nothing), dict(zeros),
                   dict(zeros), set())  # fmt: skip
         adj.add_not_run(priced, choice)
+        adj.add_apart(priced, choice)
         adj.add_scattered(priced, choice)
         adj.add_rescattered(priced, choice)
         adj.add_overlapped(priced, choice)
@@ -125,6 +136,15 @@ class _Adjustments:
             self.sharing.add((skip.u, skip.v))
             self.redis_s[skip.v] -= skip.relayout_s
             self.redis_bytes[skip.v] -= skip.relayout_bytes
+
+    def add_apart(self, priced: PricedGraph, choice: dict[str, int]) -> None:
+        """Readers of a tied parameter that do not share (pricing.priced.Apart): the edge cost has their seconds;
+        reported as collective time and bytes of the reader."""
+        for name, v, seconds, gathered, reduced in priced.apart(choice):
+            self.unshared_s[name] -= seconds
+            self.redis_s[v] -= seconds
+            self.ungathered[name] = self.ungathered.get(name, 0) + gathered
+            self.rereduced[name] = self.rereduced.get(name, 0) + reduced
 
     def add_scattered(self, priced: PricedGraph, choice: dict[str, int]) -> None:
         """An all-reduce fused into a reduce-scatter (cost.scatter): the edge cost has its saving subtracted; it is
@@ -186,7 +206,12 @@ class _Adjustments:
                 kinds["all-gather"] = kinds.get("all-gather", 0) - (unshared - reduced)
         if resaved:
             kinds[RECOMPUTE_KIND] -= resaved
-        if scattered or unshared or resaved:
+        ungathered, rereduced = self.ungathered.get(name, 0), self.rereduced.get(name, 0)
+        if ungathered:
+            kinds["all-gather"] -= ungathered
+        if rereduced:
+            kinds["all-reduce"] = kinds.get("all-reduce", 0) + rereduced
+        if scattered or unshared or resaved or ungathered:
             kinds = {k: v for k, v in kinds.items() if v}
         if self.redis_bytes[name]:
             kinds["redistribution"] = self.redis_bytes[name] // world

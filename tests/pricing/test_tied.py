@@ -203,3 +203,39 @@ def test_the_tied_edge_goes_through_a_proxy_so_the_layers_stay_separable():
     free = solve(priced.search_graph, method="dp")
     narrow = solve(priced.search_graph, method="dp", options=DPOptions(max_proxy_states=32))
     assert free.cost == pytest.approx(narrow.cost, rel=1e-12)
+
+
+@pytest.mark.parametrize(("zero", "micro_batches"), [(1, 1), (3, 2)])
+def test_with_zero_a_table_whose_readers_do_not_share_gathers_nothing(zero, micro_batches):
+    """ZeRO shards a parameter's state over the replicas of its gradient bucket. A table whose readers keep an
+    all-reduce each in the graph (they do not share) has no bucket, so the runtime neither shards it nor
+    all-gathers it: the summary reports no all-gather on either reader, and the objective agrees; where they
+    share, the first reader alone gathers it, as without the pairing. (ZeRO-3 with one micro-batch gathers this
+    table no more than the all-reduce's share: the head keeps it whole from Forward to Backward.)"""
+    opts = dataclasses.replace(OPTS, zero=zero, micro_batches=micro_batches)
+    spec = load_cluster("cpu-gloo")
+    p = price_graph(graph(), spec.mesh(WORLD), spec, VALUES, opts)
+    first, later = readers()
+    tied = p.tied[(first, later)]
+    costs = {n: p.node_costs[n] for n in (first, later)}
+    gathers = {n: [dict(c.zero_gather_bytes) for c in costs[n]] for n in (first, later)}
+    sg, rng, seen = p.search_graph, random.Random(3), set()
+    for _ in range(40):
+        choice = {n: rng.randrange(len(p.strategies[n])) for n in p.strategies}
+        i, j = choice[first], choice[later]
+        if not any(gathers[first][i].values()) and not any(gathers[later][j].values()):
+            continue
+        seen.add(bool(tied.shared[i, j]))
+        nodes = {n.name: n for n in summarize(graph(), p, choice, opts).nodes}
+        sent = {n: nodes[n].cost.comm_bytes.get("all-gather", 0) for n in (first, later)}
+        own = {n: costs[n][choice[n]].comm_bytes.get("all-gather", 0) for n in (first, later)}
+        if tied.shared[i, j]:
+            assert sent == {first: own[first], later: 0}
+        else:
+            assert sent == {first: own[first] - sum(gathers[first][i].values()), later: 0}
+        full = {**choice, **{n: choice[n.removesuffix(SUFFIX)] for n in sg.nodes if virtual(n)}}
+        for n in (n for n in sg.nodes if virtual(n)):
+            full[n] = min(range(sg.strategies(n)), key=lambda s, n=n: evaluate(sg, {**full, n: s}))
+        predicted = summarize(graph(), p, choice, opts, nodes=False).predicted.step_time_s
+        assert evaluate(sg, full) == pytest.approx(predicted, rel=1e-12)
+    assert seen == {True, False}
