@@ -152,7 +152,7 @@ def bench_rank(rank: int, world: int, quick: bool, texts: dict[str, str], warmup
     for label, text in texts.items():
         module = compile_graph(graph, plan=Plan.from_json(text))
         module.check_sizes = False  # the same inputs on every rank; the cost model does not price this all-reduce
-        opt = torch.optim.AdamW(module.parameters(), lr=LR)
+        opt = module.optimizer(torch.optim.AdamW, lr=LR)  # the optimizer the plan prices (sharded under ZeRO)
         runs[label] = {"module": module, "opt": opt, "times": [], "bytes": [], "calls": []}
 
     def one(label: str, timed: bool) -> None:
