@@ -28,7 +28,7 @@ from primepar_fx.planning.forced import forced_plan
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.planning.planner import plan_graph
 from primepar_fx.record.plan import Plan
-from primepar_fx.runtime.groups import ProcessGroups
+from primepar_fx.runtime.groups import ProcessGroups, set_p2p_timeout
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,10 @@ def default_timeout() -> timedelta | None:
 
 
 def set_default_timeout(timeout: timedelta) -> None:
-    """Set the default process group's timeout (its point-to-point transfers carry the compiled module's data)."""
+    """Set the default process group's timeout (its point-to-point transfers carry the compiled module's data), and
+    bound the module's point-to-point waits by it (:func:`~primepar_fx.runtime.groups.set_p2p_timeout`: gloo's
+    sends and receives keep the timeout the group was created with otherwise)."""
+    set_p2p_timeout(timeout)
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if setter is None:
         log.warning("this torch cannot change the default process group's timeout; set it in init_process_group")

@@ -37,6 +37,7 @@ from torch import nn
 
 from primepar_fx.runtime.collectives import ReduceScatter
 from primepar_fx.runtime.exchange import Exchange, Slices
+from primepar_fx.runtime.groups import wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 
@@ -106,9 +107,9 @@ def scatter_rows(
     if then is not None:
         then()
     for w in works:
-        w.wait()
+        wait_p2p(w)
     if stats is not None:
-        stats.add("collective", rs.nbytes(like.element_size()), node)
+        stats.add("collective", rs.nbytes(like.element_size()), rs.owner or node)
     return rs.total(own, boxes)
 
 
@@ -142,7 +143,7 @@ def gather_rows(
         out[dst] = x[src]
         each(out, rows(dst))
     for req, _, buf, pieces in posted.arrivals:
-        req.wait()
+        wait_p2p(req)
         ex.unpack(out, buf, pieces)
         for dst, _ in pieces:
             each(out, rows(dst))

@@ -25,6 +25,7 @@ from primepar_fx.cost.scatter import scatters
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.layouts import Layout
 from primepar_fx.runtime.exchange import Exchange, Slices
+from primepar_fx.runtime.groups import wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 MODES = ("forward", "backward", "both")
@@ -119,10 +120,20 @@ class ReduceScatter:
     pieces: tuple[tuple[tuple[Slices, Slices], ...], ...]
     identity: bool = False
     me: int = -1
+    #: the planned node whose all-reduce this is, which ``comm_stats`` counts it under (the plan reports a Forward
+    #: one on its producer, :mod:`primepar_fx.cost.scatter`); ``""``: the node the caller names
+    owner: str = ""
 
     @classmethod
     def plan(
-        cls, held: Layout, needed: Layout, mesh: DeviceMesh, me: int, group: object, ranks: tuple[int, ...]
+        cls,
+        held: Layout,
+        needed: Layout,
+        mesh: DeviceMesh,
+        me: int,
+        group: object,
+        ranks: tuple[int, ...],
+        owner: str = "",
     ) -> ReduceScatter:
         if not scatters(held, needed, [list(ranks)]):
             raise ValueError(f"going from the held to the needed layout is not a reduce-scatter over ranks {ranks}")
@@ -130,7 +141,9 @@ class ReduceScatter:
         if any(p.comm for p in plans):
             raise ValueError(f"a reduce-scatter over ranks {ranks} must be a local slice on each of them")
         mine = plans[ranks.index(me)]
-        return cls(group, tuple(ranks), mine.in_shape, mine.out_shape, tuple(p.local for p in plans), me=me)
+        return cls(
+            group, tuple(ranks), mine.in_shape, mine.out_shape, tuple(p.local for p in plans), me=me, owner=owner
+        )
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -169,7 +182,7 @@ class ReduceScatter:
         reqs = dist.batch_isend_irecv(ops) if ops else []
         own = self.piece(x, self.me)
         for req in reqs:
-            req.wait()
+            wait_p2p(req)
         if stats is not None:
-            stats.add("collective", self.nbytes(x.element_size()), node)
+            stats.add("collective", self.nbytes(x.element_size()), self.owner or node)
         return self.total(own, inbox)

@@ -30,6 +30,7 @@ from torch import nn
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.layouts import IndexSet, Layout
 from primepar_fx.partition.mesh import nearest_holder
+from primepar_fx.runtime.groups import wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 Slices = tuple[slice, ...]
@@ -194,7 +195,7 @@ class Exchange:
             out[dst] = x[src]
         posted.wait_sent()
         for req, _, buf, pieces in posted.arrivals:
-            req.wait()
+            wait_p2p(req)
             self.unpack(out, buf, pieces)
         return out
 
@@ -209,7 +210,7 @@ class Posted:
 
     def wait_sent(self) -> None:
         for req, _ in self.sent:
-            req.wait()
+            wait_p2p(req)
         self.sent = []
 
 

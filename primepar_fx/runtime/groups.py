@@ -49,3 +49,24 @@ class ProcessGroups:
                     mine = (handle, tuple(ranks))
             self._cache[key] = mine
         return self._cache[key]
+
+
+#: how long a point-to-point wait of a compiled module lasts before it raises (``compile(timeout=...)``; ``None``:
+#: the transport's own). Sends and receives run on the default group, whose gloo transport waits for the timeout
+#: the group was created with, whatever its timeout is set to later; the works are told explicitly instead.
+_p2p_timeout: timedelta | None = None
+
+
+def set_p2p_timeout(timeout: timedelta | None) -> None:
+    """Bound every later :func:`wait_p2p` of this process by ``timeout`` (``None``: the transport's own)."""
+    global _p2p_timeout
+    _p2p_timeout = timeout
+
+
+def wait_p2p(work: object) -> None:
+    """Wait for a point-to-point work of ``batch_isend_irecv``, at most :func:`set_p2p_timeout`'s time: a peer that
+    stopped answering raises (``RuntimeError: ... Timed out waiting``) instead of hanging."""
+    if _p2p_timeout is None:
+        work.wait()  # type: ignore[attr-defined]
+    else:
+        work.wait(_p2p_timeout)  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ from torch import nn
 
 from primepar_fx.partition import OpPartition, Phase, transfers
 from primepar_fx.partition.comm import shift_senders
+from primepar_fx.runtime.groups import wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 aten = torch.ops.aten
@@ -71,7 +72,7 @@ class _Mover:
     def now(self, x: torch.Tensor, stats: CommStats, node: str = "") -> torch.Tensor:
         reqs, buf = self.start(x.contiguous(), stats, node)
         for r in reqs:
-            r.wait()
+            wait_p2p(r)
         return x if buf is None else buf
 
 
@@ -129,7 +130,7 @@ class RingMatmul(nn.Module):
             acc = part if acc is None else acc + part
             for key, reqs, buf in pending:
                 for r in reqs:
-                    r.wait()
+                    wait_p2p(r)
                 if buf is not None:
                     slots[key] = buf
             mover = self.moves.get((phase, t, self.names[result]))
