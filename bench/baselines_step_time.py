@@ -14,7 +14,9 @@ and separate q/k/v projections; built from one seed) on the same global batch:
   also under a memory budget (``(calibrated, budget)``: the predicted peak of Megatron dp1 x mp4 +SP on that spec);
   ``primepar megatron``: the forced Megatron plan (the configuration the cost model finds cheapest), for
   reference, and ``primepar megatron dp1 x mp4 +SP``: Megatron with sequence parallelism over all ranks, the
-  layout of ``dtensor tp``, planned and run by primepar.
+  layout of ``dtensor tp``, planned and run by primepar; with ``--spec`` its prediction is also priced on that
+  spec (a step-fitted spec, ``bench/cost_fidelity.py``, fitted to other plans on this machine), which is what
+  the within-15% target of issue 60 is held to where given: the ``cpu-gloo`` preset's compute is a guess.
 * ``dtensor tp``: ``parallelize_module`` on a 1-D ``DeviceMesh("cpu", ...)`` with torchtitan's Llama plan:
   ``ColwiseParallel`` q/k/v/gate/up, ``RowwiseParallel`` o/down, ``SequenceParallel`` norms, the embedding
   ``RowwiseParallel`` and the LM head ``ColwiseParallel`` (output replicated; no loss parallelism). Every figure's
@@ -67,7 +69,7 @@ from measure import (
     wire_bytes,
     write_page,
 )
-from plans import megatron_config, megatron_plan
+from plans import megatron_config, megatron_plan, reprice
 from tabulate import tabulate
 
 from primepar_fx.compiler.module import compile_graph
@@ -260,6 +262,8 @@ def make_system(label: str, graph, config, rank: int, world: int, spec: str | No
             module = compile_graph(graph, plan=plan, cluster=cluster, memory_budget=budget)
         module.check_sizes = False  # the same inputs on every rank; the baselines have no such all-reduce
         run |= {"plan": module.plan, "budget": budget}
+        if label == MEGATRON_TP and spec is not None:  # the same plan priced on this machine's fitted spec
+            run["spec_plan"] = reprice(graph, module.plan, spec)
     else:
         mesh = init_device_mesh("cpu", (world,))
         module = build(config)
@@ -367,6 +371,8 @@ def row(label: str, run: dict, world: int) -> dict:
         out |= {"comm_stats": reduce([planned], dist.ReduceOp.SUM)[0] / world, "plan": describe(run["plan"])}
         out |= {"pred_step_s": pred.step_time_s, "pred_bytes": pred.comm_bytes, "pred_peak": pred.peak_memory_bytes}
         out |= {"budget": run["budget"]}
+    if "spec_plan" in run:
+        out["pred_spec_step_s"] = run["spec_plan"].predicted.step_time_s
     return out
 
 
@@ -423,6 +429,7 @@ def predictions(result: dict) -> list[list[str]]:
             f"{r['comm_stats'] / 1024:.0f}",
             f"{r['pred_bytes'] / 1024:.0f}",
             f"{1000 * r['pred_step_s']:.0f}",
+            f"{1000 * r['pred_spec_step_s']:.0f}" if "pred_spec_step_s" in r else "-",
             mib(r["pred_peak"]),
             mib(r["budget"]) if r.get("budget") else "-",
         ]
@@ -454,6 +461,7 @@ PRED_HEADERS = [
     "comm_stats KiB",
     "predicted KiB",
     "predicted step ms",
+    "on --spec",
     "predicted peak MiB",
     "budget MiB",
 ]
@@ -496,6 +504,9 @@ def speed_targets(result: dict) -> list[list[str]]:
     if MEGATRON_TP in rows:  # issue 60: the cost model prices the overlap it runs
         mt = rows[MEGATRON_TP]
         add(f"{MEGATRON_TP}, |measured / predicted - 1|, step time", abs(mt["step_s"] / mt["pred_step_s"] - 1), 0.15)
+        if "pred_spec_step_s" in mt:  # on a spec fitted to this machine (--spec), not the preset's guesses
+            error = abs(mt["step_s"] / mt["pred_spec_step_s"] - 1)
+            add(f"{MEGATRON_TP}, |measured / predicted on --spec - 1|, step time", error, 0.15)
     zero3, zero2 = f"{DATA_PARALLEL} +ZeRO-3", f"{DATA_PARALLEL} +ZeRO-2"
     if zero3 in rows and "fsdp2" in rows:  # issue 60: ZeRO-3 as fast as FSDP2, no more bytes or memory
         z, f = rows[zero3], rows["fsdp2"]

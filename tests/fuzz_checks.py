@@ -13,7 +13,9 @@ with ZeRO stage 1, 2 or 3, and about half the plans run the batch as 2, 3 or 4 m
 divides it (:data:`MICRO_BATCHES`; the plan is priced at the micro-batch, so its splits of the batch divide
 that). One training step of the compiled per-rank module must give the single-device loss and, gathered, every
 single-device gradient (``RTOL``, ``ATOL``); with ZeRO the step is taken by ``module.optimizer(AdamW)`` and the
-parameters after it must be one device's too (stages 2 and 3 leave no gradients to gather).
+parameters after it must be one device's too (stages 2 and 3 leave no gradients to gather). The bytes every rank
+sends in that step (forward, backward and ZeRO's optimizer step), summed, must be the plan's predicted bytes times
+the ranks (to a byte per node and rank: rounding, ``BYTES_SLACK_PER_NODE``).
 
 How examples are drawn, and why. One definition, :func:`draw_case`, draws a case through a ``choose(options)``
 callable, so the same generator serves two drivers:
@@ -65,6 +67,9 @@ TIMEOUT_PER_CASE = 120.0  # seconds a bucket may take per case before every rank
 MICRO_BATCHES = (1, 1, 1, 2, 3, 4)  # drawn among those that divide the batch: 1 about half the time
 SIM_WORLDS = (16, 24, 32, 48, 64)  # simulated ranks (runtime.simulated): nodes of eight of SIM_CLUSTER
 SIM_CLUSTER = "h100-dgx"  # a preset of nodes of eight devices: meshes of three to six digits, across nodes
+#: the bytes every rank sends in the step, summed, against the prediction x ranks: rounding only, at most a byte
+#: per node and rank (each node's bytes are rounded to whole bytes, each message's too: 2/3 of a block on 3 ranks)
+BYTES_SLACK_PER_NODE = 1
 
 Choose = Callable[[Sequence[Any]], Any]
 
@@ -286,28 +291,40 @@ def check_rank(
     if rank == 0 and out_dir is not None:
         Path(out_dir, f"plan-{case.index}.json").write_text(module.plan.to_json())
     opt = module.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3) if module.plan.zero else None
+    module.comm_stats.reset()
     loss = module(*args, **kwargs)
     loss.backward()
+    sent = module.comm_stats.planned  # the step's bytes: gathering for the checks below is not the plan's traffic
     bad = _mismatch(module.gather_grads(), ref["grads"]) if module.plan.zero < 2 else []
     if opt is not None:  # one AdamW step: the parameters after it
+        module.comm_stats.reset()
         opt.step()
+        sent += module.comm_stats.planned  # (ZeRO's all-gather after the step)
         bad += _mismatch(module.gather_state_dict(), ref["params"])
-    losses = torch.zeros(world, dtype=torch.float64)  # every rank must return the same loss
-    losses[rank] = float(loss.detach())
+    losses = torch.zeros(2, world, dtype=torch.float64)  # every rank must return the same loss; and its bytes
+    losses[0, rank], losses[1, rank] = float(loss.detach()), sent
     if world > 1:
         dist.all_reduce(losses)
     asked = {"zero": case.zero, "micro_batches": case.micro_batches}
+    predicted = module.plan.predicted.comm_bytes
     report = {
-        "loss": [float(x) for x in losses],
+        "loss": [float(x) for x in losses[0]],
         "ref_loss": ref["loss"],
         "bad_grads": bad,
         "fallbacks": list(module.fallbacks),
         "levers": {k: getattr(module.plan, k) for k in asked if getattr(module.plan, k) != asked[k]},
+        "sent": [int(x) for x in losses[1]],
+        "predicted": predicted,
     }
+    # the prediction is per device, the mean over ranks (an uneven re-layout sends different amounts): in total
+    report["bytes_ratio"] = float(losses[1].sum()) / (predicted * world) if predicted else float(not losses[1].any())
+    slack = BYTES_SLACK_PER_NODE * len(module.plan.nodes) * world
+    report["bytes_off"] = int(losses[1].sum()) - predicted * world
     report["ok"] = (
         not bad
         and not report["levers"]
         and all(abs(x - report["ref_loss"]) <= ATOL + RTOL * abs(report["ref_loss"]) for x in report["loss"])
+        and abs(report["bytes_off"]) <= slack
     )
     return report
 
@@ -410,6 +427,11 @@ def describe(case: Case, report: dict[str, Any], case_file: Path) -> str:
         lines.append(f"  gradients differ: {report['bad_grads'][:4]}")
     if report.get("levers"):
         lines.append(f"  the compiled plan's levers are not the case's: {report['levers']}")
+    if report.get("bytes_off"):
+        ratio = report["bytes_ratio"]
+        lines.append(
+            f"  bytes sent {sorted(set(report['sent']))} per rank, predicted {report['predicted']}: {ratio:.9f}"
+        )
     if report.get("timeout"):
         lines.append(f"  {report['timeout']}")
     lines.append(f"  repro: {repro_command(case_file)}")

@@ -65,7 +65,7 @@ class CostOptions:
     zero: int = 0
     micro_batches: int = 1
     #: ZeRO-3 as FSDP runs it: every parameter gathered again before Backward (FSDP unshards a whole module before
-    #: its Backward); ``False``, ours: only those Backward reads (:func:`~primepar_fx.cost.model.zero_gather_share`)
+    #: its Backward); ``False``, ours: only those Backward reads (:func:`zero_gather_share`)
     regather_all: bool = False
     distributed_optimizer: bool = False
 
@@ -211,3 +211,13 @@ def tensor_map(op: OpDims, name: str) -> TensorMap:
     tmap = maps[int(base.lstrip("inout"))]
     assert tmap is not None, name
     return tmap
+
+
+def zero_gather_share(opts: CostOptions, read: bool = True) -> float:
+    """How many of :func:`~primepar_fx.cost.model.zero_gather_price`'s all-gathers ZeRO prices per micro-batch:
+    stage 1 one a step (``1/m`` of one); stage 3 one before Forward of every micro-batch and, for a weight that
+    Backward reads (``read``, :func:`~primepar_fx.cost.model.weights_read_in_backward`), one before Backward, less
+    the reduce-scatter's share of the all-reduce priced with the gradient (``2 - 1/m`` or ``1 - 1/m``: with one
+    micro-batch one more than stage 2, or none); others none."""
+    m = opts.micro_batches
+    return 1 / m if opts.zero == 1 else 1 + read - 1 / m if opts.zero == 3 else 0.0

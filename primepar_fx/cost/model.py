@@ -47,17 +47,18 @@ and ints (bytes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from math import prod
+from typing import Any
 
 import numpy as np
 import sympy
 import torch
 
-from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
+from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map, zero_gather_share
 from primepar_fx.cost.cluster import ClusterSpec, LinkLevel, dtype_key
 from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, clear_redistribution_caches, edge_pairs
@@ -174,6 +175,15 @@ def stashed_inputs(op: OpDims, target: object) -> list[int]:
     if op.kind in ("norm", "loss"):
         return live[:1]
     return live
+
+
+def checkpoint_stop(nodes: Mapping[str, Any], run: Sequence[str]) -> int:
+    """The position in ``run`` (node names of a checkpointed run, in graph order; ``nodes``: name -> a node with
+    ``dims`` and ``target``) of its last node that keeps a tensor for Backward, ``-1`` if none: non-reentrant
+    checkpointing recomputes the run only up to there, that node's collectives after its compute excluded
+    (:mod:`primepar_fx.levers.recompute`)."""
+    savers = [i for i, n in enumerate(run) if stashed_inputs(nodes[n].dims, nodes[n].target)]
+    return savers[-1] if savers else -1
 
 
 def weights_read_in_backward(op: OpDims, target: object) -> list[int]:
@@ -374,16 +384,6 @@ def node_cost(
         zero_gather_s=tuple(pr.zero_gather_s),
         zero_gather_bytes=tuple(pr.zero_gather_bytes),
     )
-
-
-def zero_gather_share(opts: CostOptions, read: bool = True) -> float:
-    """How many of :func:`zero_gather_price`'s all-gathers ZeRO prices per micro-batch: stage 1 one a step (``1/m``
-    of one); stage 3 one before Forward of every micro-batch and, for a weight that Backward reads (``read``,
-    :func:`weights_read_in_backward`), one before Backward, less the reduce-scatter's share of the all-reduce
-    priced with the gradient (``2 - 1/m`` or ``1 - 1/m``: with one micro-batch one more than stage 2, or none);
-    others none."""
-    m = opts.micro_batches
-    return 1 / m if opts.zero == 1 else 1 + read - 1 / m if opts.zero == 3 else 0.0
 
 
 def zero_gather_price(

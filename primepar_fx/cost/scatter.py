@@ -29,7 +29,7 @@ import sympy
 import torch
 from torch import fx
 
-from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map
+from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map, zero_gather_share
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.redistribute import EdgeUse, backward_held, forward_held, forward_needed, source_grad_needed
@@ -259,11 +259,21 @@ def reduce_scatter_seconds(cluster: ClusterSpec, block: float, mesh: DeviceMesh,
 
 
 def _saving(
-    cluster: ClusterSpec, part: OpPartition, c: Collective, tensor: str, vkey, item: int, bias: int | None = None
+    cluster: ClusterSpec,
+    part: OpPartition,
+    c: Collective,
+    tensor: str,
+    vkey,
+    item: int,
+    bias: int | None = None,
+    opts: CostOptions | None = None,
 ) -> tuple[float, int, int, float, int, float]:
     """Seconds and bytes one device saves when all-reduce ``c`` becomes a reduce-scatter of the same block (less a
     bias gradient's all-reduce over the same group), the bytes the reduce-scatter sends, the seconds and bytes
-    of that bias all-reduce (zero without a bias), and the seconds of the reduce-scatter."""
+    of that bias all-reduce (zero without a bias), and the seconds of the reduce-scatter. A bias that is a
+    parameter has its gradient summed in a bucket (:mod:`~primepar_fx.passes.gradsync`): its all-reduce is
+    priced as a parameter's, once a step of ``opts.micro_batches``, and with ZeRO (``opts.zero``) the bucket is
+    sharded over that group, so the bias is all-gathered as a weight that Backward does not read."""
     block = block_bytes(part, tensor_map(part.op, tensor), vkey, item)
     group = cluster.group_size(part.mesh, c.digits)
     mesh, digits = part.mesh, c.digits
@@ -275,6 +285,14 @@ def _saving(
     if bias is not None:
         extra = block_bytes(part, part.op.inputs[bias], vkey, item)  # type: ignore[arg-type]
         bias_s, bias_bytes = cluster.collective_time("all-reduce", extra, mesh, digits), int(round(ar * extra))
+        if opts is not None and bias in part.op.weights:
+            m, share = opts.micro_batches, zero_gather_share(opts, read=False)
+            bias_s = cluster.collective_time("all-reduce", extra, mesh, digits, bucketed=True) / m
+            bias_bytes = int(round(ar * extra / m))
+            if share:
+                ag, _ = ring_factors("all-gather", group)
+                bias_s += share * cluster.collective_time("all-gather", extra, mesh, digits, bucketed=True)
+                bias_bytes += int(round(ag * extra * share))
         return seconds - bias_s, saved - bias_bytes, scattered, bias_s, bias_bytes, scatter_s
     return seconds, saved, scattered, 0.0, 0, scatter_s
 
@@ -315,7 +333,7 @@ def scatter_saving(
     for i, hits in zip(rows, needed.hits_many(tests, mesh, biased) if needed is not None else []):
         if len(hits):
             found, f = True, forward[i]
-            saving = _saving(cluster, producers[i], f.collective, f"out{out_index}", vkey, item, f.bias)
+            saving = _saving(cluster, producers[i], f.collective, f"out{out_index}", vkey, item, f.bias, opts)
             out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving[:3]
             out.forward_bias_s[i, hits], out.forward_bias_bytes[i, hits], out.forward_rs_s[i, hits] = saving[3:]
     uses = {j: backward_held(q, in_index) for j, q in enumerate(consumers) if backward[j] is not None}

@@ -48,7 +48,7 @@ import numpy as np
 import sympy
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes
-from primepar_fx.cost.model import NodeCost, stashed_inputs
+from primepar_fx.cost.model import NodeCost, checkpoint_stop
 from primepar_fx.cost.scatter import ScatterSaving
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import LayerUnits, layer_units, selective_nodes, unit_inputs
@@ -125,9 +125,7 @@ class LayerPricing:
             keep: dict[str, list[tuple[str, int]]] = {v: [] for v in run}
             for u, v, k in unit_inputs(self.graph, run):
                 keep[v].append((u, k))
-            nodes = self.graph.nodes
-            savers = [i for i, n in enumerate(run) if stashed_inputs(nodes[n].dims, nodes[n].target)]
-            last = savers[-1] if savers else -1
+            last = checkpoint_stop(self.graph.nodes, run)
             self._how[(mode, layer)] = {
                 n: ("all" if i < last else "compute" if i == last else "", keep[n]) for i, n in enumerate(run)
             }

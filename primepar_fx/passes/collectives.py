@@ -171,7 +171,7 @@ def fuse_reduce_scatters(gm: fx.GraphModule, ctx: RankContext) -> fx.GraphModule
             held, needed = mod.layouts[0], mod.layouts[1]
             if bias is not None and not bias_broadcasts(owner.part.op, fusable.bias, held, needed):
                 continue
-            mod.fwd = ReduceScatter.plan(held, needed, ctx.mesh, ctx.rank, reduce.group, reduce.ranks)
+            mod.fwd = ReduceScatter.plan(held, needed, ctx.mesh, ctx.rank, reduce.group, reduce.ranks, reduce.node)
             r.replace_input_with(last, ar.args[0])
             if bias is not None:
                 why = f"bias gradient of {ar.args[0].name} over its scattered pieces"

@@ -32,7 +32,9 @@ import torch
 from torch import fx
 
 from primepar_fx.cost.matmul_overlap import Reader, feeds_linears, linear_into, rows_only
+from primepar_fx.cost.model import checkpoint_stop
 from primepar_fx.graph import OpGraph
+from primepar_fx.graph.layers import layer_units, selective_nodes
 from primepar_fx.passes.common import RankContext, add_module, info
 from primepar_fx.runtime.collective_matmul import GatherLinears, LinearScatter
 from primepar_fx.runtime.collectives import ReduceScatter
@@ -100,10 +102,32 @@ def _fuse_gather(gm: fx.GraphModule, ctx: RankContext, node: fx.Node, mod: Redis
     return True
 
 
-def _scatters(gm: fx.GraphModule, ctx: RankContext, node: fx.Node) -> tuple[fx.Node, Redistribute] | None:
-    """``(the re-layout node, its module)`` when ``node`` is the second pattern's linear (module docstring)."""
+def checkpoint_stops(ctx: RankContext) -> frozenset[str]:
+    """The planned nodes where the plan's recomputed runs stop (:func:`~primepar_fx.cost.model.checkpoint_stop`):
+    Backward computes each again, but not the collectives after it."""
+    policy = ctx.recompute
+    units = layer_units(ctx.graph) if policy is not None and policy.active else None
+    if units is None:
+        return frozenset()
+    stops = []
+    for mode, unit in zip(policy.layers, units.units):  # type: ignore[union-attr]
+        run = unit if mode == "full" else selective_nodes(ctx.graph, unit) if mode == "selective" else []
+        last = checkpoint_stop(ctx.graph.nodes, run)
+        if last >= 0:
+            stops.append(run[last])
+    return frozenset(stops)
+
+
+def _scatters(
+    gm: fx.GraphModule, ctx: RankContext, node: fx.Node, stops: frozenset[str]
+) -> tuple[fx.Node, Redistribute] | None:
+    """``(the re-layout node, its module)`` when ``node`` is the second pattern's linear (module docstring); not
+    where a recomputed run stops (``stops``): fused, its reduce-scatter would run again with it, which the plan
+    does not price."""
     me = info(node)
     if me is None or node.op != "call_function" or node.target is not aten.linear.default or node.kwargs:
+        return None
+    if me.name in stops:
         return None
     if not linear_into(me.name, me.target, _readers(ctx.graph, me.name)):
         return None
@@ -137,8 +161,9 @@ def overlap_collective_matmuls(gm: fx.GraphModule, ctx: RankContext) -> fx.Graph
         mod = _gathers(gm, ctx, node)
         if mod is not None:
             _fuse_gather(gm, ctx, node, mod)
+    stops = checkpoint_stops(ctx)
     for node in list(gm.graph.nodes):
-        found = _scatters(gm, ctx, node)
+        found = _scatters(gm, ctx, node, stops)
         if found is not None:
             _fuse_scatter(gm, ctx, node, *found)
     return gm
