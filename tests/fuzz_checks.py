@@ -15,7 +15,7 @@ that). One training step of the compiled per-rank module must give the single-de
 single-device gradient (``RTOL``, ``ATOL``); with ZeRO the step is taken by ``module.optimizer(AdamW)`` and the
 parameters after it must be one device's too (stages 2 and 3 leave no gradients to gather). The bytes every rank
 sends in that step (forward, backward and ZeRO's optimizer step), summed, must be the plan's predicted bytes times
-the ranks (to a byte per node and rank: rounding, ``BYTES_SLACK_PER_NODE``).
+the ranks (to two bytes per node, rank and micro-batch: rounding, ``BYTES_SLACK_PER_NODE``).
 
 How examples are drawn, and why. One definition, :func:`draw_case`, draws a case through a ``choose(options)``
 callable, so the same generator serves two drivers:
@@ -67,9 +67,10 @@ TIMEOUT_PER_CASE = 120.0  # seconds a bucket may take per case before every rank
 MICRO_BATCHES = (1, 1, 1, 2, 3, 4)  # drawn among those that divide the batch: 1 about half the time
 SIM_WORLDS = (16, 24, 32, 48, 64)  # simulated ranks (runtime.simulated): nodes of eight of SIM_CLUSTER
 SIM_CLUSTER = "h100-dgx"  # a preset of nodes of eight devices: meshes of three to six digits, across nodes
-#: the bytes every rank sends in the step, summed, against the prediction x ranks: rounding only, at most a byte
-#: per node and rank (each node's bytes are rounded to whole bytes, each message's too: 2/3 of a block on 3 ranks)
-BYTES_SLACK_PER_NODE = 1
+#: the bytes every rank sends in the step, summed, against the prediction x ranks: rounding only, at most this
+#: many bytes per node, rank and micro-batch (each node's bytes of a kind are rounded to whole bytes once a
+#: micro-batch, each message's too: 2/3 of a block on 3 ranks)
+BYTES_SLACK_PER_NODE = 2
 
 Choose = Callable[[Sequence[Any]], Any]
 
@@ -318,7 +319,7 @@ def check_rank(
     }
     # the prediction is per device, the mean over ranks (an uneven re-layout sends different amounts): in total
     report["bytes_ratio"] = float(losses[1].sum()) / (predicted * world) if predicted else float(not losses[1].any())
-    slack = BYTES_SLACK_PER_NODE * len(module.plan.nodes) * world
+    slack = BYTES_SLACK_PER_NODE * len(module.plan.nodes) * world * module.plan.micro_batches
     report["bytes_off"] = int(losses[1].sum()) - predicted * world
     report["ok"] = (
         not bad
