@@ -61,6 +61,7 @@ def _run(rank: int, world: int, cache: str) -> dict:
         level0 = spec.levels[0].collectives
         out["kinds"] = sorted(level0)
         out["positive"] = all(level0[k].fixed + level0[k].call > 0 or level0[k].bytes_coeff > 0 for k in level0)
+        out["matmul_overlap"] = spec.matmul_overlap
         path.write_text("{not json")
     torch.distributed.barrier()
     again = _compile()
@@ -86,5 +87,6 @@ def test_compile_without_a_cluster_measures_this_machine_once_and_reuses_it(tmp_
     assert r["preset_cluster"] == "cpu-gloo" and not r["rewritten_by_preset"]
     assert r["calibrated"] and "measured 2 gloo ranks" in r["source"]
     assert r["kinds"] == sorted(COLLECTIVES) and r["positive"]
+    assert 0.0 <= r["matmul_overlap"] <= 1.0  # measured too (two ranks on two shared cores: near 0)
     assert r["after_corruption"] == "cpu-gloo-measured" and r["reloaded"] == "cpu-gloo-measured"
     assert r["given_cluster"] == "cpu-gloo-measured"  # rank 0's plan, run as given on both ranks
