@@ -13,11 +13,12 @@ is given no cluster (and ``PRIMEPAR_CLUSTER`` names none), it prices on :func:`m
   costs about half a 4-rank one, not the third that per-step latency alone would say. The compute
   kernels of :func:`~primepar_fx.calibrate.measure.measure_compute` (the quick set) run on every rank at once with
   the threads the ranks run with, so they share the cores as a step's do. So is how much of a transfer the
-  compute beside it hides (:func:`_time_overlap`, the spec's ``matmul_overlap``: how a collective matmul is
-  priced; near 0 where ranks share cores). It takes a few seconds, with a progress bar on rank 0.
+  compute beside it hides (:func:`~primepar_fx.calibrate.measure.time_overlap`, the spec's ``matmul_overlap``:
+  how a collective matmul is priced; near 0 where ranks share cores). It takes a few seconds, with a progress bar
+  on rank 0.
 * **fitted** into the base preset of :func:`~primepar_fx.planning.options.default_cluster`'s rule (this machine's
   GPU preset, else ``cpu-gloo``): compute models per op family, the collectives of level 0 and ``matmul_overlap``,
-  as ``primepar-fx calibrate`` does (but the overlap); every other field is the preset's.
+  as ``primepar-fx calibrate`` does; every other field is the preset's.
 * **cached** as a JSON spec under ``$PRIMEPAR_CACHE_DIR`` (default ``$XDG_CACHE_HOME/primepar_fx``, else
   ``~/.cache/primepar_fx``), one file per host, backend, world size and torch version, and reused after: rank 0
   decides and tells the others, so every rank measures or none does. Delete the file to measure again.
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from primepar_fx.calibrate.fitting import rounded
-from primepar_fx.calibrate.measure import Progress, collective_call, measure_compute, resize_spec
+from primepar_fx.calibrate.measure import Progress, collective_call, measure_compute, resize_spec, time_overlap
 from primepar_fx.cost.cluster import ClusterSpec, load_cluster
 from primepar_fx.cost.latency import COLLECTIVES, fit_collective
 
@@ -58,8 +59,6 @@ CACHE_ENV = "PRIMEPAR_CACHE_DIR"
 #: bumped when what is measured changes, so an older cached spec is measured again (2: several group sizes; 3: the
 #: matmul overlap)
 CACHE_VERSION = 3
-#: the matrix product timed beside a transfer (:func:`_time_overlap`): its side
-OVERLAP_SIDE = 256
 
 
 def cache_dir() -> Path:
@@ -148,65 +147,6 @@ def _time_collectives(rank: int, world: int, device: torch.device, progress: Pro
     return samples
 
 
-def _slowest(seconds: list[float], device: torch.device) -> float:
-    """The median of ``seconds`` of the slowest rank (collective)."""
-    times = torch.tensor(seconds, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return statistics.median(times.cpu().tolist())
-
-
-def _time_overlap(rank: int, world: int, device: torch.device) -> float:
-    """How much of a transfer a matrix product beside it hides, measured as a collective matmul runs it (the
-    :attr:`~primepar_fx.cost.cluster.ClusterSpec.matmul_overlap` fraction, 0 to 1): every rank sends
-    :data:`SIZES`' largest block to the next rank of a ring and receives the previous one's, alone (``x``), a run of
-    products of about that long alone (``c``), and both, the transfer posted before the products and waited after
-    them (``b``); the slowest rank's medians give ``(c + x - b) / min(c, x)``. Where ranks share cores (a rank that
-    waits hands its core to another) it is near 0; on GPUs with their own copy engines near 1."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    out_buf = torch.ones(SIZES[-1] // 4, device=device)
-    in_buf = torch.empty_like(out_buf)
-    a = torch.randn(OVERLAP_SIDE, OVERLAP_SIDE, device=device)
-
-    def post() -> list:
-        ops = [dist.P2POp(dist.isend, out_buf, (rank + 1) % world), dist.P2POp(dist.irecv, in_buf, (rank - 1) % world)]
-        return dist.batch_isend_irecv(ops)
-
-    def timed(fn: Any) -> list[float]:
-        out = []
-        for r in range(-1, REPS):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if r >= 0:
-                out.append(time.perf_counter() - t0)
-        return out
-
-    def transfer() -> None:
-        for w in post():
-            w.wait()
-
-    x = _slowest(timed(transfer), device)
-    one = _slowest(timed(lambda: a @ a), device)
-    count = torch.tensor([max(1, round(x / max(one, 1e-9)))], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank the same run of products
-    products = int(count.item())
-
-    def compute() -> None:
-        for _ in range(products):
-            a @ a
-
-    def both() -> None:
-        works = post()
-        compute()
-        for w in works:
-            w.wait()
-
-    c = _slowest(timed(compute), device)
-    b = _slowest(timed(both), device)
-    return min(1.0, max(0.0, (c + x - b) / max(min(c, x), 1e-9)))
-
-
 def measure_machine(base: ClusterSpec, world_size: int, rank: int) -> ClusterSpec | None:
     """Measure on every rank of the default process group (collective); rank 0 gets the fitted spec."""
     device = _device()
@@ -215,7 +155,7 @@ def measure_machine(base: ClusterSpec, world_size: int, rank: int) -> ClusterSpe
     try:
         samples = _time_collectives(rank, world_size, device, progress)
         compute = measure_compute(device, quick=True, reps=REPS)  # every rank at once: the cores are shared
-        overlap = _time_overlap(rank, world_size, device) if world_size > 1 else 1.0
+        overlap = time_overlap(rank, world_size, device, REPS) if world_size > 1 else 1.0
         dist.barrier()
     finally:
         if progress is not None:

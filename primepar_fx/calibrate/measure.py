@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 KiB = 1 << 10
 COLLECTIVE_SIZES = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1024 * KiB, 4096 * KiB)
 QUICK_COLLECTIVE_SIZES = (4 * KiB, 64 * KiB, 1024 * KiB, 4096 * KiB)
+#: the transfer and the side of the matrix product :func:`time_overlap` runs beside each other
+OVERLAP_BYTES, OVERLAP_SIDE = 1024 * KiB, 256
 MEMORY_SIZES = tuple(1 << p for p in range(16, 23))
 QUICK_MEMORY_SIZES = (1 << 16, 1 << 19, 1 << 22)
 MATMUL_SHAPES = (
@@ -265,7 +267,8 @@ def collective_call(
 def _worker(
     rank: int, world: int, backend: str, port: int, sizes: Sequence[int], reps: int, timeout: float, q: Any
 ) -> None:
-    """One rank: time every collective kind at every size; rank 0 puts ``("result", 0, samples)`` on ``q``."""
+    """One rank: time every collective kind at every size, and :func:`time_overlap`; rank 0 puts
+    ``("result", 0, (samples, overlap))`` on ``q``."""
     import torch.distributed as dist
 
     try:
@@ -303,18 +306,83 @@ def _worker(
             times = times.to(device)
             dist.all_reduce(times, op=dist.ReduceOp.MIN)  # the last rank out of the barrier: no barrier skew
             samples[kind] = [(nbytes, float(t)) for (_, nbytes), t in zip(calls, times.median(dim=1).values.cpu())]
+        q.put(("step", rank, "a transfer beside a product"))
+        overlap = time_overlap(rank, world, device, reps)
         q.put(("step", rank, "destroy_process_group"))
         release()
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
-            q.put(("result", 0, samples))
+            q.put(("result", 0, (samples, overlap)))
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
         raise
     q.close()
     q.join_thread()  # the result is in the pipe before the process leaves without teardown
     exit_worker(0)
+
+
+def _slowest(seconds: list[float], device: torch.device) -> float:
+    """The median of ``seconds`` of the slowest rank (collective)."""
+    import torch.distributed as dist
+
+    times = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return statistics.median(times.cpu().tolist())
+
+
+def time_overlap(rank: int, world: int, device: torch.device, reps: int) -> float:
+    """How much of a transfer a matrix product beside it hides, measured as a collective matmul runs it (the
+    :attr:`~primepar_fx.cost.cluster.ClusterSpec.matmul_overlap` fraction, 0 to 1): every rank sends
+    :data:`OVERLAP_BYTES` to the next rank of a ring and receives the previous one's, alone (``x``), a run of
+    products of about that long alone (``c``), and both, the transfer posted before the products and waited after
+    them (``b``); the slowest rank's medians give ``(c + x - b) / min(c, x)``. Where ranks share cores (a rank that
+    waits hands its core to another) it is near 0; on GPUs with their own copy engines near 1. Collective."""
+    import torch.distributed as dist
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    out_buf = torch.ones(OVERLAP_BYTES // 4, device=device)
+    in_buf = torch.empty_like(out_buf)
+    a = torch.randn(OVERLAP_SIDE, OVERLAP_SIDE, device=device)
+
+    def post() -> list:
+        ops = [dist.P2POp(dist.isend, out_buf, (rank + 1) % world), dist.P2POp(dist.irecv, in_buf, (rank - 1) % world)]
+        return dist.batch_isend_irecv(ops)
+
+    def timed(fn: Any) -> list[float]:
+        out = []
+        for r in range(-1, reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= 0:
+                out.append(time.perf_counter() - t0)
+        return out
+
+    def transfer() -> None:
+        for w in post():
+            w.wait()
+
+    x = _slowest(timed(transfer), device)
+    one = _slowest(timed(lambda: a @ a), device)
+    count = torch.tensor([max(1, round(x / max(one, 1e-9)))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank the same run of products
+    products = int(count.item())
+
+    def compute() -> None:
+        for _ in range(products):
+            a @ a
+
+    def both() -> None:
+        works = post()
+        compute()
+        for w in works:
+            w.wait()
+
+    c = _slowest(timed(compute), device)
+    b = _slowest(timed(both), device)
+    return min(1.0, max(0.0, (c + x - b) / max(min(c, x), 1e-9)))
 
 
 def measure_collectives(
@@ -325,8 +393,10 @@ def measure_collectives(
     timeout: float = 120.0,
     *,
     report: list[FitReport] | None = None,
+    overlap: list[float] | None = None,
 ) -> dict[str, LinearLatency]:
     """Time every collective kind over ``world_size`` local processes; fit one :class:`LinearLatency` per kind.
+    ``overlap``: gets :func:`time_overlap`'s fraction appended.
 
     Raises :class:`CalibrationError` naming each rank's step if the ranks are not done within ``timeout`` seconds
     (start-up included) or if a rank fails.
@@ -344,7 +414,7 @@ def measure_collectives(
     procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world_size)]
     steps = dict.fromkeys(range(world_size), "start-up (spawn, import torch)")
     progress = Progress(len(COLLECTIVES) * reps, f"{backend} collectives x{world_size}")
-    result: dict[str, list[tuple[int, float]]] | None = None
+    result: tuple[dict[str, list[tuple[int, float]]], float] | None = None
     try:
         for p in procs:
             p.start()
@@ -383,8 +453,11 @@ def measure_collectives(
                 p.kill()
                 p.join()
         q.close()
+    samples, hidden = result
+    if overlap is not None:
+        overlap.append(hidden)
     fits: dict[str, LinearLatency] = {}
-    for kind, rows in result.items():
+    for kind, rows in samples.items():
         fit = rounded(fit_collective(kind, world_size, rows))
         fits[kind] = fit
         if report is not None:
@@ -427,7 +500,8 @@ def calibrate(
     report: list[FitReport] | None = None,
     efficiency: bool = False,
 ) -> ClusterSpec:
-    """Measure compute and level-0 collectives here and return ``base`` with them merged in (``calibrated``);
+    """Measure compute, level-0 collectives and the matmul overlap here and return ``base`` with them merged in
+    (``calibrated``);
     ``efficiency=True`` gives the matrix products an efficiency table by size (:func:`with_efficiency`)."""
     backend = backend or default_backend(world_size)
     spec = resize_spec(base if isinstance(base, ClusterSpec) else load_cluster(base), world_size)
@@ -442,7 +516,8 @@ def calibrate(
     compute = measure_compute(device, quick, reps, threads=threads, report=report, efficiency=efficiency)
     log.info("compute calibrated in %.1f s", time.perf_counter() - t0)
     t0 = time.perf_counter()
-    collectives = measure_collectives(world_size, backend, quick, reps, timeout, report=report)
+    hidden: list[float] = []
+    collectives = measure_collectives(world_size, backend, quick, reps, timeout, report=report, overlap=hidden)
     log.info("collectives calibrated in %.1f s", time.perf_counter() - t0)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()}-core CPU"
     source = (
@@ -455,7 +530,7 @@ def calibrate(
         f"Compute and the collectives inside a node measured here (see source); every other field is the base spec "
         f"{spec.name!r}: {base}."
     )
-    spec = dataclasses.replace(spec, description=note)
+    spec = dataclasses.replace(spec, description=note, matmul_overlap=round(hidden[0], 2))
     return spec.with_calibration(source=source, collectives={0: collectives}, compute=compute)
 
 
