@@ -11,7 +11,8 @@ from functools import lru_cache
 from math import prod
 
 from primepar_fx.cost.cluster import dtype_key
-from primepar_fx.partition import OpPartition
+from primepar_fx.partition import OpPartition, Phase
+from primepar_fx.partition.comm import Collective
 from primepar_fx.partition.enumerate import ValuesKey
 from primepar_fx.partition.layouts import concrete_sizes
 from primepar_fx.rules.spec import OpDims, TensorMap
@@ -221,3 +222,17 @@ def zero_gather_share(opts: CostOptions, read: bool = True) -> float:
     micro-batch one more than stage 2, or none); others none."""
     m = opts.micro_batches
     return 1 / m if opts.zero == 1 else 1 + read - 1 / m if opts.zero == 3 else 0.0
+
+
+def in_bucket(op: OpDims, c: Collective) -> bool:
+    """Whether the runtime sums ``c`` in a gradient bucket (:mod:`primepar_fx.runtime.gradsync`): the all-reduce of a
+    parameter's gradient. Its bytes cost as any all-reduce's; its latency is the bucket's, shared by many. A tied
+    parameter whose readers keep their own all-reduces in the graph pays theirs on its shared-parameter edge
+    (:func:`~primepar_fx.cost.share.input_all_reduce_latency`)."""
+    return (
+        c.phase is Phase.GRADIENT
+        and c.kind == "all-reduce"
+        and c.block is None
+        and c.tensor.startswith("d_in")
+        and int(c.tensor[4:]) in op.weights
+    )

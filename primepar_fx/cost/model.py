@@ -58,7 +58,7 @@ import numpy as np
 import sympy
 import torch
 
-from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map, zero_gather_share
+from primepar_fx.cost.blocks import CostOptions, block_bytes, in_bucket, tensor_map, zero_gather_share
 from primepar_fx.cost.cluster import ClusterSpec, LinkLevel, dtype_key
 from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.redistribute import DIRECTIONS, LayoutPairs, clear_redistribution_caches, edge_pairs
@@ -410,20 +410,6 @@ def collective_price(
     seconds = cluster.collective_time(c.kind, block, part.mesh, c.digits, bucketed=bucketed)
     bus, _ = ring_factors(c.kind, cluster.group_size(part.mesh, c.digits))
     return seconds, int(round(bus * block))
-
-
-def in_bucket(op: OpDims, c: Collective) -> bool:
-    """Whether the runtime sums ``c`` in a gradient bucket (:mod:`primepar_fx.runtime.gradsync`): the all-reduce of a
-    parameter's gradient. Its bytes cost as any all-reduce's; its latency is the bucket's, shared by many. A tied
-    parameter whose readers keep their own all-reduces in the graph pays theirs on its shared-parameter edge
-    (:func:`~primepar_fx.cost.share.input_all_reduce_latency`)."""
-    return (
-        c.phase is Phase.GRADIENT
-        and c.kind == "all-reduce"
-        and c.block is None
-        and c.tensor.startswith("d_in")
-        and int(c.tensor[4:]) in op.weights
-    )
 
 
 def loss_row_sums(op: OpDims, target: object, c: Collective) -> bool:

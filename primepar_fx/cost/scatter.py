@@ -29,7 +29,7 @@ import sympy
 import torch
 from torch import fx
 
-from primepar_fx.cost.blocks import CostOptions, block_bytes, tensor_map, zero_gather_share
+from primepar_fx.cost.blocks import CostOptions, block_bytes, in_bucket, tensor_map, zero_gather_share
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.redistribute import EdgeUse, backward_held, forward_held, forward_needed, source_grad_needed
@@ -271,8 +271,9 @@ def _saving(
     """Seconds and bytes one device saves when all-reduce ``c`` becomes a reduce-scatter of the same block (less a
     bias gradient's all-reduce over the same group), the bytes the reduce-scatter sends, the seconds and bytes
     of that bias all-reduce (zero without a bias), and the seconds of the reduce-scatter. A bias that is a
-    parameter has its gradient summed in a bucket (:mod:`~primepar_fx.passes.gradsync`): its all-reduce is
-    priced as a parameter's, once a step of ``opts.micro_batches``, and with ZeRO (``opts.zero``) the bucket is
+    parameter, whose gradient no other all-reduce sums, has it summed in a bucket
+    (:mod:`~primepar_fx.passes.gradsync`): its all-reduce is priced as a parameter's, once a step of
+    ``opts.micro_batches``, and with ZeRO (``opts.zero``) the bucket is
     sharded over that group, so the bias is all-gathered as a weight that Backward does not read."""
     block = block_bytes(part, tensor_map(part.op, tensor), vkey, item)
     group = cluster.group_size(part.mesh, c.digits)
@@ -285,7 +286,10 @@ def _saving(
     if bias is not None:
         extra = block_bytes(part, part.op.inputs[bias], vkey, item)  # type: ignore[arg-type]
         bias_s, bias_bytes = cluster.collective_time("all-reduce", extra, mesh, digits), int(round(ar * extra))
-        if opts is not None and bias in part.op.weights:
+        # (its own all-reduce is the only sum of the bias's gradient: one that also sums it over other digits, in a
+        # bucket, keeps this one in the graph, every micro-batch)
+        own = any(in_bucket(part.op, k) and k.tensor == f"d_in{bias}" for k in collectives(part))
+        if opts is not None and bias in part.op.weights and not own:
             m, share = opts.micro_batches, zero_gather_share(opts, read=False)
             bias_s = cluster.collective_time("all-reduce", extra, mesh, digits, bucketed=True) / m
             bias_bytes = int(round(ar * extra / m))
