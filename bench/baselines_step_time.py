@@ -595,37 +595,29 @@ def markdown(saved: dict, png: str | None) -> str:
 
 READING = """## Reading the results
 
-* **Issue 60 (memory levers as fast as FSDP2 and DDP), measured in the run above.** This is one run at main
-  1052faa. The four ranks shared two cores with the test suite, so the load average was 6.5 before the timed steps
-  and 8.3 after, and every step is slow: DDP took 559 ms, against 309 ms in a quieter run of the code before the
-  tensor-parallel changes. Every ratio below compares steps interleaved in this run.
-  * `primepar data_parallel +ZeRO-3` takes **0.72x** FSDP2's step time (639 against 886 ms). It sends FSDP2's
-    bus bytes (31316 KiB; 6 bytes more, from padding) in 17 calls against 14, and peaks at **44.5 MiB against
-    44.2 (1.01x): over by 0.3 MiB**, target missed.
-    * A unit is a whole layer, gathered in one message, with the next layer's gather issued while this one
-      computes, in Forward and in Backward (`runtime/zero3.py`).
-    * The head and final norm are kept whole from Forward to Backward, as FSDP2 keeps its root
-      (`pricing/zero3.py`).
-    * Each reduce-scatter waits for the one before it.
-    * An fp32 chunk is stepped in place.
-    * Before this issue, ZeRO-3 took 1.67-1.73x FSDP2's time in 117 calls a step, with 768 KiB more bus bytes.
-    * The quieter run measured 0.84x.
-  * `+ZeRO-2` takes **1.15x** DDP's step time (641 against 559 ms): target (<= 1.05x) **missed** (the quieter
-    run gave 1.08x).
-    * Its reduce-scatters overlap Backward bucket by bucket, as DDP's all-reduces do.
-    * Its post-step all-gather writes in place into the flat parameters, but it is still waited in the step, not
-      overlapped with the next Forward.
-  * `primepar (no options)`, data parallelism's plan, takes **1.01x** DDP's step time (567 against 559 ms). The
-    `data_parallel` row, the same plan, measured 1.08x, and the quieter run 0.96x: this machine's noise is several
-    percent.
-  * `primepar megatron dp1 x mp4 +SP` takes **0.53x** `dtensor tp`'s step time (886 against 1658 ms).
-    * Its reduce-scatters run point to point (each peer its piece, the ring's volume: on the wire 28.5 MiB
-      against 41.6 before).
-    * Its all-gather/linear and linear/reduce-scatter pairs run as collective matmuls (`runtime/
-      collective_matmul.py`).
-    * It measures 886 ms against a predicted 253: the `cpu-gloo` preset prices compute as if each rank had a core
-      of its own, so the within-15% target is **missed**.
-  * Every primepar row sends exactly the bytes its plan predicts (`comm_stats` = predicted = the c10d count).
+* **Issue 60 (memory levers as fast as FSDP2 and DDP), measured in the run above** (main 8485c7e, 2026-12-07; the
+  four ranks alone on the two cores, load average 3.4 before the timed steps and 4.2 after; medians, steps
+  interleaved).
+  * `primepar data_parallel +ZeRO-3` takes **0.81x** FSDP2's step time (294 against 361 ms), sends the same bus
+    bytes (31316 KiB: 6 bytes more over 17 calls against 14, the ring volume's rounding per call) and peaks at
+    **0.97x** FSDP2's memory (44.5 against 45.8 MiB).
+  * `+ZeRO-2` takes **1.07x** DDP's step time (252 against 236 ms): target (<= 1.05x) **missed**, by less than in
+    earlier runs (1.08-1.15x). Its post-step all-gather is still waited in the optimizer step, not overlapped with
+    the next Forward.
+  * `primepar (no options)` takes **1.03x** DDP's step time (243 against 236 ms; `primepar data_parallel`, the same
+    plan, 1.02x): target (<= 1.0x) **missed** by this run's median, as in earlier runs (0.96-1.04x). It plans
+    data parallelism again: `compile()` now measures how much of a transfer the compute beside it hides (0.0
+    here). In a run earlier today with the spec's default (fully hidden) it picked dp2 x mp2 on the MLPs,
+    predicted 0.4% faster than data parallelism, and measured **1.23x** DDP.
+  * `primepar megatron dp1 x mp4 +SP` takes **0.55x** `dtensor tp`'s step time (380 against 688 ms) and sends 0.93x
+    its bytes. Its predicted step is 253 ms on the `cpu-gloo` preset (whose compute numbers are guesses: off by
+    0.50) and **310 ms on this run's step-fitted spec** (`--spec`, fitted by `bench/cost_fidelity.py` to four other
+    plans): off by 0.23, target (within 15%) **missed**. With the step-fitted spec of an earlier run today (fitted
+    20 minutes before, 2.7% median error on its held-out plans against 16% for this one) it predicted 371 ms
+    against 376 measured, within 1%, and 2% and 5% on the GPT-2- and OPT-style models; the prediction is as good
+    as the fit it is priced on.
+  * Every primepar row sends exactly the bytes its plan predicts (10/10: `comm_stats` = predicted = the c10d
+    count); every first loss is one device's.
 * **Earlier runs** (issue 16; the figures in the bullets below come from the run before this issue's, not from
   the table above):
   * `primepar data_parallel` takes **1.05x** DDP's step time (335 against 318 ms; means 322 and 318), with the
@@ -680,22 +672,23 @@ READING = """## Reading the results
 
 READING_GPT2 = """## Reading the results
 
-* **Issue 60, measured in the run above.** This is one run, with the four ranks sharing two cores with other work:
-  the load average was 13.5 before the timed steps and 10.0 after.
-  * `primepar data_parallel +ZeRO-3` takes **0.79x** FSDP2's step time (407 against 512 ms) and sends fewer bus
-    bytes (29469 against 29496 KiB).
-    * It needs 26 calls against 14: a layer's biases are a unit of their own, gathered once a micro-batch
-      because Backward does not read them.
-    * It peaks at **39.6 MiB against 37.3 (1.06x)**: target missed. About 0.5 MiB of that is the position
-      table, which is not sharded (its gradient is summed in the graph). The other 1-2 MiB is transient memory
-      in Backward, and its cause is not yet found; the allocator's peak varies by 1 MiB between runs.
-  * `+ZeRO-2` takes **1.00x** DDP's step time (295 against 294 ms).
-  * `primepar (no options)` takes **1.01x** (296 ms), and the same plan as `data_parallel` takes 0.97x. This is
-    inside this machine's noise.
-  * `primepar megatron dp1 x mp4 +SP` takes **0.69x** `dtensor tp`'s step time: target (<= 0.60x) **missed**.
-    This run is of main 72c81bc, before the point-to-point reduce-scatter and collective matmul; on the
-    Llama-style model those took the ratio from 0.74x to 0.53x ([baselines.md](baselines.md)).
-  * Every primepar row sends exactly the bytes its plan predicts.
+* **Issue 60, measured in the run above** (main fbd08bb, 2026-12-07; the four ranks alone on the two cores, load
+  average 2.4 before the timed steps and 4.5 after).
+  * `primepar data_parallel +ZeRO-3` takes **0.92x** FSDP2's step time (310 against 339 ms), sends fewer bus
+    bytes (29469 against 29496 KiB) in 26 calls against 14 (a layer's biases form a unit of their own: Backward
+    does not read them), and peaks at **0.98x** FSDP2's memory (39.6 against 40.4 MiB; 1.06x in an earlier run:
+    the allocator's peak varies by about 1 MiB between runs).
+  * `+ZeRO-2` takes **1.23x** DDP's step time (275 against 224 ms): target (<= 1.05x) **missed** (1.00x in an
+    earlier, busier run).
+  * `primepar (no options)`, data parallelism's plan, takes **1.00x** DDP's step time (223 against 224 ms): target
+    met in this run.
+  * `primepar megatron dp1 x mp4 +SP` takes **0.45x** `dtensor tp`'s step time (324 against 720 ms; 0.69x before
+    the point-to-point reduce-scatter and collective matmul) and sends 0.90x its bytes. Predicted: 219 ms on the
+    `cpu-gloo` preset, **300 ms on the step-fitted spec** (`--spec`, fitted on the Llama-style model's plans):
+    0.08 off, inside the 15% target.
+  * Every primepar row sends exactly the bytes its plan predicts (10/10). Before fbd08bb, the search under a
+    budget (`searched (calibrated, budget)`, 2 micro-batches) sent 8 KiB a step more than predicted: a fused
+    reduce-scatter's bias, also summed over the data-parallel ranks, keeps its all-reduce in the graph.
 * **Earlier runs** (issue 16; the figures in the bullets below come from the run before this issue's, not from
   the table above):
   * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout (column-parallel fused qkv with whole heads per rank,
@@ -738,18 +731,18 @@ READING_OPT = """## Reading the results
   ``view(B, S, -1, head_dim)`` finds its local head count), o, up and down. Like the GPT-2-style model, its
   learned position table is row-parallel with its output split by sequence, and the LM head is re-tied to the token
   table's sharded weight.
-* **Issue 60, measured in the run above.** This is one run, with the four ranks sharing two cores with other work:
-  the load average was 9.0 before the timed steps and 9.6 after.
-  * `primepar data_parallel +ZeRO-3` takes **0.77x** FSDP2's step time (448 against 582 ms) and sends fewer bus
-    bytes (29469 against 29496 KiB).
-    * It needs 26 calls against 14, because a layer's biases form a unit of their own.
-    * It peaks at **36.6 MiB against 34.1 (1.07x)**: target missed, as on the GPT-2-style model, the other tied
-      one.
-  * `+ZeRO-2` takes **0.99x** DDP's step time (329 against 332 ms). `primepar (no options)` takes **0.98x**
-    (325 ms).
-  * `primepar megatron dp1 x mp4 +SP` takes **0.63x** `dtensor tp`'s step time (728 against 1159 ms): target
-    (<= 0.60x) **missed**. It sends 0.90x DTensor TP's bytes. This run is of main 72c81bc, before the
-    point-to-point reduce-scatter and collective matmul ([baselines.md](baselines.md)).
+* **Issue 60, measured in the run above** (main 8485c7e, 2026-12-07; the four ranks alone on the two cores, load
+  average 4.4 before the timed steps and 5.2 after).
+  * `primepar data_parallel +ZeRO-3` takes **0.89x** FSDP2's step time (313 against 352 ms), sends fewer bus
+    bytes (29469 against 29496 KiB) in 26 calls against 14 (a layer's biases form a unit of their own), and peaks
+    at **0.96x** FSDP2's memory (35.6 against 37.1 MiB; 1.07x in an earlier run).
+  * `+ZeRO-2` takes **1.16x** DDP's step time (258 against 222 ms): target (<= 1.05x) **missed** (0.99x in an
+    earlier, busier run).
+  * `primepar (no options)`, data parallelism's plan, takes **1.02x** DDP's step time (227 against 222 ms): target
+    **missed** by this run's median.
+  * `primepar megatron dp1 x mp4 +SP` takes **0.44x** `dtensor tp`'s step time (344 against 789 ms) and sends 0.90x
+    its bytes. Predicted: 225 ms on the `cpu-gloo` preset, **302 ms on the step-fitted spec** (`--spec`, fitted on
+    the Llama-style model's plans): 0.14 off, inside the 15% target.
   * Every primepar row sends exactly the bytes its plan predicts. All first losses agree to within 1e-6.
 """
 
