@@ -28,8 +28,9 @@ from collections.abc import Hashable
 
 from torch import fx
 
+from primepar_fx.cost.blocks import in_bucket
 from primepar_fx.cost.cluster import ClusterSpec
-from primepar_fx.cost.model import collective_price, in_bucket
+from primepar_fx.cost.model import collective_price
 from primepar_fx.cost.redistribute import backward_held, backward_needed, forward_held, forward_needed
 from primepar_fx.cost.scatter import performed_inside
 from primepar_fx.partition import OpPartition, collectives

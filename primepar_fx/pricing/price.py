@@ -23,7 +23,7 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from primepar_fx.cost.blocks import CostOptions
+from primepar_fx.cost.blocks import CostOptions, zero_gather_share
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.matmul_overlap import EdgeSides, OverlapSaving, feeds_linears, linear_into, overlap_saving
 from primepar_fx.cost.model import (
@@ -34,7 +34,6 @@ from primepar_fx.cost.model import (
     price_directions,
     weights_read_in_backward,
     zero_gather_price,
-    zero_gather_share,
 )
 from primepar_fx.cost.redistribute import LayoutPairs, check_edge, consumer_sides, pairs_of, producer_sides
 from primepar_fx.cost.scatter import ScatterSaving, fusable_backward, fusable_forward, graph_facts, scatter_saving
