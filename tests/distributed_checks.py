@@ -187,14 +187,18 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
     for plan in plans:
         module = compile_graph(graph, plan=with_levers(graph, world, plan))
         opt = module.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3)
-        losses, planned, grads_kept, gathers = [], 0.0, 0.0, 0
+        losses, planned, grads_kept, gathers, in_flight, after_forward = [], 0.0, 0.0, 0, [], []
         for step in range(steps):
             opt.zero_grad()
             module.comm_stats.reset()
             loss = loss_of(module(*args, **kwargs))
+            if module.zero_gathers is not None:
+                after_forward.append(module.zero_gathers.in_flight)
             loss.backward()
             grads_kept = _summed([float(sum(p.grad.numel() for p in module.parameters() if p.grad is not None))])[0]
             opt.step()
+            if module.zero_gathers is not None:  # ZeRO-1/2: the step's all-gathers left for the next Forward
+                in_flight.append(module.zero_gathers.in_flight)
             if step == 0:
                 planned = _summed([float(module.comm_stats.planned)])[0]
                 gathers = module.zero3.gathers if module.zero3 is not None else 0
@@ -228,6 +232,8 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
             "stored_param_elems": _summed([float(stored)])[0],
             "freed_between_steps": freed,
             "gathers": gathers,  # ZeRO-3's all-gathers in the first step
+            "in_flight_after_step": in_flight,  # ZeRO-1/2: after each step, before the next Forward
+            "in_flight_after_forward": after_forward,
             "units": [[u.read, u.kept] for u in module.zero3.units] if module.zero3 is not None else [],
             "sharded_buckets": len(opt.describe()) if hasattr(opt, "describe") else 0,
             "unsharded_elems": _summed([float(sum(p.numel() for p in getattr(opt, "plain", [])))])[0],

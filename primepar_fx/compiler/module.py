@@ -62,7 +62,7 @@ from primepar_fx.report.trace import trace_plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.gradsync import GradientBuckets
 from primepar_fx.runtime.stats import CommStats
-from primepar_fx.runtime.zero import ShardedOptimizer
+from primepar_fx.runtime.zero import PendingGathers, ShardedOptimizer, await_before_uses
 from primepar_fx.runtime.zero3 import ShardedParameters, gather_around_uses
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,8 @@ class PrimeParModule(nn.Module):
         self._warned_zero = False
         #: ZeRO-3's parameter chunks (:mod:`primepar_fx.runtime.zero3`; ``None`` below stage 3)
         self.zero3: ShardedParameters | None = None
+        #: ZeRO-1/2's all-gathers after a step, waited for where Forward first reads each bucket (``None`` else)
+        self.zero_gathers = PendingGathers() if plan.zero in (1, 2) else None
         self._sync_gradients(rank_graph)
 
     def _take_inputs(self, rank_graph: RankGraph) -> None:
@@ -218,22 +220,37 @@ class PrimeParModule(nn.Module):
             read = {fqn for fqn, key in units.items() if key.read}
             kept = {fqn for fqn, key in units.items() if key.kept}
             self.zero3 = ShardedParameters(self.grad_buckets, self.rank, self.comm_stats, read=read, kept=kept)
-            self._gather_in(rank_graph.gm)
+        self._gather_in(rank_graph.gm)
 
     def _gather_in(self, gm: Any) -> None:
-        """ZeRO-3: gather each unit of parameters in ``gm`` (a rank graph) around its uses."""
-        assert self.zero3 is not None
+        """ZeRO-3: gather each unit of parameters in ``gm`` (a rank graph) around its uses; ZeRO-1/2: wait for each
+        sharded bucket's all-gather after the step before its first use. Other plans: nothing to do."""
+        if self.zero3 is None and self.zero_gathers is None:
+            return
+        if self.zero3 is not None:
+            index_of = {id(p): u.index for u in self.zero3.units for p in u.params}
+        else:
+            index_of = {
+                id(self.grad_buckets.params[i]): b.index
+                for b in self.grad_buckets.buckets
+                if len(b.group[1]) > 1
+                for i in b.members
+            }
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         units = {}
         for node, (kind, key) in zip(placeholders, self._inputs, strict=True):
-            unit = self.zero3.unit_of_param(self.shards[key]) if kind == "param" else None  # type: ignore[index]
-            if unit is not None:
-                units[node.name] = unit.index
-        gather_around_uses(gm, units, self.zero3)
+            index = index_of.get(id(self.shards[key])) if kind == "param" else None  # type: ignore[index]
+            if index is not None:
+                units[node.name] = index
+        if self.zero3 is not None:
+            gather_around_uses(gm, units, self.zero3)
+        else:
+            await_before_uses(gm, units, self.zero_gathers)  # type: ignore[arg-type]
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """``nn.Module.state_dict``: this rank's parameter blocks (use :meth:`gather_state_dict` for whole tensors).
         Under ZeRO-3 only inside :meth:`whole_parameters` (between uses the blocks hold no values)."""
+        self.settle_parameters()
         if self.zero3 is not None and not all(u.whole for u in self.zero3.units):
             raise RuntimeError(
                 "the plan keeps its parameters as ZeRO-3 chunks, which hold no whole values outside a step: call "
@@ -244,8 +261,16 @@ class PrimeParModule(nn.Module):
 
     def whole_parameters(self, write: bool = False) -> Any:
         """A context in which every parameter holds its values (ZeRO-3 gathers them; collective: every rank enters
-        it); with ``write``, what was written into them is kept. Other stages: nothing to do."""
+        it); with ``write``, what was written into them is kept. ZeRO-1/2: the step's all-gathers are waited for
+        first."""
+        self.settle_parameters()
         return contextlib.nullcontext() if self.zero3 is None else self.zero3.whole(write)
+
+    def settle_parameters(self) -> None:
+        """ZeRO-1/2: wait for the all-gathers of the last step still in flight (:mod:`primepar_fx.runtime.zero`),
+        so that the parameters hold the stepped values; Forward waits for each where it first reads it."""
+        if self.zero_gathers is not None:
+            self.zero_gathers.settle()
 
     # ------------------------------------------------------------------------------------------------ running
     def _as_captured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -322,16 +347,28 @@ class PrimeParModule(nn.Module):
             else:
                 call.append(next(users))
         if self.zero3 is None or not self.zero3.units:
-            return list(self._peer_call(rank_graph.gm, *call))
+            out = list(self._peer_call(rank_graph.gm, *call))
+            self._peer_call(self.settle_parameters)  # buckets this Forward did not read
+            return out
         with self.zero3.running():
             return list(self._peer_call(rank_graph.gm, *call))
 
     def optimizer(
-        self, optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, /, **defaults: Any
+        self,
+        optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+        /,
+        *,
+        gather_in_forward: bool = True,
+        **defaults: Any,
     ) -> Any:
         """The optimizer the plan prices: ``optimizer_class(self.parameters(), **defaults)``, or, for a plan with
         ZeRO (``plan.zero`` 1, 2 or 3), a :class:`~primepar_fx.runtime.zero.ShardedOptimizer` that keeps this
-        rank's share of the state (an element-wise optimizer such as AdamW, Adam or SGD; make one per module)."""
+        rank's share of the state (an element-wise optimizer such as AdamW, Adam or SGD; make one per module).
+
+        ``gather_in_forward`` (ZeRO-1/2): the step's all-gathers of the updated parameters travel while the next
+        Forward's first layers compute, each waited for where Forward first reads it; until then
+        ``self.parameters()`` may hold the values from before the step (call ``optimizer.settle()`` to read them in
+        between). ``False``: the step waits for them."""
         if not self.plan.zero:
             return optimizer_class(self.parameters(), **defaults)
         if self._sharded:
@@ -344,6 +381,7 @@ class PrimeParModule(nn.Module):
             optimizer_class,
             self.comm_stats,
             parameters=self.zero3,
+            gathers=self.zero_gathers if gather_in_forward else None,
             **defaults,
         )
         self._sharded.append(opt)
@@ -381,8 +419,7 @@ class PrimeParModule(nn.Module):
             for f in dataclasses.fields(CommStats):  # one counter for every size: share its dicts
                 setattr(built.stats, f.name, getattr(self.comm_stats, f.name))
             self.grad_buckets.take_deferred(built.gm)
-            if self.zero3 is not None:
-                self._gather_in(built.gm)
+            self._gather_in(built.gm)
             self._rank_graphs[sizes] = built
         built = self._rank_graphs[sizes]
         if built.gm is not self.graph_module:

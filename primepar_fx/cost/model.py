@@ -116,8 +116,8 @@ class NodeCost:
     #: which it needs where its Forward runs again (activation recomputation)
     recompute_gather_s: float = 0.0
     recompute_gather_bytes: int = 0
-    #: ZeRO stages 1 and 3: per weight input, the seconds of its all-gathers in ``collective_s`` (stage 3: what
-    #: the node's own compute does not hide), as ``(input, seconds)``, and the bytes they send, as ``(input, bytes)``
+    #: ZeRO stages 1 and 3: per weight input, the seconds of its all-gathers in ``collective_s`` (what the node's
+    #: own compute does not hide), as ``(input, seconds)``, and the bytes they send, as ``(input, bytes)``
     zero_gather_s: tuple[tuple[int, float], ...] = ()
     zero_gather_bytes: tuple[tuple[int, int], ...] = ()
 
@@ -307,9 +307,11 @@ class _NodePricing:
         held = [k for k in read if k in kept] if opts.zero == 3 else []
         read = [k for k in read if k not in held]
         # stage 3 prefetches (:mod:`primepar_fx.runtime.zero3`): a unit's gather travels while the unit before it
-        # computes. Priced per node: hidden behind the node's own compute of the phase that needs it (Forward;
-        # Backward for the gather again), as far as that compute goes, the rest exposed
-        room = [self.phase_s[0], self.phase_s[1] + self.phase_s[2]] if opts.zero == 3 else [0.0, 0.0]
+        # computes; stage 1's all-gathers after the step travel while the next Forward computes, each waited for
+        # before its bucket's first reader (:mod:`primepar_fx.runtime.zero`). Priced per node: hidden behind the
+        # node's own compute of the phase that needs it (Forward; Backward for stage 3's gather again), as far as
+        # that compute goes, the rest exposed
+        room = [self.phase_s[0], self.phase_s[1] + self.phase_s[2] if opts.zero == 3 else 0.0]
         for k in replicas:
             seconds, gathered = zero_gather_price(self.part, k, self.cluster, self.vkey, opts.itemsize)
             if opts.zero == 3 and k not in read:

@@ -14,12 +14,19 @@ mixed-precision training) and the inner optimizer's state of it (AdamW: two mome
   gradient and no parameter gets a ``.grad`` (the bytes of the all-reduce split in two: half now, half in the
   all-gather below); gradients of several backwards accumulate in the chunk until :meth:`zero_grad`.
 
-:meth:`ShardedOptimizer.step` runs the inner optimizer on the chunks, then all-gathers every bucket's updated
-chunks (cast to the parameters' dtype) and writes them into the parameters. Every stage gives the numbers of the
-inner optimizer on whole parameters, for an optimizer that updates each element from that element alone (SGD,
-Adam, AdamW and the like; not LAMB or Adafactor, whose updates read a whole tensor's norm). Parameters no bucket
-shards (held by one rank, or summed over no group) are stepped as they are. Bytes sent are counted in
-``comm_stats`` under the node each parameter's gradient is priced on, as for the gradient buckets.
+:meth:`ShardedOptimizer.step` runs the inner optimizer on the chunks, then all-gathers every bucket's updated chunks
+(cast to the parameters' dtype) into the parameters. The all-gathers are asynchronous, issued in the order the next
+Forward first reads the buckets (:class:`PendingGathers`): a node of the rank graph before each bucket's first
+reader waits for its gather (:func:`await_before_uses`), so the later buckets travel while the first layers compute,
+as Megatron-LM's distributed optimizer overlaps its parameter all-gather with the next forward. Whatever is still in
+flight is waited for when Forward returns, and before anything of the module reads or writes the parameters
+(``state_dict``, ``gather_state_dict``, the checkpoints, the next step); code that reads ``module.parameters()``
+itself between the step and the next Forward calls :meth:`ShardedOptimizer.settle` first (or makes the optimizer
+with ``gather_in_forward=False``: the step then waits for its all-gathers). Every stage gives the numbers of the
+inner optimizer on whole parameters, for an optimizer that updates each element from that element alone (SGD, Adam,
+AdamW and the like; not LAMB or Adafactor, whose updates read a whole tensor's norm). Parameters no bucket shards
+(held by one rank, or summed over no group) are stepped as they are. Bytes sent are counted in ``comm_stats`` under
+the node each parameter's gradient is priced on, as for the gradient buckets.
 """
 
 from __future__ import annotations
@@ -29,12 +36,73 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from primepar_fx.cost.latency import ring_factors
 from primepar_fx.runtime.gradsync import BucketChunk, GradientBuckets
 from primepar_fx.runtime.stats import CommStats
-from primepar_fx.runtime.zero3 import ShardedParameters, Unit
+from primepar_fx.runtime.zero3 import ShardedParameters, Unit, attach
+
+
+class PendingGathers:
+    """Stages 1 and 2: the all-gathers of updated parameters in flight after a step, one per bucket, waited for
+    where the next Forward first reads the bucket (module docstring). ``order``: the buckets in the order Forward
+    first reads them (:func:`await_before_uses`; every rank alike), the order the step issues them in."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self._work: dict[int, Any] = {}
+
+    def add(self, index: int, work: Any) -> None:
+        self._work[index] = work
+
+    def wait(self, index: int) -> None:
+        """Wait for bucket ``index``'s all-gather, if one is in flight."""
+        work = self._work.pop(index, None)
+        if work is not None:
+            work.wait()
+
+    def settle(self) -> None:
+        """Wait for every all-gather in flight: the parameters hold the step's values after it."""
+        for index in list(self._work):
+            self.wait(index)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._work)
+
+
+class AwaitGather(nn.Module):
+    """A rank-graph node before the first reader of bucket ``index``'s parameters: wait for its all-gather."""
+
+    def __init__(self, gathers: PendingGathers) -> None:
+        super().__init__()
+        self._gathers = [gathers]  # a list: not a submodule
+
+    def forward(self, index: int) -> None:
+        self._gathers[0].wait(index)
+
+
+def await_before_uses(gm: fx.GraphModule, buckets_of: dict[str, int], gathers: PendingGathers) -> int:
+    """Put an :class:`AwaitGather` node before the first reader of each bucket's parameters in ``gm`` (the
+    placeholders named in ``buckets_of``, placeholder name -> bucket index) and set ``gathers.order`` to the order
+    of those readers; returns how many buckets got a node."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    firsts: dict[int, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.name in buckets_of and n.users:
+            first, index = min(n.users, key=order.__getitem__), buckets_of[n.name]
+            if index not in firsts or order[first] < order[firsts[index]]:
+                firsts[index] = first
+    name = attach(gm, "zero_await", AwaitGather(gathers))
+    for index, first in firsts.items():
+        with graph.inserting_before(first):
+            graph.call_module(name, (index,))
+    gathers.order = sorted(firsts, key=lambda i: order[firsts[i]])
+    graph.lint()
+    gm.recompile()
+    return len(firsts)
 
 
 class _Shard(BucketChunk):
@@ -82,15 +150,16 @@ class _Shard(BucketChunk):
                 return
             self.master.copy_(self.held)
 
-    def scatter(self) -> None:
-        """Write the stepped master into this rank's chunk of the parameters; at stages 1 and 2, all-gather the
-        chunks into the flat parameters, in place (the parameters are views of it: nothing to copy after it).
-        ZeRO-3 gathers its units where they are used."""
+    def scatter(self) -> Any:
+        """Write the stepped master into this rank's chunk of the parameters; at stages 1 and 2, issue the
+        all-gather of the chunks into the flat parameters, in place (the parameters are views of it: nothing to
+        copy after it), and return its handle. ZeRO-3 gathers its units where they are used: ``None``."""
         if not self.in_place:
             with torch.no_grad():
                 self.held.copy_(self.master.detach())
-        if self.unit is None:
-            dist.all_gather_single(self.flat_params, self.held, group=self.handle)
+        if self.unit is not None:
+            return None
+        return dist.all_gather_single(self.flat_params, self.held, group=self.handle, async_op=True)
 
     def count(self, stats: CommStats | None) -> None:
         """The all-gather's bytes, per parameter under its node (one message per bucket)."""
@@ -106,7 +175,9 @@ class ShardedOptimizer:
 
     ``optimizer_class(params, **defaults)`` makes the inner optimizer; its one param group holds the master chunks
     and the unsharded parameters. ``step``, ``zero_grad`` and ``param_groups`` (to change the learning rate) work
-    as on any optimizer; its state is the inner optimizer's, of chunks rather than parameters.
+    as on any optimizer; its state is the inner optimizer's, of chunks rather than parameters. ``gathers``
+    (stages 1 and 2): where the step leaves its all-gathers for the next Forward to wait on; ``None``: the step
+    waits for them itself.
     """
 
     def __init__(
@@ -118,6 +189,7 @@ class ShardedOptimizer:
         optimizer_class: Callable[..., torch.optim.Optimizer],
         stats: CommStats | None = None,
         parameters: ShardedParameters | None = None,
+        gathers: PendingGathers | None = None,
         **defaults: Any,
     ) -> None:
         if stage not in (1, 2, 3):
@@ -125,6 +197,7 @@ class ShardedOptimizer:
         if (stage == 3) != (parameters is not None):
             raise ValueError("ZeRO stage 3, and only it, steps the chunks of ShardedParameters (pass parameters=)")
         self.stage, self.buckets, self.stats = stage, buckets, stats
+        self.gathers = gathers if gathers is not None and stage < 3 else None
         units = {u.index: u for u in parameters.units} if parameters is not None else {}
         self.shards = [
             _Shard(buckets, b.index, rank, units.get(b.index))
@@ -162,6 +235,7 @@ class ShardedOptimizer:
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if closure is not None:
             raise ValueError("ShardedOptimizer.step takes no closure: run forward and backward before it")
+        self.settle()  # a step with no Forward since the last one: its all-gathers write the chunks stepped now
         for s in self.shards:
             if self.stage >= 2:
                 grad = self.buckets.scattered(s.bucket.index)
@@ -171,14 +245,30 @@ class ShardedOptimizer:
                 grad = None
             s.master.grad = None if grad is None else grad.to(torch.float32)
         self.inner.step()
-        for s in self.shards:
-            s.scatter()
+        for s in self._in_forward_order():
+            work = s.scatter()
             s.count(self.stats)
+            if work is not None and self.gathers is not None:
+                self.gathers.add(s.bucket.index, work)
+            elif work is not None:
+                work.wait()
         return None
+
+    def _in_forward_order(self) -> list[_Shard]:
+        """The shards in the order the next Forward reads their buckets (the rest after them)."""
+        rank = {index: k for k, index in enumerate(self.gathers.order)} if self.gathers is not None else {}
+        return sorted(self.shards, key=lambda s: rank.get(s.bucket.index, len(rank)))
+
+    def settle(self) -> None:
+        """Wait for the step's all-gathers still in flight (stages 1 and 2): the parameters hold the stepped values
+        after it. The next Forward, the module's state dicts and checkpoints do this themselves."""
+        if self.gathers is not None:
+            self.gathers.settle()
 
     def reload(self) -> None:
         """Read the master chunks from the parameters again (after a checkpoint or state dict was loaded into
         them); the inner optimizer's state is kept."""
+        self.settle()
         for s in self.shards:
             s.reload()
 

@@ -321,8 +321,8 @@ def gather_around_uses(gm: fx.GraphModule, units_of: dict[str, int], store: Shar
     for n in graph.nodes:
         if n.op == "placeholder" and n.name in units_of and n.users:
             placeholders.setdefault(units_of[n.name], []).append(n)
-    gather = _add(gm, "zero3_gather", GatherUnit(store))
-    release = _add(gm, "zero3_release", ReleaseUnit(store))
+    gather = attach(gm, "zero3_gather", GatherUnit(store))
+    release = attach(gm, "zero3_release", ReleaseUnit(store))
     done, firsts = 0, []
     for index, starts in sorted(placeholders.items()):
         views, users, opaque = set(starts), set(), []
@@ -356,7 +356,8 @@ def gather_around_uses(gm: fx.GraphModule, units_of: dict[str, int], store: Shar
     return done
 
 
-def _add(gm: fx.GraphModule, name: str, mod: nn.Module) -> str:
+def attach(gm: fx.GraphModule, name: str, mod: nn.Module) -> str:
+    """Add ``mod`` to ``gm`` as submodule ``name`` (unless it has one of that name, from an earlier pass); its name."""
     if not hasattr(gm, name):
         gm.add_submodule(name, mod)
     return name
