@@ -230,7 +230,9 @@ class ScatterSaving:
     gradient's all-reduce; ``*_scattered`` the bytes the reduce-scatter itself sends; ``forward_bias_*`` the bias
     gradient's all-reduce netted out of ``forward_*`` (it runs in Backward: a recomputed Forward saves without it);
     ``*_rs_s`` the seconds the reduce-scatter itself takes (what overlapping it with a product can hide:
-    :mod:`primepar_fx.cost.matmul_overlap`). Zero where no fusion.
+    :mod:`primepar_fx.cost.matmul_overlap`); ``forward_regather_*`` the seconds and bytes of the bias's ZeRO-3
+    all-gather when the producer's Forward runs again (recomputation gathers it again: netted out of what a
+    recomputed Forward saves). Zero where no fusion.
     """
 
     forward_s: np.ndarray
@@ -243,6 +245,8 @@ class ScatterSaving:
     forward_bias_bytes: np.ndarray
     forward_rs_s: np.ndarray
     backward_rs_s: np.ndarray
+    forward_regather_s: np.ndarray
+    forward_regather_bytes: np.ndarray
 
 
 def reduce_scatter_seconds(cluster: ClusterSpec, block: float, mesh: DeviceMesh, digits: tuple[int, ...]) -> float:
@@ -267,14 +271,16 @@ def _saving(
     item: int,
     bias: int | None = None,
     opts: CostOptions | None = None,
-) -> tuple[float, int, int, float, int, float]:
+) -> tuple[float, int, int, float, int, float, float, int]:
     """Seconds and bytes one device saves when all-reduce ``c`` becomes a reduce-scatter of the same block (less a
     bias gradient's all-reduce over the same group), the bytes the reduce-scatter sends, the seconds and bytes
-    of that bias all-reduce (zero without a bias), and the seconds of the reduce-scatter. A bias that is a
+    of that bias all-reduce (zero without a bias), the seconds of the reduce-scatter, and the seconds and bytes
+    of gathering the bias once more where Forward runs again (ZeRO-3; else zero). A bias that is a
     parameter, whose gradient no other all-reduce sums, has it summed in a bucket
     (:mod:`~primepar_fx.passes.gradsync`): its all-reduce is priced as a parameter's, once a step of
     ``opts.micro_batches``, and with ZeRO (``opts.zero``) the bucket is
-    sharded over that group, so the bias is all-gathered as a weight that Backward does not read."""
+    sharded over that group, so the bias is all-gathered as a weight that Backward does not read (at stage 3 once
+    more before a recomputed Forward, which reads it again)."""
     block = block_bytes(part, tensor_map(part.op, tensor), vkey, item)
     group = cluster.group_size(part.mesh, c.digits)
     mesh, digits = part.mesh, c.digits
@@ -289,16 +295,21 @@ def _saving(
         # (its own all-reduce is the only sum of the bias's gradient: one that also sums it over other digits, in a
         # bucket, keeps this one in the graph, every micro-batch)
         own = any(in_bucket(part.op, k) and k.tensor == f"d_in{bias}" for k in collectives(part))
+        regather_s, regather_bytes = 0.0, 0
         if opts is not None and bias in part.op.weights and not own:
             m, share = opts.micro_batches, zero_gather_share(opts, read=False)
             bias_s = cluster.collective_time("all-reduce", extra, mesh, digits, bucketed=True) / m
             bias_bytes = int(round(ar * extra / m))
-            if share:
+            if share or opts.zero == 3:
                 ag, _ = ring_factors("all-gather", group)
-                bias_s += share * cluster.collective_time("all-gather", extra, mesh, digits, bucketed=True)
+                gather_s = cluster.collective_time("all-gather", extra, mesh, digits, bucketed=True)
+                bias_s += share * gather_s
                 bias_bytes += int(round(ag * extra * share))
-        return seconds - bias_s, saved - bias_bytes, scattered, bias_s, bias_bytes, scatter_s
-    return seconds, saved, scattered, 0.0, 0, scatter_s
+                if opts.zero == 3:
+                    regather_s, regather_bytes = gather_s, int(round(ag * extra))
+        saving = seconds - bias_s, saved - bias_bytes, scattered, bias_s, bias_bytes, scatter_s
+        return *saving, regather_s, regather_bytes
+    return seconds, saved, scattered, 0.0, 0, scatter_s, 0.0, 0
 
 
 def scatter_saving(
@@ -339,7 +350,8 @@ def scatter_saving(
             found, f = True, forward[i]
             saving = _saving(cluster, producers[i], f.collective, f"out{out_index}", vkey, item, f.bias, opts)
             out.forward_s[i, hits], out.forward_bytes[i, hits], out.forward_scattered[i, hits] = saving[:3]
-            out.forward_bias_s[i, hits], out.forward_bias_bytes[i, hits], out.forward_rs_s[i, hits] = saving[3:]
+            out.forward_bias_s[i, hits], out.forward_bias_bytes[i, hits], out.forward_rs_s[i, hits] = saving[3:6]
+            out.forward_regather_s[i, hits], out.forward_regather_bytes[i, hits] = saving[6:]
     uses = {j: backward_held(q, in_index) for j, q in enumerate(consumers) if backward[j] is not None}
     cols = [j for j, use in uses.items() if use is not None] if grad_needed is not None else []
     tests = [(uses[j].layout_ids(vkey), backward[j]) for j in cols]  # type: ignore[union-attr]

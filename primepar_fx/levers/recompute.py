@@ -199,8 +199,9 @@ class LayerPricing:
         key = (id(seconds), id(nbytes), id(flow), id(saving), id(overlap))
         if key not in self._edges:
             fs = flow.forward_s
-            if saving is not None:  # runs again as a reduce-scatter (its bias's gradient sum does not run again)
-                fs = fs - (saving.forward_s + saving.forward_bias_s)
+            if saving is not None:  # runs again as a reduce-scatter (its bias's gradient sum does not run again;
+                # at ZeRO-3 its bias is gathered again)
+                fs = fs - (saving.forward_s + saving.forward_bias_s - saving.forward_regather_s)
             if overlap is not None:  # the gather under v's Forward; u's reduce-scatter under u's, if it runs again
                 fs = fs - overlap.forward_relayout_s - (overlap.producer_s if saving is not None else 0.0)
             again = (frozen(seconds + fs), frozen(nbytes + flow.forward_bytes, np.int64))

@@ -171,13 +171,14 @@ class _Adjustments:
             if (u, v) in self.sharing:
                 continue
             i, j = choice[u], choice[v]
-            if sav.forward_scattered[i, j]:
-                sec = float(sav.forward_s[i, j] + sav.forward_bias_s[i, j])
+            if sav.forward_scattered[i, j]:  # (less the bias's ZeRO-3 gather again)
+                sec = float(sav.forward_s[i, j] + sav.forward_bias_s[i, j] - sav.forward_regather_s[i, j])
                 overlap = priced.overlap.get((u, v))  # hidden again under the Forward that runs again
                 sec += float(overlap.producer_s[i, j]) if overlap is not None else 0.0
                 self.saved_s[u] += sec
                 self.redis_s[v] += sec
                 self.resaved[u] += int(sav.forward_bytes[i, j] + sav.forward_bias_bytes[i, j])
+                self.resaved[u] -= int(sav.forward_regather_bytes[i, j])
 
     def add_overlapped(self, priced: PricedGraph, choice: dict[str, int]) -> None:
         """Re-layouts overlapped with linears (cost.matmul_overlap): the edge cost has the seconds hidden subtracted; a

@@ -41,3 +41,26 @@ def test_a_tied_table_whose_readers_do_not_share_sends_what_is_predicted_with_mi
     (verdict,) = check_simulated(8, "hf:gpt2", ["random:4+zero=3+micro_batches=2"], "cpu-gloo")
     assert verdict["ok"], verdict
     assert (verdict["zero"], verdict["micro_batches"]) == (3, 2)
+
+
+def test_a_fused_reduce_scatters_bias_gathered_again_where_forward_runs_again_is_priced() -> None:
+    """A deep-fuzz case (issue 60): a random plan on 3 ranks, ZeRO-3, every layer recomputed, 2 micro-batches, where
+    a linear's output all-reduce fuses into a reduce-scatter whose bias's gradient only that fusion sums. The
+    recomputed Forward gathers the bias again (2 KiB a step that were not predicted); now each rank sends the
+    prediction (to a byte a micro-batch of rounding), and the step trains like one device."""
+    from fuzz_checks import Case, _model_and_inputs, _plan_for, check_rank, reference_of
+
+    from primepar_fx.frontend.capture import capture
+    from primepar_fx.graph import build_graph
+    from primepar_fx.runtime.simulated import simulate
+
+    config = {"name": "fuzz", "vocab_size": 192, "hidden": 96, "layers": 2, "heads": 6, "kv_heads": 1,
+              "ffn_hidden": 384, "fused_qkv": False, "norm": "layernorm", "mlp": "gelu", "position": "rotary",
+              "bias": True, "tied_embeddings": False, "embed_norm": True, "max_seq": 24}  # fmt: skip
+    case = Case(config, 3, "random:3148", 6, 12, seed=163, recompute="full", zero=3, micro_batches=2)
+    model, args, kwargs = _model_and_inputs(case)
+    graph = build_graph(capture(model, args, kwargs))
+    plan = _plan_for(case, graph, case.world)
+    report = simulate(check_rank, case.world, case, graph, plan, args, kwargs, reference_of(case))[0]
+    assert report["ok"], report
+    assert all(abs(sent - report["predicted"]) <= case.micro_batches for sent in report["sent"])  # (rounding)
