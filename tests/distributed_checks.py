@@ -6,6 +6,7 @@ single-device reference (deterministic seeds), so no reference data has to trave
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -196,7 +197,10 @@ def check_levers(rank: int, world: int, model_name: str, plans: list[str], steps
                 after_forward.append(module.zero_gathers.in_flight)
             loss.backward()
             grads_kept = _summed([float(sum(p.grad.numel() for p in module.parameters() if p.grad is not None))])[0]
-            opt.step()
+            # the last step under torch's profiler, which crashes when it stops while a gloo collective is running
+            profiled = step == steps - 1 and module.zero_gathers is not None
+            with torch.profiler.profile(profile_memory=True) if profiled else contextlib.nullcontext():
+                opt.step()
             if module.zero_gathers is not None:  # ZeRO-1/2: the step's all-gathers left for the next Forward
                 in_flight.append(module.zero_gathers.in_flight)
             if step == 0:

@@ -22,11 +22,11 @@ as Megatron-LM's distributed optimizer overlaps its parameter all-gather with th
 flight is waited for when Forward returns, and before anything of the module reads or writes the parameters
 (``state_dict``, ``gather_state_dict``, the checkpoints, the next step); code that reads ``module.parameters()``
 itself between the step and the next Forward calls :meth:`ShardedOptimizer.settle` first (or makes the optimizer
-with ``gather_in_forward=False``: the step then waits for its all-gathers). Every stage gives the numbers of the
-inner optimizer on whole parameters, for an optimizer that updates each element from that element alone (SGD, Adam,
-AdamW and the like; not LAMB or Adafactor, whose updates read a whole tensor's norm). Parameters no bucket shards
-(held by one rank, or summed over no group) are stepped as they are. Bytes sent are counted in ``comm_stats`` under
-the node each parameter's gradient is priced on, as for the gradient buckets.
+with ``gather_in_forward=False``: the step then waits for its all-gathers; so does a step under torch's profiler).
+Every stage gives the numbers of the inner optimizer on whole parameters, for an optimizer that updates each element
+from that element alone (SGD, Adam, AdamW and the like; not LAMB or Adafactor, whose updates read a whole tensor's
+norm). Parameters no bucket shards (held by one rank, or summed over no group) are stepped as they are. Bytes sent
+are counted in ``comm_stats`` under the node each parameter's gradient is priced on, as for the gradient buckets.
 """
 
 from __future__ import annotations
@@ -252,6 +252,10 @@ class ShardedOptimizer:
                 self.gathers.add(s.bucket.index, work)
             elif work is not None:
                 work.wait()
+        if torch._C._autograd._profiler_enabled():
+            # a profiler's region may end right after the step, and torch's profiler crashes when it stops while a
+            # collective is still running on the process group's thread (measured with gloo): none outlives it
+            self.settle()
         return None
 
     def _in_forward_order(self) -> list[_Shard]:

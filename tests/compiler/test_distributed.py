@@ -72,8 +72,9 @@ def test_zero_trains_like_one_device():
         assert r["bad_params"] == [], (plan, r["bad_params"][:3])
         assert r["sharded_buckets"] > 0, plan
         assert r["state_elems"] < r["unsharded_state_elems"], plan
-        # every sharded bucket's all-gather left in flight by each step for the next Forward, none after Forward
-        assert r["in_flight_after_step"] == [r["sharded_buckets"]] * 3, plan
+        # every sharded bucket's all-gather left in flight by each step for the next Forward, none after Forward;
+        # none after the last step, taken under torch's profiler
+        assert r["in_flight_after_step"] == [r["sharded_buckets"]] * 2 + [0], plan
         assert r["in_flight_after_forward"] == [0] * 3, plan
     for plan in plans[:3]:
         r = report[plan]
