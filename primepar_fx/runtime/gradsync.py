@@ -44,7 +44,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from primepar_fx.cost.latency import ring_factors
-from primepar_fx.runtime.collectives import all_reduce
+from primepar_fx.runtime.collectives import all_reduce, reduce_scatter_flat
 from primepar_fx.runtime.pending import DeferredGradients
 from primepar_fx.runtime.stats import CommStats
 
@@ -382,7 +382,7 @@ class GradientBuckets:
             self._grads[i] = None
             self.params[i].grad = None
         bucket.flat = torch.empty(chunk, dtype=bucket.dtype, device=device)
-        bucket.work = dist.reduce_scatter_single(bucket.flat, flat, group=bucket.group[0], async_op=True)
+        bucket.work = reduce_scatter_flat(bucket.flat, flat, *bucket.group)
         if self.stats is not None:
             for k, i in enumerate(bucket.sent):
                 p, r = self.params[i], self.reductions[i]
