@@ -595,34 +595,31 @@ def markdown(saved: dict, png: str | None) -> str:
 
 READING = """## Reading the results
 
-* **Issue 60 (memory levers as fast as FSDP2 and DDP), measured in the run above** (main a2c8b9e, 2026-12-07; the
-  four ranks alone on the two cores, load average 4.7 before the timed steps and 5.0 after: every system ran about
-  1.8x slower than in the previous session's run on this machine, DDP 426 against 236 ms; medians, steps
-  interleaved).
-  * `primepar data_parallel +ZeRO-3` takes **0.85x** FSDP2's step time (535 against 630 ms), sends the same bus
-    bytes (31316 KiB; the target row says no by the ring volume's rounding over 17 calls against 14) and peaks at
-    **1.01x** FSDP2's memory (44.5 against 44.2 MiB; 0.97x in the previous run): target **missed** by 0.3 MiB.
-  * `+ZeRO-2` takes **1.12x** DDP's step time (475 against 426 ms): target (<= 1.05x) **missed**; `+ZeRO-1`
-    takes 1.01x. Since a5582c8 the all-gather after the step travels while the next Forward computes (each bucket
-    waited for before its first reader, `runtime/zero.py`), which brought ZeRO-1 to DDP's time; ZeRO-2's remaining
-    gap is its Backward: gloo's reduce-scatter takes longer than its all-reduce of the same tensor (17 against
-    13 ms for 4 MiB on 4 ranks, `dist.reduce_scatter_tensor` against `dist.all_reduce`) and writes as many bytes
-    to the wire, and a bucket's reduce-scatter waits for the one before it (one flat copy in flight).
-  * `primepar (no options)` takes **1.01x** DDP's step time (429 against 426 ms; `primepar data_parallel`, the same
-    plan, 0.95x): target (<= 1.0x) **missed** by this run's median, inside this machine's noise (0.95-1.04x over
-    the runs of this issue).
-  * `primepar megatron dp1 x mp4 +SP` takes **0.51x** `dtensor tp`'s step time (654 against 1274 ms) and sends 0.93x
-    its bytes. Its prediction on the step-fitted spec (`--spec`, fitted in the previous session, when this machine
-    ran every system 1.8x faster) is 310 ms: off by 1.11, target (within 15%) **missed**; the spec's compute
-    times are not this run's. In the previous session, with a spec fitted 20 minutes before its run, it was within
-    1%, 2% and 5% on the three models.
+* **Issue 60 (memory levers as fast as FSDP2 and DDP), measured in the run above** (main e16fb20, 2026-12-07
+  16:08-16:21, with the pipeline-schedule modules of 013be1f uncommitted in the tree, which nothing here imports; the
+  four ranks alone on the two cores, load average 3.4 before the timed steps and 4.6 after; medians of 15 steps, every
+  system's steps interleaved; `--spec` fitted by `bench/cost_fidelity.py` minutes before).
+  * `primepar data_parallel +ZeRO-3` takes **0.75x** FSDP2's step time (510 against 684 ms), sends FSDP2's bus bytes
+    (6 bytes more: the scalar all-reduce of the loss, which returns the whole batch's loss on every rank as one device
+    would; FSDP2 returns each rank's own) and peaks at **0.99x** FSDP2's memory (45.3 against 45.8 MiB).
+  * `+ZeRO-2` takes **0.96x** DDP's step time (437 against 453 ms): target (<= 1.05x) met. Since 2b19172 its gradient
+    buckets reduce-scatter point to point under gloo (`runtime.collectives.reduce_scatter_flat`), at the ring's
+    volume, where gloo's `reduce_scatter_single` wrote an all-reduce's bytes and took twice as long
+    (`bench/gloo_collectives.py`: 10.2 against 21.2 ms for 4 MiB on 4 ranks); before, ZeRO-2 measured 1.05-1.15x DDP.
+    `+ZeRO-1` takes 0.97x.
+  * `primepar (no options)` takes **0.99x** DDP's step time (448 against 453 ms): target met in this run (0.95-1.04x
+    over the runs of this issue: one plan's distance from DDP inside this machine's noise).
+  * `primepar megatron dp1 x mp4 +SP` takes **0.52x** `dtensor tp`'s step time (681 against 1320 ms) and sends 0.93x
+    its bytes. Predicted on the step-fitted spec: 552 ms, **0.23 off**, target (within 15%) **missed**: this fit
+    prices bytes and no messages (docs/benchmarks/cost_fidelity.md), and this plan sends 112 messages a step.
   * Every primepar row sends exactly the bytes its plan predicts (10/10: `comm_stats` = predicted = the c10d
     count); every first loss is one device's.
-* **The previous session's run** (main 8485c7e): ZeRO-3 0.81x FSDP2 (peak 0.97x), ZeRO-2 1.07x DDP (its all-gather
-  after the step not yet overlapped), no options 1.03x DDP, Megatron +SP 0.55x `dtensor tp` and 0.23 off its
-  step-fitted prediction. With the spec's default matmul overlap (fully hidden) `compile()` had picked dp2 x mp2 on
-  the MLPs, predicted 0.4% faster than data parallelism, and measured **1.23x** DDP; it now measures the overlap
-  (0.0 here) and picks data parallelism.
+* **The previous run** (main a2c8b9e, the same day, gloo's own reduce-scatter): ZeRO-3 0.85x FSDP2 (peak 1.01x),
+  ZeRO-2 1.12x DDP, ZeRO-1 1.01x, no options 1.01x, Megatron +SP 0.51x `dtensor tp` and 1.11 off a spec fitted in
+  an earlier session. The session before (8485c7e): ZeRO-3 0.81x (peak 0.97x), ZeRO-2 1.07x, no options 1.03x.
+  With the spec's default matmul overlap (fully hidden) `compile()` had picked dp2 x mp2 on the MLPs, predicted
+  0.4% faster than data parallelism, and measured **1.23x** DDP; it now measures the overlap and picks data
+  parallelism.
 * **Earlier runs** (issue 16; the figures in the bullets below come from the run before this issue's, not from
   the table above):
   * `primepar data_parallel` takes **1.05x** DDP's step time (335 against 318 ms; means 322 and 318), with the
@@ -677,25 +674,27 @@ READING = """## Reading the results
 
 READING_GPT2 = """## Reading the results
 
-* **Issue 60, measured in the run above** (main a2c8b9e, 2026-12-07; the four ranks alone on the two cores, load
-  average 4.4 before the timed steps and 4.8 after: about 1.8x slower than in the previous session's run, DDP 399
-  against 224 ms).
-  * `primepar data_parallel +ZeRO-3` takes **0.91x** FSDP2's step time (570 against 629 ms), sends fewer bus
-    bytes (29469 against 29496 KiB) in 26 calls against 14 (a layer's biases form a unit of their own: Backward
-    does not read them), and peaks at **0.99x** FSDP2's memory (39.6 against 40.1 MiB).
-  * `+ZeRO-2` takes **1.15x** DDP's step time (458 against 399 ms): target (<= 1.05x) **missed**; `+ZeRO-1`
-    takes 1.01x. Since a5582c8 the all-gather after the step travels while the next Forward computes (each bucket
-    waited for before its first reader, `runtime/zero.py`), which brought ZeRO-1 to DDP's time; ZeRO-2's remaining
-    gap is its Backward: gloo's reduce-scatter takes longer than its all-reduce of the same tensor (17 against
-    13 ms for 4 MiB on 4 ranks, `dist.reduce_scatter_tensor` against `dist.all_reduce`) and writes as many bytes
-    to the wire, and a bucket's reduce-scatter waits for the one before it (one flat copy in flight).
-  * `primepar (no options)`, data parallelism's plan, takes **1.00x** DDP's step time (398 against 399 ms): target
-    met in this run.
-  * `primepar megatron dp1 x mp4 +SP` takes **0.44x** `dtensor tp`'s step time (586 against 1324 ms) and sends 0.90x
-    its bytes. Predicted: 219 ms on the `cpu-gloo` preset, 300 ms on the step-fitted spec (fitted in the previous
-    session, on the Llama-style model's plans, when this machine ran 1.8x faster): 0.95 off, target **missed**
-    (0.08 off in the previous session's run).
+* **Issue 60, measured in the run above** (main e16fb20, 2026-12-07 16:08-16:21, with the pipeline-schedule modules of
+  013be1f uncommitted in the tree, which nothing here imports; the four ranks alone on the two cores, load average 4.1
+  before the timed steps and 4.0 after; medians of 15 steps, every system's steps interleaved; `--spec` fitted by
+  `bench/cost_fidelity.py` minutes before).
+  * `primepar data_parallel +ZeRO-3` takes **0.81x** FSDP2's step time (524 against 649 ms), sends fewer bus
+    bytes (29469 against 29496 KiB) and peaks at **1.06x** FSDP2's memory (39.6 against 37.3 MiB): target
+    **missed** in this run. Ours was 39.6 MiB in every run today; FSDP2's moved between 37.3 and 40.1 MiB (0.99x
+    in the previous run).
+  * `+ZeRO-2` takes **0.98x** DDP's step time (410 against 420 ms): target met. Since 2b19172 its gradient buckets
+    reduce-scatter point to point under gloo (`runtime.collectives.reduce_scatter_flat`), at the ring's volume, where
+    gloo's `reduce_scatter_single` wrote an all-reduce's bytes and took twice as long (`bench/gloo_collectives.py`:
+    10.2 against 21.2 ms for 4 MiB on 4 ranks); before, ZeRO-2 measured 1.05-1.15x DDP. `+ZeRO-1` takes 0.99x.
+  * `primepar (no options)`, data parallelism's plan, takes **1.01x** DDP's step time (424 against 420 ms;
+    `primepar data_parallel`, the same plan, 1.03x): target **missed** by this run's median (1.00x in the
+    previous run).
+  * `primepar megatron dp1 x mp4 +SP` takes **0.46x** `dtensor tp`'s step time (622 against 1349 ms) and sends 0.90x
+    its bytes. Predicted on the step-fitted spec (fitted on the Llama-style model's plans): 534 ms, **0.16 off**,
+    target (within 15%) **missed**.
   * Every primepar row sends exactly the bytes its plan predicts (10/10).
+* **The previous run** (main a2c8b9e, gloo's own reduce-scatter): ZeRO-3 0.91x FSDP2 (peak 0.99x), ZeRO-2 1.15x
+  DDP, no options 1.00x, Megatron +SP 0.44x `dtensor tp` and 0.95 off an older spec.
 * **Earlier runs** (issue 16; the figures in the bullets below come from the run before this issue's, not from
   the table above):
   * `primepar megatron dp1 x mp4 +SP`, DTensor TP's layout (column-parallel fused qkv with whole heads per rank,
@@ -738,25 +737,24 @@ READING_OPT = """## Reading the results
   ``view(B, S, -1, head_dim)`` finds its local head count), o, up and down. Like the GPT-2-style model, its
   learned position table is row-parallel with its output split by sequence, and the LM head is re-tied to the token
   table's sharded weight.
-* **Issue 60, measured in the run above** (main a2c8b9e, 2026-12-07; the four ranks alone on the two cores, load
-  average 4.4 before the timed steps and 4.8 after: about 1.8x slower than in the previous session's run, DDP 411
-  against 222 ms).
-  * `primepar data_parallel +ZeRO-3` takes **0.88x** FSDP2's step time (591 against 672 ms), sends fewer bus
-    bytes (29469 against 29496 KiB) in 26 calls against 14 (a layer's biases form a unit of their own), and peaks
-    at **1.07x** FSDP2's memory (36.6 against 34.1 MiB): target **missed** in this run (0.96x in the previous one;
-    both peaks move by 1-3 MiB between runs).
-  * `+ZeRO-2` takes **1.054x** DDP's step time (433 against 411 ms): target (<= 1.05x) **missed**; `+ZeRO-1`
-    takes 0.98x. Since a5582c8 the all-gather after the step travels while the next Forward computes (each bucket
-    waited for before its first reader, `runtime/zero.py`), which brought ZeRO-1 to DDP's time; ZeRO-2's remaining
-    gap is its Backward: gloo's reduce-scatter takes longer than its all-reduce of the same tensor (17 against
-    13 ms for 4 MiB on 4 ranks, `dist.reduce_scatter_tensor` against `dist.all_reduce`) and writes as many bytes
-    to the wire, and a bucket's reduce-scatter waits for the one before it (one flat copy in flight).
-  * `primepar (no options)`, data parallelism's plan, takes **1.04x** DDP's step time (428 against 411 ms;
-    `primepar data_parallel`, the same plan, 1.04x): target **missed** by this run's median.
-  * `primepar megatron dp1 x mp4 +SP` takes **0.44x** `dtensor tp`'s step time (653 against 1498 ms) and sends 0.90x
-    its bytes. Predicted: 225 ms on the `cpu-gloo` preset, 302 ms on the step-fitted spec (fitted in the previous
-    session, when this machine ran 1.8x faster): 1.16 off, target **missed** (0.14 off in the previous run).
+* **Issue 60, measured in the run above** (main e16fb20, 2026-12-07 16:08-16:21, with the pipeline-schedule modules of
+  013be1f uncommitted in the tree, which nothing here imports; the four ranks alone on the two cores, load average 3.9
+  before the timed steps and 5.2 after; medians of 15 steps, every system's steps interleaved; `--spec` fitted by
+  `bench/cost_fidelity.py` minutes before).
+  * `primepar data_parallel +ZeRO-3` takes **0.77x** FSDP2's step time (518 against 673 ms), sends fewer bus
+    bytes (29469 against 29496 KiB) and peaks at **1.07x** FSDP2's memory (36.6 against 34.1 MiB): target
+    **missed**, by the same figures as the previous run (both peaks repeat here).
+  * `+ZeRO-2` takes **1.02x** DDP's step time (409 against 402 ms): target met. Since 2b19172 its gradient buckets
+    reduce-scatter point to point under gloo (`runtime.collectives.reduce_scatter_flat`), at the ring's volume, where
+    gloo's `reduce_scatter_single` wrote an all-reduce's bytes and took twice as long (`bench/gloo_collectives.py`:
+    10.2 against 21.2 ms for 4 MiB on 4 ranks); before, ZeRO-2 measured 1.05-1.15x DDP. `+ZeRO-1` takes 1.01x.
+  * `primepar (no options)`, data parallelism's plan, takes **1.08x** DDP's step time (433 against 402 ms;
+    `primepar data_parallel`, the same plan, 1.04x): target **missed**.
+  * `primepar megatron dp1 x mp4 +SP` takes **0.45x** `dtensor tp`'s step time (650 against 1444 ms) and sends 0.90x
+    its bytes. Predicted on the step-fitted spec: 538 ms, **0.21 off**, target (within 15%) **missed**.
   * Every primepar row sends exactly the bytes its plan predicts. All first losses agree to within 1e-6.
+* **The previous run** (main a2c8b9e, gloo's own reduce-scatter): ZeRO-3 0.88x FSDP2 (peak 1.07x), ZeRO-2 1.054x
+  DDP, no options 1.04x, Megatron +SP 0.44x `dtensor tp` and 1.16 off an older spec.
 """
 
 #: --model -> the page's reading of its results

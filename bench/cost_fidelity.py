@@ -334,14 +334,15 @@ HEADERS = [
 
 READING = """## Reading the results
 
-* **This run** (2026-12-07, main 10ee730, the four ranks alone on the two cores, load 3.4 before and 4.6 after)
-  is the first with the matmul overlap measured (`primepar-fx calibrate` found 0.14 here: a collective matmul
-  hides little of its transfer, where every spec before priced it as fully hidden). The step-fitted spec ranks
-  the 7 held-out plans with Spearman **0.68** and predicts them to a median **16%**: the error target (25%) holds,
-  the rank target (0.9) does not, as in the rerun at 5dee7f7 (0.74, 12%). Its fit puts 1.1 ms on a message, none
-  on a byte and 4.2 times the calibrated compute. Its search picks a 46-message plan that measured 311 ms
-  against 230 for the best plan of the first launch: this spec does not steer the search well here. The bullets
-  below read the run at dba75ef (the figures they quote are that run's, not the tables above).
+* **This run** (2026-12-07 16:04, main e16fb20 with the pipeline-schedule modules of 013be1f uncommitted in the
+  tree, which nothing measured here imports; the four ranks alone on the two cores, load 2.9 before and 4.7
+  after). `primepar-fx calibrate` measured a matmul overlap of 0.17. The step-fitted spec ranks the 7 held-out
+  plans with Spearman **0.71** and predicts them to a median **22%**: the error target (25%) holds, the rank target
+  (0.9) does not. This fit puts the communication on bytes alone (16.4 ms per MiB, nothing per message, 0.99
+  times the calibrated compute), where the earlier fits put 1.1-2.4 ms on a message: it prices the many-message
+  `+SP` plans low (`dp1 x mp4 +SP`: 552 ms predicted, 705 measured). Its search picks a 46-message plan that
+  measured 530 ms against 408 for `data_parallel` timed next to it: this spec does not steer the search well
+  here. The bullets below read the run at dba75ef (the figures they quote are that run's, not the tables above).
 * **Step-fitted spec: targets met on the held-out plans, at the edge.** Fitted to the steps of four plans
   (`dp1 x mp4`, `data_parallel`, `prime`, `random:0`: few to many messages), it ranks the 8 other plans with
   Spearman 0.90 and predicts them to a median 20% (targets 0.9 and 25%); over all 12, 0.92 and 14%. The same run
