@@ -8,8 +8,9 @@
 #   bench/run_all.sh baselines fidelity   # only these steps (names below)
 #   SKIP="search_time explain" bench/run_all.sh
 #
-# Steps: calibrate step_time fidelity baselines search_time paper_fig7 explain search_engine.
-# Every bench/*.py that is not a shared helper must be one of them; the script stops if one is not.
+# Steps: calibrate step_time fidelity baselines baselines_gpt2 baselines_opt memory ilp_check search_time paper_fig7
+# explain search_engine. Every bench/*.py must be a step, a shared helper or one of the scripts run by hand (MANUAL,
+# each with its reason below); the script stops if one is none of these.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,12 +18,18 @@ OUT=docs/benchmarks
 SPEC=$OUT/calibrated-cpu-gloo.json
 STEP_SPEC=$OUT/stepfit-cpu-gloo.json
 HELPERS="measure.py plans.py"
-COVERED="step_time.py baselines_step_time.py cost_fidelity.py search_time.py paper_fig7.py explain_time.py search_engine.py"
+COVERED="step_time.py baselines_step_time.py cost_fidelity.py memory_check.py ilp_check.py search_time.py paper_fig7.py
+explain_time.py search_engine.py"
+# run by hand: gpu_check.py needs a GPU (the prepared device check); coverage.py trains every covered Hugging Face
+# family (an hour here); real_configs.py plans every family at full size; same_plans.py compares two versions of the
+# code (it takes their paths); fig9_preset.py derives a preset from the paper's figure (no measurement);
+# gloo_collectives.py prints this machine's gloo collective times (no page)
+MANUAL="gpu_check.py coverage.py real_configs.py same_plans.py fig9_preset.py gloo_collectives.py"
 mkdir -p "$OUT"
 
 for script in bench/*.py; do
     name=$(basename "$script")
-    case " $HELPERS $COVERED " in
+    case " $(echo $HELPERS $COVERED $MANUAL) " in
         *" $name "*) ;;
         *) echo "run_all.sh: $script is not run by this script; add it" >&2; exit 1 ;;
     esac
@@ -55,6 +62,10 @@ run step_time python bench/step_time.py
 run fidelity python bench/cost_fidelity.py --spec "$SPEC"  # also writes the step-fitted spec, $STEP_SPEC
 [ -f "$STEP_SPEC" ] || { echo "run_all.sh: no step-fitted spec at $STEP_SPEC (run the fidelity step)" >&2; exit 1; }
 run baselines python bench/baselines_step_time.py --spec "$STEP_SPEC"
+run baselines_gpt2 python bench/baselines_step_time.py --model gpt2 --spec "$STEP_SPEC"
+run baselines_opt python bench/baselines_step_time.py --model opt --spec "$STEP_SPEC"
+run memory python bench/memory_check.py
+run ilp_check python bench/ilp_check.py
 run search_time python bench/search_time.py
 run paper_fig7 python bench/paper_fig7.py
 run explain python bench/explain_time.py
