@@ -155,7 +155,6 @@ def replay(order: Sequence[Sequence[Action]], times: StageTimes) -> Timeline:
     free, busy = [0.0] * ranks, [0.0] * ranks
     nxt = [0] * ranks
     events: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]  # (time, +/- bytes) a rank holds
-    started: dict[tuple[int, int], float] = {}
     left = sum(len(o) for o in order)
     while left:
         progressed = False
@@ -170,7 +169,6 @@ def replay(order: Sequence[Sequence[Action]], times: StageTimes) -> Timeline:
                 done[a] = free[r] = start + seconds
                 busy[r] += seconds
                 if a.kind == "F":
-                    started[(a.stage, a.mb)] = start
                     events[r].append((start, times.held[a.stage]))
                 else:
                     events[r].append((done[a], -times.held[a.stage]))
