@@ -218,7 +218,11 @@ def _print_baselines(plan: Plan, options: PlanOptions) -> None:
     theirs, or that none of them fits the budget."""
     if plan.baselines:
         print()
-    for key, title in (("megatron", "Megatron configuration"), ("fsdp", "FSDP configuration")):
+    for key, title in (
+        ("megatron", "Megatron configuration"),
+        ("megatron_pipelined", "Megatron configuration with pipeline stages"),
+        ("fsdp", "FSDP configuration"),
+    ):
         base = plan.baselines.get(key)
         if base is None:
             continue
@@ -231,7 +235,7 @@ def _print_baselines(plan: Plan, options: PlanOptions) -> None:
             continue
         speed = base.predicted.step_time_s / plan.predicted.step_time_s
         mem = plan.predicted.peak_memory_bytes / max(1, base.predicted.peak_memory_bytes)
-        best = "best Megatron" if key == "megatron" else "best FSDP"
+        best = {"megatron": "best Megatron", "megatron_pipelined": "best Megatron with pipelines"}.get(key, "best FSDP")
         print(f"vs {best} ({name}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
         if base.config.get("fallback_nodes"):
             print(

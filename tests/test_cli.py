@@ -187,9 +187,12 @@ def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
     assert rc == 0 and "vs best Megatron" in text and f"wrote {out}" in text
     plan = Plan.load(out)
     assert plan.format == "primepar-plan/2" and plan.world_size == 4 and plan.digits == (2, 2)
-    assert set(plan.baselines) == {"megatron", "data_parallel", "fsdp", "split_only"}
-    # the search space contains the baselines but for the gradient-free constants (shifted labels), which it runs
-    # replicated where a baseline may split them: no baseline is predicted faster by more than their compute
+    assert set(plan.baselines) == {"megatron", "data_parallel", "fsdp", "split_only", "megatron_pipelined"}
+    pipelined = plan.baselines["megatron_pipelined"].config
+    assert f"vs best Megatron with pipelines ({pipelined['name']})" in text and pipelined["pp"] == 2
+    # the search space contains the baselines (but Megatron's with pipeline stages, not searched yet: issue 62) but
+    # for the gradient-free constants (shifted labels), which it runs replicated where a baseline may split them: no
+    # baseline is predicted faster by more than their compute
     from primepar_fx import analyze
     from primepar_fx.models import build, example_inputs
 
@@ -199,7 +202,9 @@ def test_plan_writes_a_valid_plan_json_with_baselines(capsys, tmp_path) -> None:
     assert constants and all(set(n.partition.split(",")) == {"R"} for n in constants)
     slack = sum(n.cost.compute_s for n in constants)
     assert all(
-        plan.predicted.step_time_s <= (b.predicted.step_time_s + slack) * (1 + 1e-9) for b in plan.baselines.values()
+        plan.predicted.step_time_s <= (b.predicted.step_time_s + slack) * (1 + 1e-9)
+        for k, b in plan.baselines.items()
+        if k != "megatron_pipelined"
     )
     assert plan.search.proven_optimal is True
 

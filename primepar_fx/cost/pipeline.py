@@ -17,6 +17,7 @@ interleaved; 1F1B's stage ``s`` holds ``min(p - s, m)`` micro-batches, GPipe's a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -151,7 +152,9 @@ def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
 def replay(order: Sequence[Sequence[Action]], times: StageTimes) -> Timeline:
     """Run each rank's actions on a clock (module docstring); raises if the order can never finish."""
     ranks, stages = len(order), len(times.forward)
-    done: dict[Action, float] = {}
+    m = 1 + max(a.mb for o in order for a in o)
+    # end times by action: Forwards at [stage * m + mb], Backwards after them (NaN: not run yet)
+    done = [math.nan] * (2 * stages * m)
     free, busy = [0.0] * ranks, [0.0] * ranks
     nxt = [0] * ranks
     events: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]  # (time, +/- bytes) a rank holds
@@ -159,19 +162,18 @@ def replay(order: Sequence[Sequence[Action]], times: StageTimes) -> Timeline:
     while left:
         progressed = False
         for r in range(ranks):
-            while nxt[r] < len(order[r]):
-                a = order[r][nxt[r]]
-                ready = _ready(a, done, times, stages)
-                if ready is None:
+            mine = order[r]
+            while nxt[r] < len(mine):
+                a = mine[nxt[r]]
+                ready = _ready(a, done, times, stages, m)
+                if ready != ready:  # NaN: what it reads is not computed yet
                     break
                 start = max(free[r], ready)
-                seconds = (times.forward if a.kind == "F" else times.backward)[a.stage]
-                done[a] = free[r] = start + seconds
+                backward = a.kind == "B"
+                seconds = (times.backward if backward else times.forward)[a.stage]
+                done[(stages * m if backward else 0) + a.stage * m + a.mb] = free[r] = start + seconds
                 busy[r] += seconds
-                if a.kind == "F":
-                    events[r].append((start, times.held[a.stage]))
-                else:
-                    events[r].append((done[a], -times.held[a.stage]))
+                events[r].append((free[r], -times.held[a.stage]) if backward else (start, times.held[a.stage]))
                 nxt[r] += 1
                 left -= 1
                 progressed = True
@@ -181,20 +183,17 @@ def replay(order: Sequence[Sequence[Action]], times: StageTimes) -> Timeline:
     return Timeline(max(free), tuple(busy), tuple(_peak(e) for e in events))
 
 
-def _ready(a: Action, done: dict[Action, float], times: StageTimes, stages: int) -> float | None:
-    """When what ``a`` reads has arrived, or ``None`` if it has not been computed yet."""
+def _ready(a: Action, done: list[float], times: StageTimes, stages: int, m: int) -> float:
+    """When what ``a`` reads has arrived (NaN if it has not been computed yet)."""
     if a.kind == "F":
         if a.stage == 0:
             return 0.0
-        before = done.get(Action("F", a.stage - 1, a.mb))
-        return None if before is None else before + times.send[a.stage - 1]
+        return done[(a.stage - 1) * m + a.mb] + times.send[a.stage - 1]  # (NaN stays NaN)
+    own = done[a.stage * m + a.mb]
     if a.stage == stages - 1:
-        return done.get(Action("F", a.stage, a.mb))
-    after = done.get(Action("B", a.stage + 1, a.mb))
-    own = done.get(Action("F", a.stage, a.mb))
-    if after is None or own is None:
-        return None
-    return max(own, after + times.send[a.stage])
+        return own
+    after = done[stages * m + (a.stage + 1) * m + a.mb] + times.send[a.stage]
+    return math.nan if own != own or after != after else max(own, after)
 
 
 def _peak(events: list[tuple[float, float]]) -> float:

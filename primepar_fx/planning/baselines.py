@@ -544,14 +544,17 @@ def megatron_configs(mesh: DeviceMesh, *, experts: bool = False) -> list[dict]:
 
 def config_name(config: dict) -> str:
     """``"megatron dp2 x mp4 +SP"``, ``"megatron dp8 x mp4 +SP +distributed optimizer +full recompute +4
-    micro-batches"``."""
+    micro-batches"``, ``"megatron dp4 x mp8 x pp4 +SP +128 micro-batches +interleaved v2"``."""
     sp = " +SP" if config.get("sequence_parallel") else ""
     sp += f" +EP{config['dp']}" if config.get("expert_parallel") else ""
     dist = " +distributed optimizer" if config.get("distributed_optimizer") else ""
     recompute = f" +{config['recompute']} recompute" if config.get("recompute") else ""
     m = config.get("micro_batches", 1)
     micro = f" +{m} micro-batches" if m > 1 else ""
-    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{sp}{dist}{recompute}{micro}"
+    pp = f" x pp{config['pp']}" if config.get("pp") else ""
+    if config.get("virtual_stages", 1) > 1:
+        micro += f" +interleaved v{config['virtual_stages']}"
+    return f"megatron dp{config['dp']} x mp{config.get('mp', '?')}{pp}{sp}{dist}{recompute}{micro}"
 
 
 def assignment_from_text(

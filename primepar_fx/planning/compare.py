@@ -20,12 +20,15 @@ from primepar_fx.graph.layers import layer_units
 from primepar_fx.levers.choices import MICRO_BATCH_TRIES
 from primepar_fx.levers.recompute import Chosen, LayerPricing, layer_pricing, restricted
 from primepar_fx.partition import DeviceMesh, PartitionSeq
+from primepar_fx.partition.enumerate import values_key
 from primepar_fx.planning.baselines import config_name, data_parallel_assignment, megatron_assignments, megatron_configs
 from primepar_fx.planning.options import PlanOptions
+from primepar_fx.planning.pipelines import pipeline_micro_batches, schedules, stage_counts
 from primepar_fx.planning.workers import Forked
 from primepar_fx.pricing.fixed import price_assignments
+from primepar_fx.pricing.pipelined import PipelinePricing, plan_crossings, plan_pieces, price_pipeline, stage_pieces
 from primepar_fx.pricing.priced import PricedGraph
-from primepar_fx.pricing.summary import Summary, per_step, summarize
+from primepar_fx.pricing.summary import Summary, node_seconds, per_step, summarize
 from primepar_fx.record.levers import Recompute
 from primepar_fx.record.plan import Baseline, Predicted
 
@@ -60,32 +63,9 @@ def best_megatron(
     ``distributed_optimizer=False`` leaves it out (a Megatron plan our runtime runs, which keeps whole optimizer
     state).
     """
-    experts = any(node.target is MOE_EXPERTS for node in graph.nodes.values())
-    configs = megatron_configs(mesh, experts=experts)
-    configs = [c for c in configs if sequence_parallel in (None, c["sequence_parallel"])]
-    if not configs:
-        raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
-    assignments = megatron_assignments(graph, mesh, configs, values=values)
-    priced_graph, choices = price_assignments(graph, [*assignments, *also], mesh, cluster, values, opts)
-    variants: list[tuple[int, dict[str, Any], CostOptions, Any]] = [
-        (i, cfg, opts, None) for i, cfg in enumerate(configs)
-    ]
-    if memory_budget is not None and distributed_optimizer:
-        distributed = dataclasses.replace(opts, zero=2, distributed_optimizer=True)
-        variants += [
-            (i, {**cfg, "distributed_optimizer": True}, distributed, None)
-            for i, cfg in enumerate(configs)
-            if cfg["dp"] > 1
-        ]
-        # Megatron-LM's activation recomputation: full (every layer) and selective (attention scores)
-        layers = layer_pricing(graph, priced_graph, values, opts)
-        modes = [] if layers is None else ["full"] + (["selective"] if layers.selective_differs else [])
-        plain = list(variants)
-        for mode in modes:
-            assert layers is not None
-            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
-            applied = (layers, policy, layers.apply(policy))
-            variants += [(i, {**cfg, "recompute": mode}, costs, applied) for i, cfg, costs, _ in plain]
+    configs, assignments, priced_graph, choices, variants = megatron_variants(
+        graph, mesh, cluster, values, opts, memory_budget, sequence_parallel, also, distributed_optimizer
+    )
     ranked = []
     for k, (i, cfg, costs, rec) in enumerate(variants):
         pred = variant_summary(graph, priced_graph, choices[i], costs, rec, nodes=False).predicted
@@ -103,6 +83,55 @@ def best_megatron(
     summary = variant_summary(graph, priced_graph, choices[i], costs, rec)
     others = [summarize(graph, priced_graph, c, opts, nodes=False).predicted for c in choices[len(assignments) :]]
     return (config, summary, assignments[i]), others
+
+
+#: one Megatron variant: (the index of its configuration, the configuration with its levers, its cost options, its
+#: recomputation as ``(layers, policy, applied pricing)`` or ``None``)
+Variant = tuple[int, dict[str, Any], CostOptions, Any]
+
+
+def megatron_variants(
+    graph: OpGraph,
+    mesh: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+    sequence_parallel: bool | None = None,
+    also: Sequence[Mapping[str, PartitionSeq]] = (),
+    distributed_optimizer: bool = True,
+    configs: list[dict[str, Any]] | None = None,
+) -> tuple[list[dict[str, Any]], list, PricedGraph, list[dict[str, int]], list[Variant]]:
+    """Megatron's configurations on ``mesh`` (``configs``, default all of
+    :func:`~primepar_fx.planning.baselines.megatron_configs`), their assignments priced with ``also`` (one pricing,
+    one choice each) and the variants :func:`best_megatron` ranks: each configuration as it is and, under a budget,
+    with the distributed optimizer and with full and selective recomputation."""
+    experts = any(node.target is MOE_EXPERTS for node in graph.nodes.values())
+    if configs is None:
+        configs = megatron_configs(mesh, experts=experts)
+    configs = [c for c in configs if sequence_parallel in (None, c["sequence_parallel"])]
+    if not configs:
+        raise ValueError(f"no Megatron configuration with sequence_parallel={sequence_parallel} on {mesh.digits}")
+    assignments = megatron_assignments(graph, mesh, configs, values=values)
+    priced_graph, choices = price_assignments(graph, [*assignments, *also], mesh, cluster, values, opts)
+    variants: list[Variant] = [(i, cfg, opts, None) for i, cfg in enumerate(configs)]
+    if memory_budget is not None and distributed_optimizer:
+        distributed = dataclasses.replace(opts, zero=2, distributed_optimizer=True)
+        variants += [
+            (i, {**cfg, "distributed_optimizer": True}, distributed, None)
+            for i, cfg in enumerate(configs)
+            if cfg["dp"] > 1
+        ]
+        # Megatron-LM's activation recomputation: full (every layer) and selective (attention scores)
+        layers = layer_pricing(graph, priced_graph, values, opts)
+        modes = [] if layers is None else ["full"] + (["selective"] if layers.selective_differs else [])
+        plain = list(variants)
+        for mode in modes:
+            assert layers is not None
+            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
+            applied = (layers, policy, layers.apply(policy))
+            variants += [(i, {**cfg, "recompute": mode}, costs, applied) for i, cfg, costs, _ in plain]
+    return configs, assignments, priced_graph, choices, variants
 
 
 def variant_summary(
@@ -302,11 +331,17 @@ def best_micro_batches(
 
 
 def fixed_baselines(graph: OpGraph, full: DeviceMesh, opts: PlanOptions) -> dict[str, Baseline]:
-    """Megatron-LM, data parallelism and FSDP: they bring their own levers (the distributed optimizer, not our ZeRO),
+    """Megatron-LM, data parallelism and FSDP, and Megatron-LM with pipeline stages where the graph has layers to
+    cut (:func:`best_megatron_pipelined`): they bring their own levers (the distributed optimizer, not our ZeRO),
     from the whole batch (Megatron tries its micro-batches itself: :func:`best_megatron_micro_batches`), so they do
     not depend on the plan found."""
     whole = dataclasses.replace(opts.cost_options(), zero=0, micro_batches=1)
-    return price_baselines(graph, full, opts.cluster, {B: opts.batch, S: opts.seq}, whole, opts.memory_budget)
+    values = {B: opts.batch, S: opts.seq}
+    out = price_baselines(graph, full, opts.cluster, values, whole, opts.memory_budget)
+    pipelined = best_megatron_pipelined(graph, full, opts.cluster, values, whole, opts.memory_budget)
+    if pipelined is not None:
+        out[pipelined.name] = pipelined
+    return out
 
 
 def plan_baselines(
@@ -427,3 +462,118 @@ def uses_prime(priced: PricedGraph, choice: Mapping[str, int]) -> bool:
 
 def _partitions(summary: Summary) -> dict[str, str]:
     return {n.name: n.partition for n in summary.nodes}
+
+
+def best_megatron_pipelined(
+    graph: OpGraph,
+    full: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+) -> Baseline | None:
+    """Megatron-LM with pipeline stages: ``tp x pp x dp`` (+SP, the distributed optimizer, full or selective
+    recomputation under a budget), the stage count of :func:`stage_counts`, the micro-batches of
+    :func:`pipeline_micro_batches` and the schedules of :data:`MEGATRON_SCHEDULES`, priced as a pipeline; the
+    fastest that fits (the fastest, marked not fitting, where none does). ``None`` where the graph has no layer
+    stack or the world no stage count."""
+    pieces = stage_pieces(graph)
+    if pieces is None:
+        return None
+    batch, best = values[B], _Best(memory_budget)
+    for p in stage_counts(full.size, len(pieces), cluster.devices_per_node):
+        sub = DeviceMesh.for_world_size(full.size // p, cluster.devices_per_node)
+        for m, configs in _counts(batch, p, sub):
+            _price_at(graph, sub, cluster, {**values, B: batch // m}, opts, p, m, configs, best)
+    if best.config is None:
+        return None
+    assert best.predicted is not None
+    config = dict(best.config)
+    if memory_budget is not None:
+        config["fits_budget"] = best.predicted.peak_memory_bytes <= memory_budget
+    return Baseline("megatron_pipelined", config, best.predicted)
+
+
+class _Best:
+    """The best pipelined plan so far: the fastest that fits the budget, fewer levers breaking ties (the fastest
+    where none fits)."""
+
+    def __init__(self, memory_budget: float | None) -> None:
+        self.budget = memory_budget
+        self.rank: tuple[bool, float, int, int] | None = None
+        self.config: dict[str, Any] | None = None
+        self.predicted: Predicted | None = None
+
+    def beats(self, seconds: float) -> bool:
+        """Whether a plan that fits is already as fast as ``seconds`` (so a slower one need not be priced)."""
+        return self.rank is not None and not self.rank[0] and self.rank[1] <= seconds
+
+    def offer(self, pp: PipelinePricing, cfg: dict[str, Any], comm: Callable[[], int]) -> None:
+        fits = self.budget is None or pp.peak <= self.budget
+        rank = (not fits, pp.step_s, ("distributed_optimizer" in cfg) + ("recompute" in cfg), pp.peak)
+        if self.rank is None or rank < self.rank:
+            self.rank, self.config = rank, _config(cfg, pp)
+            self.predicted = Predicted(pp.step_s, pp.peak, comm() + pp.p2p_bytes)
+
+
+def _counts(batch: int, stages: int, sub: DeviceMesh) -> list[tuple[int, list[dict[str, Any]]]]:
+    """Each micro-batch count of a pipeline of ``stages`` on ``sub`` with the Megatron configurations that run it."""
+    by_count: dict[int, list[dict[str, Any]]] = {}
+    for cfg in megatron_configs(sub):
+        for m in pipeline_micro_batches(batch, stages, cfg["dp"]):
+            by_count.setdefault(m, []).append(cfg)
+    return sorted(by_count.items(), reverse=True)
+
+
+def _price_at(
+    graph: OpGraph,
+    sub: DeviceMesh,
+    cluster: ClusterSpec,
+    micro: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    stages: int,
+    m: int,
+    configs: list[dict[str, Any]],
+    best: _Best,
+) -> None:
+    """Offer ``best`` every variant of ``configs`` on a stage's mesh ``sub`` at micro-batch values ``micro``, run as
+    a pipeline of ``stages`` over ``m`` micro-batches; a variant that even without a bubble, perfectly balanced, is
+    no faster than a plan that fits is not replayed."""
+    costs = dataclasses.replace(opts, micro_batches=m)
+    _, _, priced, choices, variants = megatron_variants(graph, sub, cluster, micro, costs, best.budget, configs=configs)
+    vkey = values_key(micro)
+    seconds: dict[tuple[int, int], dict[str, tuple[float, float]]] = {}  # by (pricing, choice)
+    crossings: dict[int, tuple] = {}
+    for i, cfg, variant_costs, rec in variants:
+        applied, extra = (priced, 0) if rec is None else (rec[2], rec[0].extra_peak(rec[1], rec[2], choices[i]))
+        if (id(applied), i) not in seconds:
+            seconds[id(applied), i] = node_seconds(graph, applied, choices[i])
+        if i not in crossings:
+            crossings[i] = plan_crossings(graph, priced, choices[i], costs.itemsize, vkey)
+        pieces = plan_pieces(graph, applied, choices[i], variant_costs, vkey, seconds[id(applied), i], crossings[i])
+        if best.beats(m * (sum(pieces.forward) + sum(pieces.backward)) / stages):
+            continue
+
+        def comm(i: int = i, variant_costs: CostOptions = variant_costs, rec: Any = rec) -> int:
+            """The mean device's bytes a step: each node runs on one stage's devices, ``m`` times."""
+            summary = variant_summary(graph, priced, choices[i], variant_costs, rec, nodes=False)
+            return round(summary.predicted.comm_bytes * m / stages)
+
+        for name, virtual in schedules(stages, len(pieces), m):
+            pp = price_pipeline(pieces, cluster, m, stages=stages, schedule=name, virtual=virtual, extra_peak=extra)
+            log.info("%s: %.4g s, %.3g GiB", _config(cfg, pp)["name"], pp.step_s, pp.peak / 2**30)
+            best.offer(pp, cfg, comm)
+
+
+def _config(cfg: dict[str, Any], pp: PipelinePricing) -> dict[str, Any]:
+    """A Megatron configuration with its pipeline (the plan JSON's ``pipeline`` fields) and its name."""
+    config = {
+        **cfg,
+        "pp": pp.stages,
+        "schedule": pp.schedule,
+        "virtual_stages": pp.virtual,
+        "micro_batches": pp.micro_batches,
+        "layers_per_stage": list(pp.layers),
+        "bubble": round(pp.bubble, 4),
+    }
+    return {**config, "name": config_name(config)}

@@ -55,7 +55,7 @@ def summarize(
     plans, total_s, static, buffers, comm = [], 0.0, 0, 0, 0.0
     for name, node in graph.nodes.items():
         c = priced.node_costs[name][choice[name]]
-        step_s = _unrounded(c.time_s - adj.saved_s[name] - adj.unshared_s[name] + adj.redis_s[name])
+        step_s = adj.step_s(name, c.time_s)
         total_s += step_s
         static += c.state_bytes(opts) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
@@ -124,6 +124,10 @@ class _Adjustments:
             adj.redis_s[v] += float(mat[choice[u], choice[v]])
             adj.redis_bytes[v] += int(priced.edge_bytes[(u, v)][choice[u], choice[v]])
         return adj
+
+    def step_s(self, name: str, own_s: float) -> float:
+        """Node ``name``'s seconds in the plan: its own ``own_s`` with what the edges and savings add or take."""
+        return _unrounded(own_s - self.saved_s[name] - self.unshared_s[name] + self.redis_s[name])
 
     def add_not_run(self, priced: PricedGraph, choice: dict[str, int]) -> None:
         """Consumers that share the first consumer's re-layout (cost.share): their edge and input all-reduces."""
@@ -217,6 +221,16 @@ class _Adjustments:
         if self.redis_bytes[name]:
             kinds["redistribution"] = self.redis_bytes[name] // world
         return kinds
+
+
+def node_seconds(graph: OpGraph, priced: PricedGraph, choice: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """Per node, its seconds in the plan and the re-layouts' share of them: the ``step_s`` and
+    ``redistribution_s`` of :func:`summarize`'s rows, without building the rows."""
+    adj = _Adjustments.of(graph, priced, choice)
+    return {
+        name: (adj.step_s(name, priced.node_costs[name][choice[name]].time_s), _unrounded(adj.redis_s[name]))
+        for name in graph.nodes
+    }
 
 
 def per_step(summary: Summary, m: int) -> Summary:
