@@ -222,6 +222,7 @@ def _print_baselines(plan: Plan, options: PlanOptions) -> None:
         ("megatron", "Megatron configuration"),
         ("megatron_pipelined", "Megatron configuration with pipeline stages"),
         ("fsdp", "FSDP configuration"),
+        ("fsdp_pipelined", "FSDP configuration with pipeline stages"),
     ):
         base = plan.baselines.get(key)
         if base is None:
@@ -235,7 +236,12 @@ def _print_baselines(plan: Plan, options: PlanOptions) -> None:
             continue
         speed = base.predicted.step_time_s / plan.predicted.step_time_s
         mem = plan.predicted.peak_memory_bytes / max(1, base.predicted.peak_memory_bytes)
-        best = {"megatron": "best Megatron", "megatron_pipelined": "best Megatron with pipelines"}.get(key, "best FSDP")
+        best = {
+            "megatron": "best Megatron",
+            "megatron_pipelined": "best Megatron with pipelines",
+            "fsdp": "best FSDP",
+            "fsdp_pipelined": "best FSDP with pipelines",
+        }[key]
         print(f"vs {best} ({name}): {speed:.2f}x throughput, {mem:.0%} of its peak memory")
         if base.config.get("fallback_nodes"):
             print(

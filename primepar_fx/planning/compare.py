@@ -208,23 +208,8 @@ def fsdp_at(
     """FSDP at ``values``' batch in one micro-batch of ``opts``' (:func:`best_fsdp`): its config and prediction."""
     costs = dataclasses.replace(opts, zero=3, distributed_optimizer=False, regather_all=True)
     priced, (choice,) = price_assignments(graph, [dp], mesh, cluster, values, costs)
-    units = layer_units(graph)
-    if units is None:  # no layer stack: each node its own unit
-        groups = [[n] for n in graph.nodes]
-    else:  # the layers, and the root unit: the nodes outside the stack (embeddings, final norm, head)
-        groups = [list(u) for u in units.units] + [[n for n in graph.nodes if n not in units.layer_of]]
-    layer_bytes = [sum(priced.node_costs[n][choice[n]].param_bytes for n in g) for g in groups]
-    gathered = sum(sorted(layer_bytes, reverse=True)[:FSDP_GATHERED_LAYERS])
-    # (a node's own gathered blocks are in its buffer already: ZeRO-3's cost model, one node at a time)
-    gathered = max(0, gathered - max(priced.node_costs[n][choice[n]].buffer_bytes for n in graph.nodes))
-    variants: list[tuple[str, Any]] = [("none", None)]
-    # recomputation only adds time: without a budget the plain variant is the fastest, and the others not priced
-    layers = None if memory_budget is None else layer_pricing(graph, priced, values, costs)
-    if layers is not None:
-        modes = ["full"] + (["selective"] if layers.selective_differs else [])
-        for mode in modes:
-            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
-            variants.append((mode, (layers, policy, layers.apply(policy))))
+    gathered = fsdp_gathered(graph, priced, choice)
+    variants = fsdp_variants(graph, priced, values, costs, memory_budget)
     ranked = []
     for k, (_, rec) in enumerate(variants):
         pred = variant_summary(graph, priced, choice, costs, rec, nodes=False, extra=gathered).predicted
@@ -237,6 +222,40 @@ def fsdp_at(
     if memory_budget is not None:
         config["fits_budget"] = not unfit
     return config, pred
+
+
+def fsdp_gathered(graph: OpGraph, priced: PricedGraph, choice: Mapping[str, int]) -> int:
+    """The bytes FSDP holds gathered beyond ZeRO-3's own model: the :data:`FSDP_GATHERED_LAYERS` largest units'
+    parameters whole (the layers, and the nodes outside the stack as one unit), less the largest node's own gathered
+    blocks, which its buffer holds already (ZeRO-3's cost model gathers one node at a time)."""
+    units = layer_units(graph)
+    if units is None:  # no layer stack: each node its own unit
+        groups = [[n] for n in graph.nodes]
+    else:  # the layers, and the root unit: the nodes outside the stack (embeddings, final norm, head)
+        groups = [list(u) for u in units.units] + [[n for n in graph.nodes if n not in units.layer_of]]
+    layer_bytes = [sum(priced.node_costs[n][choice[n]].param_bytes for n in g) for g in groups]
+    gathered = sum(sorted(layer_bytes, reverse=True)[:FSDP_GATHERED_LAYERS])
+    return max(0, gathered - max(priced.node_costs[n][choice[n]].buffer_bytes for n in graph.nodes))
+
+
+def fsdp_variants(
+    graph: OpGraph,
+    priced: PricedGraph,
+    values: dict[sympy.Symbol, int],
+    costs: CostOptions,
+    memory_budget: float | None,
+) -> list[tuple[str, Any]]:
+    """FSDP's recomputation variants, ``(mode, (layers, policy, applied pricing) or None)``: none, and under a budget
+    full and (where the model keeps attention scores) selective recomputation of every layer (recomputation only
+    adds time: without a budget the plain variant is the fastest, and the others are not priced)."""
+    variants: list[tuple[str, Any]] = [("none", None)]
+    layers = None if memory_budget is None else layer_pricing(graph, priced, values, costs)
+    if layers is not None:
+        modes = ["full"] + (["selective"] if layers.selective_differs else [])
+        for mode in modes:
+            policy = Recompute.uniform(layers.units.stack, len(layers.units), mode)
+            variants.append((mode, (layers, policy, layers.apply(policy))))
+    return variants
 
 
 def price_baselines(
@@ -331,16 +350,17 @@ def best_micro_batches(
 
 
 def fixed_baselines(graph: OpGraph, full: DeviceMesh, opts: PlanOptions) -> dict[str, Baseline]:
-    """Megatron-LM, data parallelism and FSDP, and Megatron-LM with pipeline stages where the graph has layers to
-    cut (:func:`best_megatron_pipelined`): they bring their own levers (the distributed optimizer, not our ZeRO),
-    from the whole batch (Megatron tries its micro-batches itself: :func:`best_megatron_micro_batches`), so they do
-    not depend on the plan found."""
+    """Megatron-LM, data parallelism and FSDP, and Megatron-LM and FSDP with pipeline stages where the graph has
+    layers to cut (:func:`best_megatron_pipelined`, :func:`best_fsdp_pipelined`): they bring their own levers (the
+    distributed optimizer, not our ZeRO), from the whole batch (Megatron tries its micro-batches itself:
+    :func:`best_megatron_micro_batches`), so they do not depend on the plan found."""
     whole = dataclasses.replace(opts.cost_options(), zero=0, micro_batches=1)
     values = {B: opts.batch, S: opts.seq}
     out = price_baselines(graph, full, opts.cluster, values, whole, opts.memory_budget)
-    pipelined = best_megatron_pipelined(graph, full, opts.cluster, values, whole, opts.memory_budget)
-    if pipelined is not None:
-        out[pipelined.name] = pipelined
+    for staged in (best_megatron_pipelined, best_fsdp_pipelined):
+        pipelined = staged(graph, full, opts.cluster, values, whole, opts.memory_budget)
+        if pipelined is not None:
+            out[pipelined.name] = pipelined
     return out
 
 
@@ -487,11 +507,7 @@ def best_megatron_pipelined(
             _price_at(graph, sub, cluster, {**values, B: batch // m}, opts, p, m, configs, best)
     if best.config is None:
         return None
-    assert best.predicted is not None
-    config = dict(best.config)
-    if memory_budget is not None:
-        config["fits_budget"] = best.predicted.peak_memory_bytes <= memory_budget
-    return Baseline("megatron_pipelined", config, best.predicted)
+    return best.baseline("megatron_pipelined")
 
 
 class _Best:
@@ -504,15 +520,28 @@ class _Best:
         self.config: dict[str, Any] | None = None
         self.predicted: Predicted | None = None
 
+    def baseline(self, key: str) -> Baseline:
+        """The best plan as baseline ``key``, saying whether it fits under a budget."""
+        assert self.config is not None and self.predicted is not None
+        config = dict(self.config)
+        if self.budget is not None:
+            config["fits_budget"] = self.predicted.peak_memory_bytes <= self.budget
+        return Baseline(key, config, self.predicted)
+
     def beats(self, seconds: float) -> bool:
         """Whether a plan that fits is already as fast as ``seconds`` (so a slower one need not be priced)."""
         return self.rank is not None and not self.rank[0] and self.rank[1] <= seconds
 
-    def offer(self, pp: PipelinePricing, cfg: dict[str, Any], comm: Callable[[], int]) -> None:
+    def offer(
+        self, pp: PipelinePricing, cfg: dict[str, Any], comm: Callable[[], int], name: Callable[[dict], str]
+    ) -> None:
+        """Keep ``cfg`` run as ``pp`` if it is the best so far; ``comm()``: its bytes a step but the pipeline's,
+        ``name(config)``: its name."""
         fits = self.budget is None or pp.peak <= self.budget
-        rank = (not fits, pp.step_s, ("distributed_optimizer" in cfg) + ("recompute" in cfg), pp.peak)
+        levers = ("distributed_optimizer" in cfg) + (cfg.get("recompute", "none") != "none")
+        rank = (not fits, pp.step_s, levers, pp.peak)
         if self.rank is None or rank < self.rank:
-            self.rank, self.config = rank, _config(cfg, pp)
+            self.rank, self.config = rank, _config(cfg, pp, name)
             self.predicted = Predicted(pp.step_s, pp.peak, comm() + pp.p2p_bytes)
 
 
@@ -561,12 +590,12 @@ def _price_at(
 
         for name, virtual in schedules(stages, len(pieces), m):
             pp = price_pipeline(pieces, cluster, m, stages=stages, schedule=name, virtual=virtual, extra_peak=extra)
-            log.info("%s: %.4g s, %.3g GiB", _config(cfg, pp)["name"], pp.step_s, pp.peak / 2**30)
-            best.offer(pp, cfg, comm)
+            log.info("%s: %.4g s, %.3g GiB", _config(cfg, pp, config_name)["name"], pp.step_s, pp.peak / 2**30)
+            best.offer(pp, cfg, comm, config_name)
 
 
-def _config(cfg: dict[str, Any], pp: PipelinePricing) -> dict[str, Any]:
-    """A Megatron configuration with its pipeline (the plan JSON's ``pipeline`` fields) and its name."""
+def _config(cfg: dict[str, Any], pp: PipelinePricing, name: Callable[[dict], str]) -> dict[str, Any]:
+    """A baseline's configuration with its pipeline (the plan JSON's ``pipeline`` fields) and its ``name``."""
     config = {
         **cfg,
         "pp": pp.stages,
@@ -576,4 +605,74 @@ def _config(cfg: dict[str, Any], pp: PipelinePricing) -> dict[str, Any]:
         "layers_per_stage": list(pp.layers),
         "bubble": round(pp.bubble, 4),
     }
-    return {**config, "name": config_name(config)}
+    return {**config, "name": name(config)}
+
+
+def best_fsdp_pipelined(
+    graph: OpGraph,
+    full: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    memory_budget: float | None,
+) -> Baseline | None:
+    """FSDP with pipeline stages (torchtitan's FSDP x PP): each stage's parameters, gradients and optimizer state
+    split over its devices as :func:`best_fsdp` splits them over all (ZeRO-3, gathered again every micro-batch,
+    :data:`FSDP_GATHERED_LAYERS` units whole at a time), with or without full or selective recomputation under a
+    budget, over the stage counts, micro-batches and schedules Megatron's pipelines use
+    (:func:`best_megatron_pipelined`); the fastest that fits. ``None`` where the graph has no layer stack or the
+    world no stage count."""
+    pieces = stage_pieces(graph)
+    if pieces is None:
+        return None
+    batch, best = values[B], _Best(memory_budget)
+    for p in stage_counts(full.size, len(pieces), cluster.devices_per_node):
+        sub = DeviceMesh.for_world_size(full.size // p, cluster.devices_per_node)
+        for m in pipeline_micro_batches(batch, p, sub.size):
+            _fsdp_price_at(graph, sub, cluster, {**values, B: batch // m}, opts, p, m, best)
+    return None if best.config is None else best.baseline("fsdp_pipelined")
+
+
+def _fsdp_price_at(
+    graph: OpGraph,
+    sub: DeviceMesh,
+    cluster: ClusterSpec,
+    micro: dict[sympy.Symbol, int],
+    opts: CostOptions,
+    stages: int,
+    m: int,
+    best: _Best,
+) -> None:
+    """Offer ``best`` FSDP on a stage's mesh ``sub`` at micro-batch values ``micro``, each recomputation variant run
+    as a pipeline of ``stages`` over ``m`` micro-batches (as :func:`_price_at` does Megatron's)."""
+    costs = dataclasses.replace(opts, zero=3, distributed_optimizer=False, regather_all=True, micro_batches=m)
+    dp = data_parallel_assignment(graph, sub, values=micro)
+    priced, (choice,) = price_assignments(graph, [dp], sub, cluster, micro, costs)
+    gathered, vkey = fsdp_gathered(graph, priced, choice), values_key(micro)
+    crossings = plan_crossings(graph, priced, choice, costs.itemsize, vkey)
+    for mode, rec in fsdp_variants(graph, priced, micro, costs, best.budget):
+        applied, extra = (priced, 0) if rec is None else (rec[2], rec[0].extra_peak(rec[1], rec[2], choice))
+        pieces = plan_pieces(graph, applied, choice, costs, vkey, crossings=crossings)
+        if best.beats(m * (sum(pieces.forward) + sum(pieces.backward)) / stages):
+            continue
+
+        def comm(rec: Any = rec) -> int:
+            """The mean device's bytes a step: each node runs on one stage's devices, ``m`` times."""
+            summary = variant_summary(graph, priced, choice, costs, rec, nodes=False)
+            return round(summary.predicted.comm_bytes * m / stages)
+
+        cfg = {"dp": sub.size, "zero": 3, "recompute": mode}
+        for name, virtual in schedules(stages, len(pieces), m):
+            pp = price_pipeline(
+                pieces, cluster, m, stages=stages, schedule=name, virtual=virtual, extra_peak=extra + gathered
+            )
+            best.offer(pp, cfg, comm, _fsdp_name)
+
+
+def _fsdp_name(config: dict[str, Any]) -> str:
+    """``"fsdp8 x pp4 (ZeRO-3) +full recompute +32 micro-batches +interleaved v2"``."""
+    name = f"fsdp{config['dp']} x pp{config['pp']} (ZeRO-3)"
+    if config.get("recompute", "none") != "none":
+        name += f" +{config['recompute']} recompute"
+    name += f" +{config['micro_batches']} micro-batches"
+    return name + (f" +interleaved v{config['virtual_stages']}" if config.get("virtual_stages", 1) > 1 else "")

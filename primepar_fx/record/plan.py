@@ -50,7 +50,14 @@ _OLD_FORMATS = {
 COMM_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p", "redistribution", "recomputation")
 PHASES = ("forward", "backward", "gradient")
 PLAN_DTYPES = ("fp32", "tf32", "bf16", "fp16")
-KNOWN_BASELINES = ("megatron", "megatron_pipelined", "data_parallel", "fsdp", "split_only")  # others are allowed
+KNOWN_BASELINES = (
+    "megatron",
+    "megatron_pipelined",
+    "data_parallel",
+    "fsdp",
+    "fsdp_pipelined",
+    "split_only",
+)  # others are allowed
 MiB = 1 << 20
 _FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
 _REL_TOL = 1e-9

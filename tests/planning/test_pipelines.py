@@ -16,7 +16,7 @@ from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.enumerate import values_key
 from primepar_fx.planning import compare
-from primepar_fx.planning.baselines import megatron_assignment
+from primepar_fx.planning.baselines import data_parallel_assignment, megatron_assignment
 from primepar_fx.planning.pipelines import pipeline_micro_batches, schedules, stage_counts
 from primepar_fx.pricing.fixed import price_assignments
 from primepar_fx.pricing.pipelined import plan_pieces, price_pipeline
@@ -85,6 +85,34 @@ def test_megatron_with_pipelines_is_the_fastest_of_every_split_count_and_schedul
     assert f"x pp{config['pp']}" in config["name"]
 
 
+def test_fsdp_with_pipelines_is_the_fastest_of_every_stage_count_and_schedule():
+    """FSDP x PP: each stage's data parallelism with ZeRO-3 (gathered again every micro-batch, two units whole at a
+    time), the fastest of every stage count, micro-batch count and schedule, each priced on its own."""
+    g, cluster, full = graph("gpt2-tiny", 4), load_cluster("v100-paper"), DeviceMesh((2, 2))
+    values = {B: 16, S: 32}
+    base = compare.best_fsdp_pipelined(g, full, cluster, values, CostOptions(), None)
+    every = []
+    for p in stage_counts(4, 4, cluster.devices_per_node):
+        sub = DeviceMesh.for_world_size(4 // p)
+        for m in pipeline_micro_batches(16, p, sub.size):
+            micro = {**values, B: 16 // m}
+            costs = CostOptions(zero=3, regather_all=True, micro_batches=m)
+            plan = data_parallel_assignment(g, sub, values=micro)
+            priced, (choice,) = price_assignments(g, [plan], sub, cluster, micro, costs)
+            pieces = plan_pieces(g, priced, choice, costs, values_key(micro))
+            gathered = compare.fsdp_gathered(g, priced, choice)
+            for name, v in schedules(p, 4, m):
+                pp = price_pipeline(pieces, cluster, m, stages=p, schedule=name, virtual=v, extra_peak=gathered)
+                every.append((pp.step_s, pp.peak, p, m, name))
+    fastest = min(every)
+    assert base.predicted.step_time_s == pytest.approx(fastest[0], rel=1e-12)
+    assert base.predicted.peak_memory_bytes == fastest[1]
+    config = base.config
+    assert (config["pp"], config["micro_batches"], config["schedule"]) == fastest[2:]
+    assert config["name"].startswith(f"fsdp{4 // config['pp']} x pp{config['pp']} (ZeRO-3)")
+
+
 def test_a_graph_without_layers_has_no_pipelined_baseline():
     g, cluster = graph("gpt2-tiny", 1), load_cluster("v100-paper")
-    assert compare.best_megatron_pipelined(g, DeviceMesh((2, 2)), cluster, {B: 16, S: 32}, CostOptions(), None) is None
+    for staged in (compare.best_megatron_pipelined, compare.best_fsdp_pipelined):
+        assert staged(g, DeviceMesh((2, 2)), cluster, {B: 16, S: 32}, CostOptions(), None) is None
