@@ -497,17 +497,40 @@ def best_megatron_pipelined(
     :func:`pipeline_micro_batches` and the schedules of :data:`MEGATRON_SCHEDULES`, priced as a pipeline; the
     fastest that fits (the fastest, marked not fitting, where none does). ``None`` where the graph has no layer
     stack or the world no stage count."""
+
+    def price(sub: DeviceMesh, micro: dict[sympy.Symbol, int], p: int, m: int, configs: Any, best: _Best) -> None:
+        _price_at(graph, sub, cluster, micro, opts, p, m, configs, best)
+
+    best = _pipelines(graph, full, cluster, values, memory_budget, _counts, price)
+    return None if best is None else best.baseline("megatron_pipelined")
+
+
+#: a pipelined baseline's micro-batch counts on a stage's mesh: ``(batch, stages, mesh) -> [(m, what runs it)]``
+Counts = Callable[[int, int, DeviceMesh], list[tuple[int, Any]]]
+#: a pipelined baseline's pricing at one count: ``(mesh, micro-batch values, stages, m, what runs it, best)``
+PriceAt = Callable[[DeviceMesh, dict, int, int, Any, "_Best"], None]
+
+
+def _pipelines(
+    graph: OpGraph,
+    full: DeviceMesh,
+    cluster: ClusterSpec,
+    values: dict[sympy.Symbol, int],
+    memory_budget: float | None,
+    counts: Counts,
+    price: PriceAt,
+) -> _Best | None:
+    """A pipelined baseline's search: ``price`` at each of ``counts`` of each stage count of
+    :func:`stage_counts`; the best found, ``None`` where the graph has no layer stack or nothing was priced."""
     pieces = stage_pieces(graph)
     if pieces is None:
         return None
     batch, best = values[B], _Best(memory_budget)
     for p in stage_counts(full.size, len(pieces), cluster.devices_per_node):
         sub = DeviceMesh.for_world_size(full.size // p, cluster.devices_per_node)
-        for m, configs in _counts(batch, p, sub):
-            _price_at(graph, sub, cluster, {**values, B: batch // m}, opts, p, m, configs, best)
-    if best.config is None:
-        return None
-    return best.baseline("megatron_pipelined")
+        for m, what in counts(batch, p, sub):
+            price(sub, {**values, B: batch // m}, p, m, what, best)
+    return None if best.config is None else best
 
 
 class _Best:
@@ -622,15 +645,15 @@ def best_fsdp_pipelined(
     budget, over the stage counts, micro-batches and schedules Megatron's pipelines use
     (:func:`best_megatron_pipelined`); the fastest that fits. ``None`` where the graph has no layer stack or the
     world no stage count."""
-    pieces = stage_pieces(graph)
-    if pieces is None:
-        return None
-    batch, best = values[B], _Best(memory_budget)
-    for p in stage_counts(full.size, len(pieces), cluster.devices_per_node):
-        sub = DeviceMesh.for_world_size(full.size // p, cluster.devices_per_node)
-        for m in pipeline_micro_batches(batch, p, sub.size):
-            _fsdp_price_at(graph, sub, cluster, {**values, B: batch // m}, opts, p, m, best)
-    return None if best.config is None else best.baseline("fsdp_pipelined")
+
+    def counts(batch: int, p: int, sub: DeviceMesh) -> list[tuple[int, Any]]:
+        return [(m, None) for m in pipeline_micro_batches(batch, p, sub.size)]
+
+    def price(sub: DeviceMesh, micro: dict[sympy.Symbol, int], p: int, m: int, _: Any, best: _Best) -> None:
+        _fsdp_price_at(graph, sub, cluster, micro, opts, p, m, best)
+
+    best = _pipelines(graph, full, cluster, values, memory_budget, counts, price)
+    return None if best is None else best.baseline("fsdp_pipelined")
 
 
 def _fsdp_price_at(
