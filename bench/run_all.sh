@@ -8,8 +8,8 @@
 #   bench/run_all.sh baselines fidelity   # only these steps (names below)
 #   SKIP="search_time explain" bench/run_all.sh
 #
-# Steps: calibrate step_time fidelity baselines baselines_gpt2 baselines_opt memory ilp_check search_time paper_fig7
-# explain search_engine. Every bench/*.py must be a step, a shared helper or one of the scripts run by hand (MANUAL,
+# Steps: calibrate step_time fidelity baselines baselines_gpt2 baselines_opt pipeline_fidelity memory ilp_check
+# search_time paper_fig7 paper_fig7_fit explain search_engine. Every bench/*.py must be a step, a shared helper or one of the scripts run by hand (MANUAL,
 # each with its reason below); the script stops if one is none of these.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ SPEC=$OUT/calibrated-cpu-gloo.json
 STEP_SPEC=$OUT/stepfit-cpu-gloo.json
 HELPERS="measure.py plans.py"
 COVERED="step_time.py baselines_step_time.py cost_fidelity.py memory_check.py ilp_check.py search_time.py paper_fig7.py
-explain_time.py search_engine.py"
+explain_time.py search_engine.py pipeline_fidelity.py"
 # run by hand: gpu_check.py needs a GPU (the prepared device check); coverage.py trains every covered Hugging Face
 # family (an hour here); real_configs.py plans every family at full size; same_plans.py compares two versions of the
 # code (it takes their paths); fig9_preset.py derives a preset from the paper's figure (no measurement);
@@ -64,10 +64,12 @@ run fidelity python bench/cost_fidelity.py --spec "$SPEC"  # also writes the ste
 run baselines python bench/baselines_step_time.py --spec "$STEP_SPEC"
 run baselines_gpt2 python bench/baselines_step_time.py --model gpt2 --spec "$STEP_SPEC"
 run baselines_opt python bench/baselines_step_time.py --model opt --spec "$STEP_SPEC"
+run pipeline_fidelity python bench/pipeline_fidelity.py --spec "$STEP_SPEC"
 run memory python bench/memory_check.py
 run ilp_check python bench/ilp_check.py
 run search_time python bench/search_time.py
 run paper_fig7 python bench/paper_fig7.py
+run paper_fig7_fit python bench/paper_fig7.py --fit
 run explain python bench/explain_time.py
 run search_engine bash -c "python bench/search_engine.py | tee $OUT/search_engine.txt"
 echo "== all: $(($(date +%s) - TOTAL_START)) s"
