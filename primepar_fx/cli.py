@@ -198,6 +198,8 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
         recompute=args.recompute,
         zero=args.zero,
         micro_batches=args.micro_batches,
+        stages=None if args.stages == "auto" else args.stages,
+        schedule=args.schedule,
         memory_budget="device" if args.memory_budget is None else args.memory_budget,
         alpha=args.alpha,
         method=args.method,
@@ -332,7 +334,7 @@ def _any_split(graph: Any, plan: Plan) -> bool:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     from primepar_fx.api import analyze
-    from primepar_fx.compiler.agree import compile_options, resolve_plan
+    from primepar_fx.compiler.agree import check_runnable, compile_options, resolve_plan
     from primepar_fx.report.dump import dump
 
     t0 = time.perf_counter()
@@ -342,6 +344,11 @@ def cmd_dump(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"--plan: {e}") from None
     given = Plan.load(value) if kind == "file" else None
+    if given is not None:
+        try:
+            check_runnable(given)
+        except NotImplementedError as e:
+            raise CliError(f"--plan {args.plan}: {e}") from None
     batch = args.batch or (given.batch if given else 2)
     seq = args.seq or (given.seq if given else 16)
     if given is not None and (given.batch, given.seq, given.world_size) != (batch, seq, args.world_size):
@@ -489,6 +496,19 @@ def _add_memory_args(pl: argparse.ArgumentParser) -> None:
         "more, then the fastest of 1, 2, 4, 8 that divide the batch) or a count",
     )
     pl.add_argument(
+        "--stages",
+        type=_stages,
+        default="auto",
+        metavar="{auto,P}",
+        help="pipeline stages: auto (default: searched beside the plan without stages where the devices span "
+        "nodes), 1 (none) or P (the plan runs as P stages of -n / P devices each)",
+    )
+    pl.add_argument(
+        "--schedule",
+        default=None,
+        help="the pipeline schedule: GPipe, 1F1B or Interleaved1F1B (default: 1F1B and Interleaved1F1B searched)",
+    )
+    pl.add_argument(
         "--memory-budget",
         type=parse_budget,
         help="hard per-device budget, e.g. 30GiB; 'none' lifts it (default: the device's memory less 10%%)",
@@ -496,6 +516,15 @@ def _add_memory_args(pl: argparse.ArgumentParser) -> None:
     pl.add_argument(
         "--alpha", type=non_negative_float, default=0.0, help="weight of memory (per byte) in the objective"
     )
+
+
+def _stages(text: str) -> str | int:
+    """``--stages``: ``auto`` or a whole number >= 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _add_search_args(pl: argparse.ArgumentParser) -> None:

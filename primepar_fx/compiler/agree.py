@@ -96,6 +96,16 @@ def resolve_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:
     return forced_plan(graph, value, options)
 
 
+def check_runnable(plan: Plan) -> None:
+    """Raise ``NotImplementedError`` for a plan the runtime cannot run: one with pipeline stages (planned and
+    priced, :mod:`~primepar_fx.planning.staged`; their runtime is not built yet)."""
+    if plan.pipeline is not None:
+        raise NotImplementedError(
+            f"the plan runs as a pipeline of {plan.pipeline.describe()}: pipeline stages are planned and priced, but "
+            "their runtime is not built yet; make the plan with stages=1 (primepar-fx plan --stages 1) to run it"
+        )
+
+
 def check_plan_fits(graph: OpGraph, plan: Plan, values: Mapping[sympy.Symbol, int]) -> None:
     """Raise :class:`PartitionError` naming the node and the dim when ``plan`` cannot run at sizes ``values``."""
     mesh = DeviceMesh(tuple(plan.digits))
@@ -122,6 +132,7 @@ def compile_options(
         fallback=fallback,
         method="dp",
         baselines=False,
+        stages=1,  # the runtime does not run pipeline stages yet (check_runnable)
     )
 
 
@@ -160,6 +171,7 @@ def agree_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:
                 _broadcast_text(None, rank, world, failure=f"{type(e).__name__}: {e}")
             raise
     chosen = Plan.from_json(_broadcast_text(text, rank, world))
+    check_runnable(chosen)
     if chosen.world_size != world:
         raise ValueError(
             f"the plan is for {chosen.world_size} devices (digits {list(chosen.digits)}) but the process group has "

@@ -55,6 +55,13 @@ class CostOptions:
     of the all-reduce they replace) with its two differences: the gradient stays whole in its contiguous buffer,
     and the shard is stepped in place (its master copy, or the fp32 parameter itself: no copy). A block that has no
     replicas (an expert split over the data-parallel ranks) keeps its whole state.
+
+    ``stages``: the graph is searched as one stage's plan of a pipeline of that many stages
+    (:mod:`~primepar_fx.planning.staged`): a device then keeps the parameter state of a ``1 / stages`` share of the
+    nodes, so each node's memory counts ``1 / stages`` of its state (:meth:`held_state_bytes`), while its stashed
+    activations count whole: under 1F1B the first stage holds ``stages`` micro-batches' activations of its share of
+    the layers. The pipeline's own pricing (:func:`~primepar_fx.pricing.pipelined.price_pipeline`) then counts each
+    stage's state and stash exactly.
     """
 
     dtype: str = "fp32"
@@ -69,6 +76,7 @@ class CostOptions:
     #: its Backward); ``False``, ours: only those Backward reads (:func:`zero_gather_share`)
     regather_all: bool = False
     distributed_optimizer: bool = False
+    stages: int = 1
 
     def __post_init__(self) -> None:
         for name in ("dtype", "grad_dtype", "state_dtype"):
@@ -84,6 +92,9 @@ class CostOptions:
         m = self.micro_batches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"micro_batches must be a whole number >= 1, got {m!r}")
+        p = self.stages
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"stages must be a whole number >= 1, got {p!r}")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int):
             raise ValueError(f"optimizer_states must be a whole number of moments, got {self.optimizer_states!r}")
         if self.optimizer_states < 0 or self.alpha < 0:

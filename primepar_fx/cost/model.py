@@ -139,8 +139,13 @@ class NodeCost:
         shard = None if self.shard_bytes is None else -(-self.shard_bytes // opts.itemsize)
         return opts.state_bytes(self.param_bytes // opts.itemsize, shard)
 
+    def held_state_bytes(self, opts: CostOptions) -> int:
+        """:meth:`state_bytes` as the search counts it: its ``1 / opts.stages`` share in one stage's plan of a
+        pipeline (:attr:`~primepar_fx.cost.blocks.CostOptions.stages`)."""
+        return -(-self.state_bytes(opts) // opts.stages)
+
     def memory_bytes(self, opts: CostOptions) -> int:
-        return self.state_bytes(opts) + self.stash_bytes + self.buffer_bytes
+        return self.held_state_bytes(opts) + self.stash_bytes + self.buffer_bytes
 
     def objective(self, opts: CostOptions) -> float:
         return self.time_s + opts.alpha * self.memory_bytes(opts)

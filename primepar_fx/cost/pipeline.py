@@ -75,10 +75,29 @@ class Timeline:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.seconds) if self.seconds else 0.0
 
 
+def check_schedule_name(schedule: object) -> None:
+    """One clear error for a schedule name that is not one of :data:`SCHEDULES`: one ``torch.distributed.pipelining``
+    does not have, or one it has that is not priced yet."""
+    if schedule in SCHEDULES:
+        return
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        get_schedule_class(schedule)  # type: ignore[arg-type]
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(
+            f"unknown pipeline schedule {schedule!r}: torch.distributed.pipelining has no such schedule; the schedules "
+            f"priced are {', '.join(SCHEDULES)}"
+        ) from None
+    raise ValueError(
+        f"pipeline schedule {schedule!r} is torch.distributed.pipelining's but is not priced yet; the schedules priced "
+        f"are {', '.join(SCHEDULES)}"
+    )
+
+
 def check_schedule(schedule: str, ranks: int, micro_batches: int, virtual: int = 1) -> None:
     """One clear error for a pipeline ``torch.distributed.pipelining`` cannot run (module docstring)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; the schedules are {', '.join(SCHEDULES)}")
+    check_schedule_name(schedule)
     if ranks < 1 or micro_batches < 1 or virtual < 1:
         raise ValueError(f"a pipeline needs ranks, micro-batches and virtual stages >= 1, got {ranks}, "
                          f"{micro_batches} and {virtual}")  # fmt: skip

@@ -366,7 +366,7 @@ def fixed_baselines(graph: OpGraph, full: DeviceMesh, opts: PlanOptions) -> dict
 
 def plan_baselines(
     graph: OpGraph,
-    priced: PricedGraph,
+    priced: PricedGraph | None,
     full: DeviceMesh,
     opts: PlanOptions,
     costs: CostOptions,
@@ -382,13 +382,14 @@ def plan_baselines(
     ``fastest``: our plan, where it is proven optimal on ``priced`` (within the budget, under its recomputation), as
     its choice and per-step summary. Where it uses no P(S x S) it is a split-only plan that no split-only plan
     beats, so it is the split-only baseline, not searched again (``recompute``: its recomputation policy).
-    ``split``: the split-only search's plan and whether it fits, where the planner ran it already."""
+    ``split``: the split-only search's plan and whether it fits, where the planner ran it already. ``priced``
+    ``None`` (no plan fits without pipeline stages): no split-only baseline."""
     ok, base = early.result() if early is not None else (False, None)
     if not ok:
         if early is not None:
             log.debug("the baselines' fork gave no result (%s): priced here", base)
         base = fixed_baselines(graph, full, opts)
-    if not opts.allow_prime:
+    if not opts.allow_prime or priced is None:
         return base
     config: dict[str, Any] = {"search": "no P(S x S)"}
     if split is None and fastest is not None and not uses_prime(priced, fastest[0]):

@@ -90,7 +90,7 @@ class CountSearch:
             raise ValueError(f"micro_batches={m} does not divide the batch of {opts.batch}")
         self.state, self.m, self.bound, self.free_only, self.meshes = state, m, bound, free_only, meshes
         self.values = {B: opts.batch // m, S: opts.seq}  # type: ignore[operator]
-        self.costs = dataclasses.replace(opts.cost_options(), micro_batches=m)
+        self.costs = dataclasses.replace(opts.cost_options(), micro_batches=m, stages=state.stages)
         self.workers = workers_for(opts, len(meshes))
         self.fastest: list[float | None] = [None] * len(meshes)  # each mesh's fastest plan, where bounded
         self.kept: dict[int, tuple[PricedGraph, float]] = {}  # a bound's pricing, kept for the mesh's search

@@ -33,6 +33,7 @@ import torch
 
 from primepar_fx.cost.blocks import CostOptions
 from primepar_fx.cost.cluster import ClusterSpec, dtype_key, load_cluster
+from primepar_fx.cost.pipeline import check_schedule_name
 from primepar_fx.graph import check_fallback
 from primepar_fx.levers.choices import check_choice, check_zero
 from primepar_fx.levers.choose import LeverOptions
@@ -176,6 +177,11 @@ class PlanOptions:
         workers: processes that price and search the groupings of the digits side by side (forked,
             :mod:`~primepar_fx.planning.workers`; 1, the default, plans in this process alone, as
             :func:`~primepar_fx.compile` does on every rank).
+        stages: pipeline stages (:mod:`~primepar_fx.planning.staged`): ``None`` (auto: searched beside the plan
+            without stages where the world spans nodes and no ``digits`` are given), 1 (none), or a count that
+            divides the world, each stage ``world_size / stages`` devices.
+        schedule: the pipeline schedule (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``); ``None``: 1F1B and
+            interleaved 1F1B with two virtual stages a rank are searched.
     """
 
     cluster: ClusterSpec
@@ -201,6 +207,8 @@ class PlanOptions:
     fallback: str | None = None
     progress: bool = False
     workers: int = 1
+    stages: int | None = None
+    schedule: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterSpec):
@@ -242,6 +250,7 @@ class PlanOptions:
             raise ValueError(f"group_digits must be a whole number >= 3, got {g!r}")
         if g != 3 and self.grouped is not Grouped.ALL:
             raise ValueError(f"group_digits={g} adds groupings to grouped='all', not to grouped={self.grouped.value!r}")
+        self._check_pipeline()
         if self.digits is not None:
             if not self.digits or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 for d in self.digits):
                 raise ValueError(f"digits must be radices >= 2, got {self.digits!r}")
@@ -249,6 +258,24 @@ class PlanOptions:
                 raise ValueError(
                     f"device digits {tuple(self.digits)} make {math.prod(self.digits)} devices, not world size {ws}"
                 )
+
+    def _check_pipeline(self) -> None:
+        p, ws = self.stages, self.world_size
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+            raise ValueError(f"stages must be None (auto) or a whole number >= 1, got {p!r}")
+        if self.schedule is not None:
+            check_schedule_name(self.schedule)
+        if p is None or p == 1:
+            return
+        if ws is not None and ws % p:
+            raise ValueError(f"{p} pipeline stages do not divide the {ws} devices (each stage needs as many)")
+        if self.digits is not None:
+            raise ValueError(f"stages={p} with digits: the digits name the whole mesh; pass one or the other")
+        m = self.micro_batches
+        if isinstance(m, int) and m < p:
+            raise ValueError(f"a pipeline of {p} stages needs at least {p} micro-batches, got micro_batches={m}")
+        if self.batch is not None and self.batch < p:
+            raise ValueError(f"the batch of {self.batch} does not split into {p} micro-batches for {p} stages")
 
     @classmethod
     def make(

@@ -14,6 +14,9 @@
    each grouping that can still win (:func:`~primepar_fx.planning.meshes.search_count`);
 4. **check the plan against the split-only search** where that could beat it
    (:func:`~primepar_fx.planning.compare.split_only_search`);
+4b. **search pipeline stages** (:func:`~primepar_fx.planning.staged.search_stages`): step 3's search on each stage
+   count's stage mesh, each plan priced as a pipeline, kept where it beats the plan without stages (or where
+   ``stages`` asks for them; where nothing fits without stages, they are searched before the budget error);
 5. **price the baselines** against the plan (:func:`~primepar_fx.planning.compare.plan_baselines`);
 6. **record the plan** (:func:`make_plan`, with its :class:`~primepar_fx.record.search.SearchRecord`).
 
@@ -31,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,12 +51,15 @@ from primepar_fx.planning.compare import fixed_baselines, plan_baselines, split_
 from primepar_fx.planning.counts import search_counts
 from primepar_fx.planning.groupings import GROUPED_DIGITS
 from primepar_fx.planning.options import PlanOptions
+from primepar_fx.planning.staged import search_stages, stage_choices
 from primepar_fx.planning.state import Found, Planning, forks
 from primepar_fx.planning.workers import Forked
 from primepar_fx.pricing.summary import Summary, per_step, summarize
 from primepar_fx.record.levers import Recompute
+from primepar_fx.record.pipeline import Pipeline
 from primepar_fx.record.plan import Baseline, Plan
 from primepar_fx.record.search import SearchRecord
+from primepar_fx.search import InfeasibleBudget
 from primepar_fx.utils.gcpause import gc_paused
 
 #: torch dtype -> the dtype key a plan of a model with such parameters is priced at by default
@@ -75,22 +83,68 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
         check_state_floor(graph, opts.cost_options(), opts.world_size, opts.memory_budget)  # type: ignore[arg-type]
     with _fixed_baselines_beside(graph, opts) as early:
         state = Planning.start(graph, opts)
-        found = search_counts(state)
-        chosen, split, kept_split = _split_only_checked(state, found)
-        ours = per_step(
-            summarize(graph, chosen.priced, chosen.solution.choice, found.costs, extra_peak=chosen.extra_peak),
-            found.micro_batches,
-        )
+        flat, infeasible = _flat_plan(state)
+        forced = (opts.stages or 1) > 1  # a stage count asked for: the plan runs as that pipeline
+        to_beat = math.inf if forced or flat is None else flat.ours.predicted.step_time_s
+        walk = search_stages(graph, opts, to_beat)
+        staged = walk.best
+        if staged is None and (forced or flat is None):
+            if infeasible is not None and not forced:
+                raise infeasible
+            raise InfeasibleBudget(opts.memory_budget, walk.least)  # type: ignore[arg-type]
         searched = time.perf_counter()
-        proven = (chosen.solution.choice, ours) if chosen.solution.proven_optimal and not kept_split else None
-        base = (
-            plan_baselines(graph, chosen.priced, opts.mesh(), opts, found.costs, early, proven, split, chosen.recompute)
-            if opts.baselines
-            else {}
-        )
+        base = _baselines(state, flat, early) if opts.baselines else {}
+    if staged is not None:  # a pipeline beats the plan without stages, or was asked for
+        found, chosen, ours, kept_split = staged.found, staged.found.chosen, staged.summary, False
+    else:
+        assert flat is not None
+        found, chosen, ours, kept_split = flat.found, flat.chosen, flat.ours, flat.kept_split
     record = _search_record(state, found, chosen, kept_split, searched)
+    if walk.tried:
+        record = record.replace(stages_tried=tuple(walk.tried), stages_s=round(walk.seconds, 4))
     return make_plan(graph, opts, found.mesh, ours, baselines=base, search=record, recompute=chosen.recompute,
-                     costs=found.costs)  # fmt: skip
+                     costs=found.costs, pipeline=None if staged is None else staged.record())  # fmt: skip
+
+
+@dataclass
+class _Flat:
+    """The plan without pipeline stages: the count's plan found, the plan kept (the split-only search's where it
+    won), the split-only search's plan and whether it fits, whether it was kept, and the plan over a step."""
+
+    found: Found
+    chosen: Chosen
+    split: tuple[Chosen, bool] | None
+    kept_split: bool
+    ours: Summary
+
+
+def _flat_plan(state: Planning) -> tuple[_Flat | None, InfeasibleBudget | None]:
+    """Steps 3 and 4: the plan without stages; where nothing fits and stages may be searched, ``None`` and why."""
+    graph = state.graph
+    try:
+        found = search_counts(state)
+    except InfeasibleBudget as e:
+        if not stage_choices(graph, state.opts):
+            raise
+        return None, e
+    chosen, split, kept_split = _split_only_checked(state, found)
+    ours = per_step(
+        summarize(graph, chosen.priced, chosen.solution.choice, found.costs, extra_peak=chosen.extra_peak),
+        found.micro_batches,
+    )
+    return _Flat(found, chosen, split, kept_split, ours), None
+
+
+def _baselines(state: Planning, flat: _Flat | None, early: Forked | None) -> dict[str, Baseline]:
+    """Step 5: the baselines, split-only's from the plan without stages where there is one."""
+    graph, opts = state.graph, state.opts
+    if flat is None:
+        return plan_baselines(graph, None, opts.mesh(), opts, opts.cost_options(), early)
+    chosen, found = flat.chosen, flat.found
+    proven = (chosen.solution.choice, flat.ours) if chosen.solution.proven_optimal and not flat.kept_split else None
+    return plan_baselines(
+        graph, chosen.priced, opts.mesh(), opts, found.costs, early, proven, flat.split, chosen.recompute
+    )
 
 
 @contextlib.contextmanager
@@ -134,7 +188,8 @@ def _search_record(state: Planning, found: Found, chosen: Chosen, kept_split: bo
         memory_budget=opts.memory_budget,
         allow_prime=opts.allow_prime,
         canonical=opts.canonical,
-        grouped=found.mesh != opts.mesh(),
+        grouped=found.mesh
+        != (opts.mesh() if found.mesh.size == opts.world_size else opts.cluster.mesh(found.mesh.size)),
         group_digits=None if opts.group_digits == GROUPED_DIGITS else opts.group_digits,
         split_only_kept=kept_split,
         groupings=found.tried if several else None,
@@ -152,13 +207,14 @@ def make_plan(
     search: SearchRecord,
     recompute: Recompute | None = None,
     costs: CostOptions | None = None,
+    pipeline: Pipeline | None = None,
 ) -> Plan:
     """The :class:`Plan` of ``graph`` priced as ``summary`` on ``mesh``, with ``opts``' cluster, sizes and dtype
-    and ``costs``' training state (default: ``opts``')."""
+    and ``costs``' training state (default: ``opts``'); with a ``pipeline``, ``mesh`` is one stage's."""
     return Plan(
         model=graph.name,
         model_fingerprint=Plan.fingerprint((n.name, n.op) for n in graph.nodes.values()),
-        world_size=mesh.size,
+        world_size=mesh.size * (1 if pipeline is None else pipeline.stages),
         digits=mesh.digits,
         cluster=opts.cluster.name,
         batch=opts.batch,  # type: ignore[arg-type]
@@ -169,6 +225,7 @@ def make_plan(
         baselines=baselines,
         search=search.replace(training_state=(costs or opts.cost_options()).training_state()),
         recompute=recompute,
+        pipeline=pipeline,
     )
 
 

@@ -136,13 +136,16 @@ class Planning:
     #: the least memory a plan needs, of each count where nothing fits
     min_memory: list[float] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    #: the pipeline stages the plan is one stage's plan of (``opts`` then name one stage's devices; 1: no pipeline):
+    #: its pricing counts ``1 / stages`` of each node's parameter state (:attr:`CostOptions.stages`)
+    stages: int = 1
 
     @classmethod
-    def start(cls, graph: OpGraph, opts: PlanOptions) -> Planning:
+    def start(cls, graph: OpGraph, opts: PlanOptions, stages: int = 1) -> Planning:
         meshes = search_meshes(opts.mesh(), opts.grouped, opts.cluster, opts.group_digits)
         tries = micro_batch_tries(opts.micro_batches, opts.memory_budget, opts.batch)  # type: ignore[arg-type]
         # every mesh's pricing at up to four counts (a count's probe, then its search; one mesh: every count's)
-        return cls(graph, opts, meshes, tries, KeptPricings(max(4 * len(meshes), len(tries))))
+        return cls(graph, opts, meshes, tries, KeptPricings(max(4 * len(meshes), len(tries))), stages=stages)
 
     @property
     def workers(self) -> int:

@@ -57,7 +57,7 @@ def summarize(
         c = priced.node_costs[name][choice[name]]
         step_s = adj.step_s(name, c.time_s)
         total_s += step_s
-        static += c.state_bytes(opts) + c.stash_bytes
+        static += c.held_state_bytes(opts) + c.stash_bytes
         buffers = max(buffers, c.buffer_bytes)
         moved = (
             adj.saved[name]

@@ -40,6 +40,7 @@ from primepar_fx.partition.seq import PartitionSeq
 from primepar_fx.record import fields as fieldcheck
 from primepar_fx.record.fields import PlanError
 from primepar_fx.record.levers import Recompute
+from primepar_fx.record.pipeline import Pipeline
 from primepar_fx.record.search import SearchRecord
 
 PLAN_FORMAT = "primepar-plan/2"
@@ -271,6 +272,10 @@ class Plan:
     strategies by name and ``search`` how the plan was found (a :class:`~primepar_fx.record.search.SearchRecord`:
     ``method``, ``proven_optimal``, ``alpha``, ``memory_budget``, ...). ``model_fingerprint`` is :meth:`fingerprint`
     of the graph's node names and ops ("" if unknown).
+
+    A plan with a :class:`~primepar_fx.record.pipeline.Pipeline` runs as ``pipeline.stages`` stages of
+    ``world_size / stages`` devices each: ``digits`` are then one stage's mesh (their product is
+    :attr:`stage_devices`), ``nodes`` its plan, and ``pipeline.micro_batches`` the training state's micro-batches.
     """
 
     format: str = PLAN_FORMAT
@@ -287,9 +292,12 @@ class Plan:
     baselines: dict[str, Baseline] = field(default_factory=dict)
     search: SearchRecord = field(default_factory=SearchRecord)
     recompute: Recompute | None = None
+    pipeline: Pipeline | None = None
 
     def __post_init__(self) -> None:
         _check_format(self.format)
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            fieldcheck.fail("plan.pipeline", f"must be a Pipeline or None, got {type(self.pipeline).__name__}")
         if self.recompute is not None and not isinstance(self.recompute, Recompute):
             fieldcheck.fail("plan.recompute", f"must be a Recompute or None, got {type(self.recompute).__name__}")
         fieldcheck.text("plan.model", self.model)
@@ -316,6 +324,27 @@ class Plan:
             self.cost_options()
         except ValueError as e:
             fieldcheck.fail("plan.search", str(e).removeprefix("plan.search."))
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        pipe = self.pipeline
+        if pipe is None:
+            return
+        if pipe.micro_batches != self.micro_batches:
+            fieldcheck.fail(
+                "plan.pipeline.micro_batches",
+                f"is {pipe.micro_batches} but the training state runs {self.micro_batches} micro-batches",
+            )
+        if self.batch % pipe.micro_batches:
+            fieldcheck.fail(
+                "plan.pipeline.micro_batches",
+                f"{pipe.micro_batches} micro-batches do not split the batch of {self.batch}",
+            )
+
+    @property
+    def stage_devices(self) -> int:
+        """The devices of one pipeline stage: ``world_size / pipeline.stages`` (``world_size`` without a pipeline)."""
+        return self.world_size // (self.pipeline.stages if self.pipeline is not None else 1)
 
     def cost_options(self) -> CostOptions:
         """What the plan was priced with: its dtype, ``search.alpha`` and ``search.training_state`` (what a
@@ -333,15 +362,23 @@ class Plan:
         return self.cost_options().zero
 
     def _check_digits(self) -> None:
+        if self.pipeline is not None and self.world_size % self.pipeline.stages:
+            fieldcheck.fail(
+                "plan.pipeline.stages",
+                f"{self.pipeline.stages} stages do not divide the plan's {self.world_size} devices",
+            )
         if not isinstance(self.digits, (tuple, list)):
             fieldcheck.fail("plan.digits", f"must be a list of device-ID radices, got {type(self.digits).__name__}")
         for i, d in enumerate(self.digits):
             if isinstance(d, bool) or not isinstance(d, int) or d < 2:
                 fieldcheck.fail(f"plan.digits[{i}]", f"must be an integer radix >= 2, got {d!r}")
         fieldcheck.set_attr(self, "digits", tuple(self.digits))
-        if prod(self.digits) != self.world_size:
+        if prod(self.digits) * (self.pipeline.stages if self.pipeline is not None else 1) != self.world_size:
+            of = "" if self.pipeline is None else f" x {self.pipeline.stages} stages"
             fieldcheck.fail(
-                "plan.digits", f"{list(self.digits)} multiply to {prod(self.digits)}, not world_size {self.world_size}"
+                "plan.digits",
+                f"{list(self.digits)}{of} multiply to {prod(self.digits) * (self.world_size // self.stage_devices)}, "
+                f"not world_size {self.world_size}",
             )
 
     def _check_nodes(self) -> None:
@@ -357,7 +394,7 @@ class Plan:
                     f"plan.nodes[{i}].name", f"duplicate node name {node.name!r} (also plan.nodes[{seen[node.name]}])"
                 )
             seen[node.name] = i
-            fieldcheck.check_prime(f"plan.nodes[{i}].partition", node.partition, self.world_size)
+            fieldcheck.check_prime(f"plan.nodes[{i}].partition", node.partition, self.stage_devices)
 
     def _check_baselines(self) -> None:
         fieldcheck.mapping("plan.baselines", self.baselines, "name -> baseline")
@@ -471,11 +508,14 @@ class Plan:
         head = ["predicted", "step ms", "time vs ours", "peak memory MiB", "memory vs ours", "comm B"]
         table = tabulate(totals, head, tablefmt=tablefmt, floatfmt=".3f", intfmt=",")
         recompute = f"; recompute {self.recompute.describe()}" if self.recompute and self.recompute.active else ""
-        m = self.micro_batches
-        if m > 1:
+        m, pipe = self.micro_batches, self.pipeline
+        if m > 1 and pipe is None:
             recompute += f"; {m} micro-batches of {self.batch // m}"
+        mesh = f"{list(self.digits)}"
+        if pipe is not None:
+            mesh = f"as a pipeline of {pipe.describe()}, each stage {mesh}"
         title = (
-            f"{self.model} on {self.world_size} devices {list(self.digits)} of {self.cluster} "
+            f"{self.model} on {self.world_size} devices {mesh} of {self.cluster} "
             f"(B={self.batch}, S={self.seq}, {self.dtype}; {self.cost_options().describe_state()}{recompute}); "
             "per node: "
             "step = forward + backward + gradient + collectives + redistribution"
@@ -492,13 +532,19 @@ class Plan:
         d["search"] = self.search.to_dict()
         if self.recompute is not None:
             d["recompute"] = self.recompute.to_dict()
+        if self.pipeline is not None:
+            d["pipeline"] = self.pipeline.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
         if isinstance(data, Mapping):  # before any other field
             _check_format(data.get("format", PLAN_FORMAT))
-        d = fieldcheck.fields("plan", data, _PLAN_REQUIRED, ("model_fingerprint", "baselines", "search", "recompute"))
+        d = fieldcheck.fields(
+            "plan", data, _PLAN_REQUIRED, ("model_fingerprint", "baselines", "search", "recompute", "pipeline")
+        )
+        if d.get("pipeline") is not None:
+            d["pipeline"] = Pipeline.from_dict(d["pipeline"])
         if d.get("recompute") is not None:
             try:
                 d["recompute"] = Recompute.from_dict(d["recompute"])

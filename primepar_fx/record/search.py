@@ -28,6 +28,8 @@ _ORDER = (
     "search_s",
     "planning_s",
     "micro_batches_tried",
+    "stages_tried",
+    "stages_s",
     "baselines_s",
     "alpha",
     "memory_budget",
@@ -41,7 +43,7 @@ _ORDER = (
     "seconds",
     "training_state",
 )
-_TIMES = ("pricing_s", "search_s", "planning_s", "baselines_s", "groupings_s", "seconds")
+_TIMES = ("pricing_s", "search_s", "planning_s", "baselines_s", "groupings_s", "seconds", "stages_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,8 +97,9 @@ class SearchRecord:
             ``None``: no budget). ``grouped``: whether the plan's mesh is a grouping of the digits rather than the
             full mesh; ``group_digits``: the finest groupings searched, where more than three digits.
         split_only_kept: the split-only search's plan beat the one the search found, and is the plan.
-        micro_batches_tried: the micro-batch counts priced, in order. ``groupings``: every mesh priced, in the
-            order of the mesh list, where there were several.
+        micro_batches_tried: the micro-batch counts priced, in order. ``stages_tried``: the pipeline stage counts
+            searched, in order (:mod:`~primepar_fx.planning.staged`), ``stages_s`` their seconds. ``groupings``:
+            every mesh priced, in the order of the mesh list, where there were several.
         training_state: what a device keeps per parameter, its ZeRO stage and micro-batch count
             (:meth:`~primepar_fx.cost.blocks.CostOptions.training_state`).
         pricing_s, search_s: the kept mesh's pricing and search; planning_s: every count and mesh, priced and
@@ -117,6 +120,8 @@ class SearchRecord:
     group_digits: int | None = None
     split_only_kept: bool = False
     micro_batches_tried: tuple[int, ...] | None = None
+    stages_tried: tuple[int, ...] | None = None
+    stages_s: float | None = None
     groupings: tuple[GroupingRecord, ...] | None = None
     training_state: dict[str, Any] | None = None
     pricing_s: float | None = None
@@ -134,6 +139,11 @@ class SearchRecord:
             for i, m in enumerate(tried):
                 fieldcheck.count(f"search.micro_batches_tried[{i}]", m, "micro-batches")
             fieldcheck.set_attr(self, "micro_batches_tried", tuple(tried))
+        if self.stages_tried is not None:
+            tried = self._list("stages_tried", self.stages_tried)
+            for i, p in enumerate(tried):
+                fieldcheck.count(f"search.stages_tried[{i}]", p, "pipeline stages")
+            fieldcheck.set_attr(self, "stages_tried", tuple(tried))
         if self.groupings is not None:
             listed = self._list("groupings", self.groupings)
             for i, g in enumerate(listed):
@@ -212,6 +222,8 @@ class SearchRecord:
         counts = self.micro_batches_tried or ()
         if len(counts) > 1:
             out += f" (micro-batch counts {', '.join(map(str, counts))} tried: {self.planning_s or 0.0:.2f} s)"
+        if self.stages_tried:
+            out += f", pipelines of {', '.join(map(str, self.stages_tried))} stages {self.stages_s or 0.0:.2f} s"
         return out
 
 

@@ -326,10 +326,13 @@ def report_html(
     if plan.recompute and plan.recompute.active:
         extra.append(f"recompute {plan.recompute.describe()}")
     title = f"{plan.model} on {plan.world_size} devices"
+    if plan.pipeline is not None:
+        title += f" in {plan.pipeline.stages} pipeline stages"
     intro = _facts(
         [
             ("model", plan.model),
             ("devices", f"{plan.world_size}, digits {list(plan.digits)} of {plan.cluster}"),
+            *([("pipeline", _pipeline_fact(plan))] if plan.pipeline is not None else []),
             ("batch, sequence, dtype", f"B={plan.batch}, S={plan.seq}, {plan.dtype}"),
             ("training state", plan.cost_options().describe_state() + "".join(f"; {e}" for e in extra)),
             ("predicted step", _ms(p.step_time_s)),
@@ -384,3 +387,12 @@ def write_report(path: str | Path, graph: OpGraph, plan: Plan, **kwargs: Any) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report_html(graph, plan, **kwargs), encoding="utf-8")
     return out
+
+
+def _pipeline_fact(plan: Plan) -> str:
+    """The pipeline's line: its stages, schedule and bubble, each stage's devices and peak."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    peaks = ", ".join(format_bytes(b) for b in pipe.stage_peak_bytes)
+    text = f"{pipe.describe()}; each stage on {plan.stage_devices} devices (digits {list(plan.digits)})"
+    return f"{text}; peak per stage {peaks}" if peaks else text
