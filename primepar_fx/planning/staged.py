@@ -188,28 +188,75 @@ def _at_count(
 ) -> Staged | None:
     """The fastest pipeline of ``state.stages`` stages over ``m`` micro-batches that fits, from the plan the search
     at ``m`` finds on a stage's mesh, cut off at ``ceiling`` seconds a step; ``walk.least`` lowered to the least
-    peak seen where nothing fits."""
-    p = state.stages
-    outcome = search_count(state, m, Bound(m, functools.partial(float, ceiling * p), known=True))
-    found = outcome.found
+    peak seen where nothing fits.
+
+    The search's memory is the first stage's under 1F1B; a schedule that holds more (interleaving) or stages cut
+    unevenly may lift a rank over the budget. A schedule faster than the best that fits but over the budget is
+    searched once more under the budget lowered by its overshoot (the pricings are kept, so only the search runs
+    again)."""
+    found = _search(state, m, ceiling, walk)
     if found is None:
-        walk.least = min(walk.least, outcome.min_memory)
         return None
+    best, over = _schedules(graph, opts, state.stages, m, found, walk)
+    budget = opts.memory_budget
+    for pp in over:
+        if budget is None or pp.step_s >= min(ceiling, best[1].step_s if best else math.inf):
+            continue  # (even over the budget it could not win)
+        lowered = budget - (pp.peak - budget)
+        again = _search(_with_budget(state, lowered), m, ceiling, walk) if lowered > 0 else None
+        if again is None:
+            continue
+        got, _ = _schedules(graph, opts, state.stages, m, again, walk, only=(pp.schedule, pp.virtual))
+        if got is not None and (best is None or got[1].step_s < best[1].step_s):
+            best = got
+    return None if best is None else _staged(graph, opts, m, *best)
+
+
+def _search(state: Planning, m: int, ceiling: float, walk: StageWalk) -> Found | None:
+    """The plan the search at ``m`` finds on a stage's mesh, cut off at ``ceiling`` seconds a step."""
+    outcome = search_count(state, m, Bound(m, functools.partial(float, ceiling * state.stages), known=True))
+    if outcome.found is None:
+        walk.least = min(walk.least, outcome.min_memory)
+    return outcome.found
+
+
+def _with_budget(state: Planning, budget: float) -> Planning:
+    """``state`` searching under ``budget``, its pricings shared."""
+    return dataclasses.replace(
+        state, opts=state.opts.replace(memory_budget=budget), best=None, ahead={}, probes={}, searched=[], min_memory=[]
+    )
+
+
+def _schedules(
+    graph: OpGraph,
+    opts: PlanOptions,
+    p: int,
+    m: int,
+    found: Found,
+    walk: StageWalk,
+    only: tuple[str, int] | None = None,
+) -> tuple[tuple[Found, PipelinePricing] | None, list[PipelinePricing]]:
+    """``found`` priced as a pipeline under each schedule (``only``: that one): the fastest that fits, and the
+    schedules faster than it that do not."""
     costs = dataclasses.replace(found.costs, stages=1)  # each node's state counted whole, on its own stage
-    choice = found.chosen.solution.choice
+    found = dataclasses.replace(found, costs=costs)
     vkey = values_key({B: opts.batch // m, S: opts.seq})  # type: ignore[operator]
-    pieces = plan_pieces(graph, found.priced, choice, costs, vkey)
-    kept: PipelinePricing | None = None
-    for name, virtual in schedules(p, len(pieces), m, schedule_choices(opts)):
+    pieces = plan_pieces(graph, found.priced, found.chosen.solution.choice, costs, vkey)
+    priced = []
+    for name, virtual in [only] if only else schedules(p, len(pieces), m, schedule_choices(opts)):
         pp = price_pipeline(pieces, opts.cluster, m, stages=p, schedule=name, virtual=virtual,
                             extra_peak=found.chosen.extra_peak)  # fmt: skip
-        fits = opts.memory_budget is None or pp.peak <= opts.memory_budget
         walk.least = min(walk.least, pp.peak)
-        if fits and (kept is None or pp.step_s < kept.step_s):
-            kept = pp
-    if kept is None:
-        return None
-    flat = per_step(summarize(graph, found.priced, choice, costs, extra_peak=found.chosen.extra_peak), m)
-    comm = round(flat.predicted.comm_bytes / p) + kept.p2p_bytes  # each node runs on one stage's devices
-    summary = Summary(Predicted(kept.step_s, kept.peak, comm), flat.nodes)
-    return Staged(dataclasses.replace(found, costs=costs), kept, summary)
+        priced.append(pp)
+    fits = [opts.memory_budget is None or pp.peak <= opts.memory_budget for pp in priced]
+    kept = min((pp for pp, ok in zip(priced, fits) if ok), key=lambda pp: pp.step_s, default=None)
+    over = [pp for pp, ok in zip(priced, fits) if not ok and (kept is None or pp.step_s < kept.step_s)]
+    return (None if kept is None else (found, kept)), over
+
+
+def _staged(graph: OpGraph, opts: PlanOptions, m: int, found: Found, pp: PipelinePricing) -> Staged:
+    """``found`` run as ``pp``, with its summary over a step."""
+    choice = found.chosen.solution.choice
+    flat = per_step(summarize(graph, found.priced, choice, found.costs, extra_peak=found.chosen.extra_peak), m)
+    comm = round(flat.predicted.comm_bytes / pp.stages) + pp.p2p_bytes  # each node runs on one stage's devices
+    return Staged(found, pp, Summary(Predicted(pp.step_s, pp.peak, comm), flat.nodes))

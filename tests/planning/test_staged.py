@@ -20,6 +20,7 @@ from primepar_fx.partition.enumerate import values_key
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.planner import plan_graph
+from primepar_fx.planning import staged
 from primepar_fx.planning.staged import pipeline_counts, stage_choices
 from primepar_fx.pricing.fixed import price_assignments
 from primepar_fx.pricing.pipelined import plan_pieces, price_pipeline, stage_pieces
@@ -164,3 +165,24 @@ def test_compile_plans_without_stages_and_refuses_a_pipelined_plan():
     with pytest.raises(NotImplementedError, match="pipeline of 2 stages.*--stages 1"):
         check_runnable(planned("gpt2-tiny", 4, 8, 2))
     check_runnable(planned("gpt2-tiny", 4, 8, 1))
+
+
+def test_a_schedule_over_the_budget_is_searched_again_under_the_budget_less_its_overshoot(monkeypatch):
+    """The stage search prices memory as 1F1B's first stage holds it; interleaving holds more, so its faster plan
+    can overshoot. It is searched once more under the budget lowered by the overshoot, and every stage fits."""
+    g = graph("llama-tiny", 4)
+    kw = dict(world_size=8, cluster="v100-paper", stages=2, baselines=False, **SIZES)
+    free = plan_graph(g, memory_budget=None, **kw)
+    budget = int(free.predicted.peak_memory_bytes * 0.75)
+    budgets = []
+    search = staged._search
+
+    def spy(state, m, ceiling, walk):
+        budgets.append(state.opts.memory_budget)
+        return search(state, m, ceiling, walk)
+
+    monkeypatch.setattr(staged, "_search", spy)
+    plan = plan_graph(g, memory_budget=budget, **kw)
+    assert min(budgets) < budget == max(budgets)  # searched again, lower
+    assert max(plan.pipeline.stage_peak_bytes) == plan.predicted.peak_memory_bytes <= budget
+    assert plan.pipeline.schedule == "Interleaved1F1B"  # the faster schedule, brought under the budget
