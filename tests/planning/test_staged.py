@@ -17,10 +17,10 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.enumerate import values_key
+from primepar_fx.planning import staged
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.planner import plan_graph
-from primepar_fx.planning import staged
 from primepar_fx.planning.staged import pipeline_counts, stage_choices
 from primepar_fx.pricing.fixed import price_assignments
 from primepar_fx.pricing.pipelined import plan_pieces, price_pipeline, stage_pieces
