@@ -320,11 +320,17 @@ def one_fit(graph, name: str, layers: int, config, cluster: str, world: int, bat
 def levers(plan) -> str:
     """The memory levers ``plan`` uses, in words (``none`` without any)."""
     out = []
+    if plan.pipeline is not None:
+        pipe = plan.pipeline
+        v = f" x {pipe.virtual_stages} virtual" if pipe.virtual_stages > 1 else ""
+        out.append(
+            f"pp{pipe.stages}{v} {pipe.schedule} ({pipe.micro_batches} micro-batches), {list(plan.digits)} a stage"
+        )
     if plan.recompute is not None and plan.recompute.active:
         out.append(f"recompute {plan.recompute.describe()}")
     if plan.zero:
         out.append(f"ZeRO-{plan.zero}")
-    if plan.micro_batches > 1:
+    if plan.micro_batches > 1 and plan.pipeline is None:
         out.append(f"{plan.micro_batches} micro-batches")
     return "; ".join(out) or "none"
 
@@ -352,7 +358,8 @@ def write_fit(rows: list[dict], out: str, batch: int, seq: int, cluster: str) ->
         "Megatron with pipelines (tp x pp x dp: every stage count whose stages fill whole nodes or a whole share of "
         "one, 1F1B or interleaved 1F1B with two chunks a rank, 1, 2 or 4 samples a replica per micro-batch, with its "
         "levers) is priced as a pipeline by the same model (docs/planning.md, *Pipeline schedules and pipelined "
-        "plans*); our search does not cut stages yet.",
+        "plans*). Our search cuts stages too where the GPUs span nodes (v100-paper: 4 a node, so at 8 GPUs and up; "
+        "docs/planning.md, *Stages in our search*), and keeps a pipeline where it is faster.",
         "",
         "| model | layers | GPUs | ours: step s | ours: peak | ours: levers | best feasible Megatron | ours vs it | "
         "best feasible Megatron with pipelines | ours vs it | FSDP | ours vs it | paper (no budget) | plan s |",

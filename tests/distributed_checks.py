@@ -99,7 +99,7 @@ def with_levers(graph, world: int, plan: str, batch: int = BATCH, seq: int = SEQ
             asked[key] = int(asked[key])
     sizes = {"world_size": world, "cluster": "cpu-gloo", "batch": batch, "seq": seq, "memory_budget": None}
     if name == "searched":
-        return plan_graph(graph, baselines=False, method="dp", **asked, **sizes)
+        return plan_graph(graph, baselines=False, method="dp", stages=1, **asked, **sizes)  # run: no stages
     return forced_plan(graph, name, **asked, **sizes)
 
 
@@ -118,7 +118,9 @@ def check_plans(rank: int, world: int, model_name: str, plans: list[str], steps:
     for plan in plans:
         budget = None
         if plan == "searched:budget":  # a budget that replication cannot meet, so the search must shard
-            free = plan_graph(graph, world_size=world, cluster="cpu-gloo", batch=BATCH, seq=SEQ, baselines=False)
+            free = plan_graph(
+                graph, world_size=world, cluster="cpu-gloo", batch=BATCH, seq=SEQ, baselines=False, stages=1
+            )
             budget = 0.6 * free.predicted.peak_memory_bytes
         if "+recompute=" in plan:
             chosen = with_levers(graph, world, plan)

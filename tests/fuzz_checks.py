@@ -245,7 +245,7 @@ def _plan_for(case: Case, graph, world: int):
     cluster = SIM_CLUSTER if case.simulated else "cpu-gloo"
     sizes.update(cluster=cluster, memory_budget=None, zero=case.zero, micro_batches=case.micro_batches)
     if case.plan == "searched":
-        return plan_graph(graph, baselines=False, **sizes)
+        return plan_graph(graph, baselines=False, stages=1, **sizes)  # compile runs no stages yet
     if case.plan.endswith(".json"):  # a pinned plan records its own levers
         return case.plan
     return forced_plan(graph, case.plan, digits=case.digits, **sizes)

@@ -17,7 +17,7 @@ from primepar_fx.frontend.symbols import B, S
 from primepar_fx.models import build, example_inputs, get_config
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.enumerate import values_key
-from primepar_fx.planning import staged
+from primepar_fx.planning import planner, staged
 from primepar_fx.planning.baselines import data_parallel_assignment
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.planner import plan_graph
@@ -27,6 +27,7 @@ from primepar_fx.pricing.pipelined import plan_pieces, price_pipeline, stage_pie
 from primepar_fx.record.fields import PlanError
 from primepar_fx.record.pipeline import Pipeline
 from primepar_fx.record.plan import Plan
+from primepar_fx.search import InfeasibleBudget
 
 SIZES = {"batch": 32, "seq": 64}
 
@@ -69,11 +70,12 @@ def test_a_plan_asked_for_stages_runs_as_that_pipeline_priced_as_its_own_stage_p
 
 def test_auto_on_one_node_searches_no_stages_and_across_nodes_is_never_slower():
     """On one node auto is the plan without stages; across nodes it keeps a pipeline only where it is faster."""
-    auto, flat = planned("gpt2-tiny", 4, 8, None), planned("gpt2-tiny", 4, 8, 1)
+    auto, flat = planned("gpt2-tiny", 4, 4, None), planned("gpt2-tiny", 4, 4, 1)  # v100-paper: 4 GPUs a node
+    assert auto.search.stages_tried is None
     assert (auto.nodes, auto.predicted, auto.digits, auto.pipeline) == (flat.nodes, flat.predicted, flat.digits, None)
     flat, auto = (planned("llama-tiny", 4, 16, s, "h100-dgx") for s in (1, None))
     assert stage_choices(graph("llama-tiny", 4), PlanOptions.make(cluster="h100-dgx", world_size=16)) == [2, 4]
-    assert auto.predicted.step_time_s <= flat.predicted.step_time_s
+    assert auto.predicted.step_time_s <= flat.predicted.step_time_s and auto.search.stages_tried
     if auto.pipeline is not None:
         assert auto.predicted.step_time_s < flat.predicted.step_time_s
 
@@ -186,3 +188,20 @@ def test_a_schedule_over_the_budget_is_searched_again_under_the_budget_less_its_
     assert min(budgets) < budget == max(budgets)  # searched again, lower
     assert max(plan.pipeline.stage_peak_bytes) == plan.predicted.peak_memory_bytes <= budget
     assert plan.pipeline.schedule == "Interleaved1F1B"  # the faster schedule, brought under the budget
+
+
+def test_where_nothing_fits_without_stages_a_pipeline_that_fits_is_the_plan(monkeypatch):
+    """The plan without stages raising InfeasibleBudget (forced here) leaves the stage search to find the plan; the
+    baselines come without split-only (it is the plan without stages' space); with stages=1 the error stands."""
+    g = graph("llama-tiny", 4)
+
+    def nothing_fits(state):
+        raise InfeasibleBudget(1.0, 2.0)
+
+    monkeypatch.setattr(planner, "search_counts", nothing_fits)
+    kw = dict(world_size=16, cluster="h100-dgx", memory_budget=None, **SIZES)
+    plan = plan_graph(g, **kw)
+    assert plan.pipeline is not None and plan.pipeline.stages in (2, 4) and plan.search.stages_tried
+    assert "split_only" not in plan.baselines and "megatron_pipelined" in plan.baselines
+    with pytest.raises(InfeasibleBudget):
+        plan_graph(g, stages=1, **kw)
