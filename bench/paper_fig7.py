@@ -411,29 +411,30 @@ def _fits(row: dict, key: str) -> bool:
 
 FIT_READING = """## Reading the results (the run above)
 
-* **Megatron with pipelines is the baseline to beat where the model is large for its GPUs.** opt-175b and
-  llama2-70b (layer-cut) at 16 and 32 GPUs and bloom-176b at 32, where Megatron without stages needs mp8-mp16 (or
-  recomputes every layer): our lead of 1.22-1.51x falls to 1.00-1.15x against Megatron with two to eight stages
-  (mp4-mp8 inside each, 8-16 micro-batches, mostly interleaved): a stage holds a share of the layers, so tensor
-  parallelism stays small, and the bubble of 8-16 micro-batches costs less than mp16's activation collectives.
-  (bloom-176b at 16 GPUs is the exception: its best pipeline is slower than its best Megatron without stages.) Ours
-  cuts no stages yet.
-* **Where it loses to pipelines, ours has no answer yet.** opt-6.7b and llama2-7b at 32 GPUs: Megatron
-  `dp2 x mp4 x pp4` (interleaved, 8 micro-batches) is 3% faster than our plan (0.97x), which keeps every layer on
-  every device (ZeRO-2). Against the faster of the two Megatrons the geomean is 1.05x.
+* **Our search now cuts stages too** (where the GPUs span nodes), and keeps them in three rows: opt-6.7b and
+  llama2-7b at 32 GPUs (two and four stages, interleaved, `[4, 2, 2]` and `[2, 2, 2]` a stage), where Megatron
+  `dp2 x mp4 x pp4` used to beat our plan without stages by 3%: ours is now 1.02x and 1.00x of it; and llama2-70b
+  (layer-cut) at 32 GPUs, two interleaved stages of 16 GPUs, 1.19x Megatron with eight stages and 1.57x Megatron
+  without. No row loses to a pipeline any more (1.00-1.33x against Megatron with pipelines).
+* **Where the model is large for its GPUs, ours keeps its lead without stages.** opt-175b and bloom-176b
+  (layer-cut) at 16 and 32 GPUs: our plans without stages are 1.07-1.33x Megatron with two to four stages and
+  1.16-1.41x Megatron without (mp8-mp16, or recomputation); llama2-70b at 16 GPUs ties Megatron with two stages
+  (1.00x).
 * **Where the budget makes Megatron recompute, stages do not spare it that.** The full 7B models at 4 GPUs:
   Megatron recomputes every layer with or without stages; ours recomputes 11-18 of 32 (1.07-1.12x against the
   faster Megatron).
-* **Where Megatron fits with micro-batches or as it is, we tie or lose by up to 3%**: the full 7B models at 8-32
-  GPUs (1.00-1.04x against Megatron without stages, 0.97-1.05x with them).
+* **Where Megatron fits with micro-batches or as it is, we tie or win by up to 6%**: the full 7B models at 8-32
+  GPUs (1.02-1.06x against Megatron without stages, 1.00-1.05x with them).
+* **The stage search costs planning time**: every row at 8 GPUs and up searches stage counts too; llama2-70b at 32
+  GPUs took 431 s to plan (on 2 cores, beside nothing else), the most of any row.
 * **Fits nowhere:** bloom-7b1, and bloom-176b cut to one layer, at 4 GPUs need 33.6 and 37.9 GiB at the least on
   our side (ZeRO-3 and full recomputation included: BLOOM's 250k-token embedding), and no Megatron fits either.
-* **FSDP** fits 14 of the 22 planned rows and is 1.03-2.81x slower than ours where it does: at 32 GPUs B = 16
-  leaves each rank half a sample, so its batch split falls back (replicated compute), and it gathers every layer
-  twice a micro-batch. Where it does not fit it is reported as not fitting, with what its fastest configuration
-  needs, and not compared.
-* **Not priced:** FSDP with pipelines; zero-bubble schedules; the overlap of FSDP's gathers with compute;
-  allocator slack.
+* **FSDP** is 1.03-2.82x slower than ours where it fits: at 32 GPUs B = 16 leaves each rank half a sample, so its
+  batch split falls back (replicated compute), and it gathers every layer twice a micro-batch. Where it does not
+  fit it is reported as not fitting, with what its fastest configuration needs, and not compared.
+* **Not priced:** FSDP with pipelines in this table (it is a baseline of `plan`); zero-bubble schedules; the
+  overlap of FSDP's gathers with compute; allocator slack. Our pipelined plans are predictions: the runtime does
+  not run stages yet.
 """
 
 
