@@ -346,7 +346,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     given = Plan.load(value) if kind == "file" else None
     if given is not None:
         try:
-            check_runnable(given)
+            check_runnable(given, pipelines=False, what="the graph dump")
         except NotImplementedError as e:
             raise CliError(f"--plan {args.plan}: {e}") from None
     batch = args.batch or (given.batch if given else 2)

@@ -96,13 +96,15 @@ def resolve_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:
     return forced_plan(graph, value, options)
 
 
-def check_runnable(plan: Plan) -> None:
-    """Raise ``NotImplementedError`` for a plan the runtime cannot run: one with pipeline stages (planned and
-    priced, :mod:`~primepar_fx.planning.staged`; their runtime is not built yet)."""
-    if plan.pipeline is not None:
+def check_runnable(plan: Plan, *, pipelines: bool = True, what: str = "the runtime") -> None:
+    """Raise ``NotImplementedError`` for a plan ``what`` cannot run: with ``pipelines=False`` (the ``torch.compile``
+    backend and the graph dump), one with pipeline stages (``compile`` runs them:
+    :mod:`~primepar_fx.compiler.pipelined`)."""
+    if plan.pipeline is not None and not pipelines:
         raise NotImplementedError(
-            f"the plan runs as a pipeline of {plan.pipeline.describe()}: pipeline stages are planned and priced, but "
-            "their runtime is not built yet; make the plan with stages=1 (primepar-fx plan --stages 1) to run it"
+            f"the plan runs as a pipeline of {plan.pipeline.describe()}, which {what} does not run: compile it with "
+            "primepar_fx.compile (module.step runs the pipeline), or make the plan with stages=1 "
+            "(primepar-fx plan --stages 1)"
         )
 
 
@@ -132,7 +134,7 @@ def compile_options(
         fallback=fallback,
         method="dp",
         baselines=False,
-        stages=1,  # the runtime does not run pipeline stages yet (check_runnable)
+        stages=1,  # a search made to run here cuts no stages: a pipelined plan is given (plan=...)
     )
 
 
@@ -154,7 +156,7 @@ def with_machine_cluster(options: PlanOptions, plan: Any, *, measure: bool) -> P
     return options if spec is None else options.replace(cluster=spec)
 
 
-def agree_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:
+def agree_plan(graph: OpGraph, plan: Any, options: PlanOptions, *, pipelines: bool = True, what: str = "") -> Plan:
     """Rank 0 resolves the plan (:func:`resolve_plan`) and broadcasts it; every rank checks it fits.
 
     Every check runs on every rank, before any process group or module exists, so a bad plan fails everywhere
@@ -171,14 +173,20 @@ def agree_plan(graph: OpGraph, plan: Any, options: PlanOptions) -> Plan:
                 _broadcast_text(None, rank, world, failure=f"{type(e).__name__}: {e}")
             raise
     chosen = Plan.from_json(_broadcast_text(text, rank, world))
-    check_runnable(chosen)
+    check_runnable(chosen, pipelines=pipelines, what=what or "the runtime")
     if chosen.world_size != world:
         raise ValueError(
             f"the plan is for {chosen.world_size} devices (digits {list(chosen.digits)}) but the process group has "
             f"{world} ranks; make a plan for {world} devices or run on {chosen.world_size} ranks"
         )
     chosen.check_model((n.name, n.op) for n in graph.nodes.values())
-    check_plan_fits(graph, chosen, {B: graph.captured.example_batch, S: graph.captured.example_seq})
+    batch = graph.captured.example_batch
+    if chosen.pipeline is not None:  # each stage graph is built for one micro-batch
+        m = chosen.pipeline.micro_batches
+        if batch % m:
+            raise ValueError(f"the example's batch of {batch} does not split into the plan's {m} micro-batches")
+        batch //= m
+    check_plan_fits(graph, chosen, {B: batch, S: graph.captured.example_seq})
     return chosen
 
 

@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
 from primepar_fx.compiler.agree import agree_plan, compile_options, with_machine_cluster, world_rank
-from primepar_fx.compiler.module import rank_graph_for
+from primepar_fx.compiler.rankgraph import rank_graph_for
 from primepar_fx.frontend.capture import capture
 from primepar_fx.graph import build_graph
 from primepar_fx.planning.options import PlanOptions, parse_plan
@@ -123,7 +123,7 @@ class _ShapeCache:
         chosen = self.state.get("plan")
         if chosen is None or not _fits(chosen, graph):
             options = with_machine_cluster(self.options, self.plan, measure=self.measure)
-            chosen = agree_plan(graph, self.plan, options)
+            chosen = agree_plan(graph, self.plan, options, pipelines=False, what="the torch.compile backend")
             self.state["plan"] = chosen
         rank_graph = rank_graph_for(graph, chosen, rank, whole_params=True)
         trace_plan(graph, chosen, rank, rank_graph)

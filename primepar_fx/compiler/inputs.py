@@ -152,3 +152,40 @@ def no_specialisation(captured: Any) -> Any:
             if isinstance(size, torch.SymInt):
                 return size.node.shape_env.suppress_guards()
     return contextlib.nullcontext()
+
+
+def bind_call(captured: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call as the example made it: the model's arguments bound to its signature, then given positionally and by
+    keyword as in the capture, so ``m(ids, labels)`` and ``m(input_ids=ids, labels=labels)`` both work."""
+    call = captured.call
+    if call is None:
+        return args, kwargs
+    signature, positional, keyword = call
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError as e:
+        raise TypeError(f"the compiled module takes the model's arguments {signature}: {e}") from None
+    missing = [n for n in (*positional, *keyword) if n not in bound]
+    extra = [n for n in bound if n not in positional and n not in keyword]
+    if missing or extra:
+        what = [f"without {', '.join(map(repr, missing))}"] if missing else []
+        what += [f"with {', '.join(map(repr, extra))}"] if extra else []
+        raise TypeError(
+            f"called {' and '.join(what)}, but the module was compiled with the inputs {[*positional, *keyword]}: "
+            "call it with the inputs it was compiled with, or compile with these"
+        )
+    return tuple(bound[n] for n in positional), {n: bound[n] for n in keyword}
+
+
+def unused_tied(graph: OpGraph) -> dict[str, str]:
+    """Each tied parameter name the captured graph never reads -> the name sharing its storage that it reads."""
+    program = graph.captured.program
+    placeholders = [n for n in graph.captured.gm.graph.nodes if n.op == "placeholder"]
+    used = {s.target for n, s in zip(placeholders, program.graph_signature.input_specs) if n.users}
+    tied_used = {}
+    for alias, canon in graph.tied.items():
+        if alias in used and canon not in used:
+            tied_used[canon] = alias
+        elif canon in used and alias not in used:
+            tied_used[alias] = canon
+    return tied_used

@@ -24,13 +24,11 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-import sympy
 import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
@@ -42,20 +40,28 @@ from primepar_fx.compiler.agree import (
     check_same_sizes_everywhere,
     checked_world,
     compile_options,
-    groups_for,
     set_default_timeout,
     timeout_text,
     with_machine_cluster,
 )
-from primepar_fx.compiler.inputs import InputSpec, at_sizes, input_spec, no_specialisation, size_ranges, sizes_of
+from primepar_fx.compiler.inputs import (
+    InputSpec,
+    at_sizes,
+    bind_call,
+    input_spec,
+    size_ranges,
+    sizes_of,
+    unused_tied,
+)
 from primepar_fx.compiler.microbatch import run_micro_batches, split_inputs
+from primepar_fx.compiler.rankgraph import rank_graph_for
 from primepar_fx.compiler.zero3 import zero3_units
 from primepar_fx.cost.blocks import ZERO_STAGES
 from primepar_fx.frontend.capture import capture
 from primepar_fx.frontend.symbols import B, S
 from primepar_fx.graph import OpGraph, graph_of
 from primepar_fx.partition import DeviceMesh
-from primepar_fx.passes.localize import RankGraph, localize
+from primepar_fx.passes.localize import RankGraph
 from primepar_fx.planning.options import PlanOptions, parse_plan
 from primepar_fx.record.plan import Plan
 from primepar_fx.report.trace import trace_plan
@@ -76,20 +82,6 @@ _PEER_FAILURE = ("connection closed", "connection reset", "timed out", "broken p
 
 class RankFailureError(RuntimeError):
     """A collective or point-to-point transfer of a compiled step failed: another rank died, raised or timed out."""
-
-
-def _unused_tied(graph: OpGraph) -> dict[str, str]:
-    """Each tied parameter name the captured graph never reads -> the name sharing its storage that it reads."""
-    program = graph.captured.program
-    placeholders = [n for n in graph.captured.gm.graph.nodes if n.op == "placeholder"]
-    used = {s.target for n, s in zip(placeholders, program.graph_signature.input_specs) if n.users}
-    tied_used = {}
-    for alias, canon in graph.tied.items():
-        if alias in used and canon not in used:
-            tied_used[canon] = alias
-        elif canon in used and alias not in used:
-            tied_used[alias] = canon
-    return tied_used
 
 
 class PrimeParModule(nn.Module):
@@ -139,7 +131,7 @@ class PrimeParModule(nn.Module):
         self._user_specs: list[InputSpec] = []  # per user input: name, symbolic shape (in B and S), dtype
         self.shards = nn.ParameterDict()
         self._key_of: dict[str, str] = {}
-        self._aliases = _unused_tied(graph)  # unused tied name -> the used name sharing its storage
+        self._aliases = unused_tied(graph)  # unused tied name -> the used name sharing its storage
         self._take_inputs(rank_graph)
         self._ranges = size_ranges(captured)
         if plan.zero not in ZERO_STAGES:
@@ -274,26 +266,8 @@ class PrimeParModule(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ running
     def _as_captured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The call as the example made it: the model's arguments bound to its signature, then given positionally
-        and by keyword as in the capture, so ``m(ids, labels)`` and ``m(input_ids=ids, labels=labels)`` both work."""
-        call = self._graph.captured.call
-        if call is None:
-            return args, kwargs
-        signature, positional, keyword = call
-        try:
-            bound = signature.bind(*args, **kwargs).arguments
-        except TypeError as e:
-            raise TypeError(f"the compiled module takes the model's arguments {signature}: {e}") from None
-        missing = [n for n in (*positional, *keyword) if n not in bound]
-        extra = [n for n in bound if n not in positional and n not in keyword]
-        if missing or extra:
-            what = [f"without {', '.join(map(repr, missing))}"] if missing else []
-            what += [f"with {', '.join(map(repr, extra))}"] if extra else []
-            raise TypeError(
-                f"called {' and '.join(what)}, but the module was compiled with the inputs {[*positional, *keyword]}: "
-                "call it with the inputs it was compiled with, or compile with these"
-            )
-        return tuple(bound[n] for n in positional), {n: bound[n] for n in keyword}
+        """The call as the example made it (:func:`~primepar_fx.compiler.inputs.bind_call`)."""
+        return bind_call(self._graph.captured, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._as_captured(args, kwargs)
@@ -595,6 +569,8 @@ def compile_graph(
     _check_timeout(timeout)
     wait = timedelta(seconds=timeout) if timeout is not None else None
     chosen = agree_plan(graph, plan, options)
+    if chosen.pipeline is not None:
+        return _pipelined(graph, chosen, rank, world, wait)
     mesh = DeviceMesh(tuple(chosen.digits))
     rank_graph = rank_graph_for(graph, chosen, rank, timeout=wait)
     trace_plan(graph, chosen, rank, rank_graph)
@@ -608,42 +584,14 @@ def compile_graph(
     return module
 
 
-#: one rank graph built at a time: the captured program's shape environment is shared by the ranks that build from
-#: it, which are threads of one process where ranks are simulated (:mod:`primepar_fx.runtime.simulated`)
-_BUILDING = threading.Lock()
+def _pipelined(graph: OpGraph, chosen: Plan, rank: int, world: int, wait: timedelta | None) -> Any:
+    """:func:`compile_graph` of a plan with pipeline stages (:mod:`primepar_fx.compiler.pipelined`)."""
+    from primepar_fx.compiler.pipelined import compile_pipelined
 
-
-def rank_graph_for(
-    graph: OpGraph,
-    chosen: Plan,
-    rank: int,
-    *,
-    whole_params: bool = False,
-    values: Mapping[sympy.Symbol, int] | None = None,
-    timeout: timedelta | None = None,
-) -> RankGraph:
-    """This rank's rewritten graph of ``chosen``, at ``values`` of ``B`` and ``S`` (default: the example's)."""
-    captured = graph.captured
-    mesh = DeviceMesh(tuple(chosen.digits))
-    sizes: dict[sympy.Symbol, int] = {B: captured.example_batch, S: captured.example_seq, **(values or {})}
-    with _BUILDING, no_specialisation(captured):
-        rank_graph = localize(
-            graph,
-            chosen.partitions(),
-            mesh,
-            rank,
-            sizes,
-            groups_for(mesh, rank, timeout),
-            whole_params=whole_params,
-            recompute=chosen.recompute,
-        )
-    if rank_graph.fallbacks:
-        log.warning(
-            "%d nodes run whole (no local form for their partition): %s",
-            len(rank_graph.fallbacks),
-            ", ".join(rank_graph.fallbacks[:8]),
-        )
-    return rank_graph
+    module = compile_pipelined(graph, chosen, rank, world, wait)
+    if wait is not None and world > 1:
+        set_default_timeout(wait)
+    return module
 
 
 def require_compiled(module: object, what: str) -> PrimeParModule:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from primepar_fx.cost.blocks import CostOptions, block_bytes
 from primepar_fx.cost.cluster import ClusterSpec
 from primepar_fx.cost.pipeline import INTERLEAVED, StageTimes, Timeline, step_time
@@ -186,10 +188,22 @@ def plan_crossings(
                 continue
             node = graph.nodes[name]
             part = OpPartition(node.dims, priced.strategies[name][choice[name]], priced.mesh)
-            nbytes = block_bytes(part, node.dims.inputs[data["dst_in"]], vkey, itemsize)
+            nbytes = block_bytes(part, node.dims.inputs[data["dst_in"]], vkey, element_bytes(graph, u, itemsize))
             back = nbytes if graph.nodes[u].requires_grad else 0
             found.setdefault(u, {})[read] = Crossing(made, read, nbytes, back)
     return tuple(tuple(sorted(reads.values(), key=lambda c: c.read)) for reads in found.values())
+
+
+def element_bytes(graph: OpGraph, name: str, itemsize: int) -> int:
+    """Bytes an element of node ``name``'s output: a floating tensor's are the plan's ``itemsize``; a mask's or an
+    index's, its own dtype's (an attention mask crosses as booleans)."""
+    try:
+        val = graph.fx_node(name).meta.get("val")
+    except (AttributeError, KeyError):  # a graph without its capture
+        return itemsize
+    if isinstance(val, torch.Tensor) and not val.dtype.is_floating_point:
+        return val.dtype.itemsize
+    return itemsize
 
 
 def price_pipeline(

@@ -37,7 +37,7 @@ from torch import nn
 
 from primepar_fx.runtime.collectives import ReduceScatter
 from primepar_fx.runtime.exchange import Exchange, Slices
-from primepar_fx.runtime.groups import wait_p2p
+from primepar_fx.runtime.groups import global_rank, wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 
@@ -66,11 +66,11 @@ def moves_rows(move: object) -> bool:
 
 
 def _send(t: torch.Tensor, peer: int) -> Any:
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer)])[0]
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, global_rank(peer))])[0]
 
 
 def _recv(t: torch.Tensor, peer: int) -> Any:
-    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer)])[0]
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, global_rank(peer))])[0]
 
 
 def _rotated(peers: Sequence[int], me: int) -> list[int]:

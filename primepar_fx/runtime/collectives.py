@@ -26,7 +26,7 @@ from primepar_fx.cost.scatter import scatters
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.layouts import Layout
 from primepar_fx.runtime.exchange import Exchange, Slices
-from primepar_fx.runtime.groups import wait_p2p
+from primepar_fx.runtime.groups import global_rank, mesh_rank, wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 MODES = ("forward", "backward", "both")
@@ -177,9 +177,9 @@ class ReduceScatter:
             raise RuntimeError(f"reduce-scatter expected a local block of shape {self.in_shape}, got {tuple(x.shape)}")
         ops, inbox = [], {}
         for r in self.peers:
-            ops.append(dist.P2POp(dist.isend, self.piece(x, r), r))
+            ops.append(dist.P2POp(dist.isend, self.piece(x, r), global_rank(r)))
             inbox[r] = x.new_empty(self.out_shape)
-            ops.append(dist.P2POp(dist.irecv, inbox[r], r))
+            ops.append(dist.P2POp(dist.irecv, inbox[r], global_rank(r)))
         reqs = dist.batch_isend_irecv(ops) if ops else []
         own = self.piece(x, self.me)
         for req in reqs:
@@ -201,8 +201,8 @@ class _PointToPointScatter:
         for k, r in enumerate(ranks):
             if r != me:
                 self.inbox[r] = out.new_empty(out.shape)
-                ops.append(dist.P2POp(dist.isend, self.pieces[k], r, group))
-                ops.append(dist.P2POp(dist.irecv, self.inbox[r], r, group))
+                ops.append(dist.P2POp(dist.isend, self.pieces[k], global_rank(r), group))
+                ops.append(dist.P2POp(dist.irecv, self.inbox[r], global_rank(r), group))
         self.reqs = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> bool:
@@ -225,5 +225,5 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: object, ra
     if flat.numel() != len(ranks) * out.numel():
         raise ValueError(f"reduce-scatter of {flat.numel()} elements into {len(ranks)} x {out.numel()}")
     if dist.get_backend(group) == "gloo":
-        return _PointToPointScatter(out, flat, group, ranks, dist.get_rank())
+        return _PointToPointScatter(out, flat, group, ranks, mesh_rank(dist.get_rank()))
     return dist.reduce_scatter_single(out, flat, group=group, async_op=True)

@@ -30,7 +30,7 @@ from torch import nn
 from primepar_fx.partition import DeviceMesh
 from primepar_fx.partition.layouts import IndexSet, Layout
 from primepar_fx.partition.mesh import nearest_holder
-from primepar_fx.runtime.groups import wait_p2p
+from primepar_fx.runtime.groups import global_rank, wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 Slices = tuple[slice, ...]
@@ -161,13 +161,13 @@ class Exchange:
                 buf = x[pieces[0]].reshape(-1)  # a view: sent before this exchange returns, so x may not change
             else:
                 buf = torch.cat([x[s].reshape(-1) for s in pieces]) if pieces else x.new_empty(0)
-            ops.append(dist.P2POp(dist.isend, buf, peer))
+            ops.append(dist.P2POp(dist.isend, buf, global_rank(peer)))
             sent.append(buf)
             if stats is not None:
                 stats.add(kind, buf.numel() * buf.element_size(), node)
         for peer, pieces in self.recvs:
             buf = x.new_empty(sum(prod(shape) for _, shape in pieces))
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            ops.append(dist.P2POp(dist.irecv, buf, global_rank(peer)))
             boxes.append((peer, buf, pieces))
         reqs = dist.batch_isend_irecv(ops) if ops else []
         n = len(self.sends)

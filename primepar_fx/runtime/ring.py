@@ -23,7 +23,7 @@ from torch import nn
 
 from primepar_fx.partition import OpPartition, Phase, transfers
 from primepar_fx.partition.comm import shift_senders
-from primepar_fx.runtime.groups import wait_p2p
+from primepar_fx.runtime.groups import global_rank, wait_p2p
 from primepar_fx.runtime.stats import CommStats
 
 aten = torch.ops.aten
@@ -60,11 +60,11 @@ class _Mover:
         self.recv_from = senders[me] if senders[me] != me else None
 
     def start(self, x: torch.Tensor, stats: CommStats, node: str = "") -> tuple[list, torch.Tensor | None]:
-        ops = [dist.P2POp(dist.isend, x, k) for k in self.send_to]
+        ops = [dist.P2POp(dist.isend, x, global_rank(k)) for k in self.send_to]
         buf = None
         if self.recv_from is not None:
             buf = torch.empty_like(x)
-            ops.append(dist.P2POp(dist.irecv, buf, self.recv_from))
+            ops.append(dist.P2POp(dist.irecv, buf, global_rank(self.recv_from)))
         for _ in self.send_to:
             stats.add("ring", x.numel() * x.element_size(), node)
         return (dist.batch_isend_irecv(ops) if ops else []), buf

@@ -1,18 +1,19 @@
 """Bytes each rank sends, by kind, so tests and benchmarks can hold them against the cost model.
 
 Kinds: ``"collective"`` (all-reduces of partial sums and statistics), ``"ring"`` (the P(S x S) shifts inside a ring
-operator), ``"redistribution"`` (inter-operator layout changes, point to point) and ``"output"`` (gathering the
-model's outputs whole on every rank, which a plan does not price: a training step that returns only the loss sends
-almost nothing of this kind). A collective is counted with
-the ring-algorithm volume the cost model uses (``2 (g-1)/g`` of the block for an all-reduce over ``g`` ranks, the
-bus volume of ``nccl-tests``); point-to-point traffic is counted exactly.
+operator), ``"redistribution"`` (inter-operator layout changes, point to point), ``"pipeline"`` (the tensors a
+pipeline stage sends to the next and their gradients sent back, :mod:`primepar_fx.compiler.pipelined`) and
+``"output"`` (gathering the model's outputs whole on every rank, which a plan does not price: a training step that
+returns only the loss sends almost nothing of this kind). A collective is counted with the ring-algorithm volume the
+cost model uses (``2 (g-1)/g`` of the block for an all-reduce over ``g`` ranks, the bus volume of ``nccl-tests``);
+point-to-point traffic is counted exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMM_KINDS = ("collective", "ring", "redistribution", "output")
+COMM_KINDS = ("collective", "ring", "redistribution", "pipeline", "output")
 
 
 @dataclass

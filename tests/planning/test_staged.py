@@ -162,11 +162,15 @@ def test_a_pipelined_plan_loads_only_where_its_stages_devices_and_micro_batches_
             Plan.from_dict({**data, **change})
 
 
-def test_compile_plans_without_stages_and_refuses_a_pipelined_plan():
+def test_compile_searches_without_stages_and_the_backend_and_dump_refuse_a_pipelined_plan():
+    """``compile`` runs a pipelined plan it is given (tests/compiler/test_pipeline_runtime.py) but searches none
+    itself; the ``torch.compile`` backend and the graph dump run no pipeline and say so."""
     assert compile_options(cluster="cpu-gloo").stages == 1
-    with pytest.raises(NotImplementedError, match="pipeline of 2 stages.*--stages 1"):
-        check_runnable(planned("gpt2-tiny", 4, 8, 2))
-    check_runnable(planned("gpt2-tiny", 4, 8, 1))
+    pipelined = planned("gpt2-tiny", 4, 8, 2)
+    check_runnable(pipelined)
+    with pytest.raises(NotImplementedError, match="pipeline of 2 stages.*the graph dump does not run.*--stages 1"):
+        check_runnable(pipelined, pipelines=False, what="the graph dump")
+    check_runnable(planned("gpt2-tiny", 4, 8, 1), pipelines=False)
 
 
 def test_a_schedule_over_the_budget_is_searched_again_under_the_budget_less_its_overshoot(monkeypatch):

@@ -1,0 +1,81 @@
+"""Pipelined plans (issue 62) run on real gloo processes and train to the numbers of one device.
+
+Each plan's stages are cut from the rank graph (:mod:`primepar_fx.passes.stages`) and driven by
+``torch.distributed.pipelining`` (:mod:`primepar_fx.compiler.pipelined`): the loss and every gathered gradient of a
+step equal one device's, so do the losses and parameters of three AdamW steps, and the bytes the ranks send equal
+the plan's prediction (the pipeline's transfers always; the stages' own traffic for a model without tied
+embeddings, see docs/runtime.md, "Pipelines").
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed_checks import ATOL, RTOL
+from pipeline_checks import check_pipelines
+
+from primepar_fx.runtime.testing import spawn
+
+TIMEOUT = 600
+
+
+def _assert_trains_like_one_device(report: dict, specs: list[str]) -> None:
+    for spec in specs:
+        r = report[spec]
+        assert r["loss"] == pytest.approx(report["reference_loss"], rel=RTOL, abs=ATOL), spec
+        assert r["bad_grads"] == [], f"{spec}: gradients differ from one device: {r['bad_grads'][:5]}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=RTOL, abs=ATOL), spec
+        assert r["bad_params"] == [], f"{spec}: parameters after AdamW differ: {r['bad_params'][:5]}"
+
+
+def _assert_sends_the_pipeline_predicted(report: dict, specs: list[str], *, stages_too: bool) -> None:
+    for spec in specs:
+        r = report[spec]
+        assert r["pipeline_bytes"] == r["predicted_pipeline_bytes"] > 0, spec
+        if stages_too:
+            assert r["stage_bytes"] == pytest.approx(r["predicted_stage_bytes"] - r["predicted_pipeline_bytes"]), spec
+
+
+def test_two_stages_of_two_ranks_train_like_one_device():
+    """4 ranks as 2 stages x 2: our search asked for stages under 1F1B and GPipe (with ZeRO-1), P(S x S) in every
+    stage with full recomputation, and data parallelism in every stage with ZeRO-1; gpt2-tiny ties its embedding
+    and head, which the first and the last stage both hold."""
+    searched = [
+        "searched:stages=2,schedule=1F1B,mb=2,cluster=h100-dgx",
+        "searched:stages=2,schedule=GPipe,mb=2,cluster=h100-dgx,zero=1",
+    ]
+    specs = [
+        *searched,
+        "prime:stages=2,schedule=1F1B,mb=2,recompute=full",
+        "data_parallel:stages=2,schedule=1F1B,mb=4,zero=1",
+    ]
+    report = spawn(check_pipelines, 4, "gpt2-tiny", specs, timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, specs)
+    _assert_sends_the_pipeline_predicted(report, searched, stages_too=False)
+    for spec in searched:  # the tied embedding's gradient is summed in both stages and between them
+        assert (
+            report[spec]["stage_bytes"]
+            > report[spec]["predicted_stage_bytes"] - report[spec]["predicted_pipeline_bytes"]
+        )
+
+
+def test_eight_ranks_interleaved_and_four_stages_train_like_one_device():
+    """8 ranks as 2 stages x (2 x 2) under interleaved 1F1B (two stages a rank), and as 4 stages x 2 with ZeRO-1 and
+    with Megatron's split recomputed; llama-tiny with 4 layers (rotary tables cross every stage) and untied
+    embeddings, so the stages send exactly the bytes predicted."""
+    searched = [
+        "searched:stages=2,schedule=Interleaved1F1B,mb=2,virtual=2,cluster=h100-dgx",
+        "searched:stages=4,schedule=1F1B,mb=4,cluster=h100-dgx,zero=1",
+    ]
+    specs = [*searched, "megatron:stages=4,schedule=1F1B,mb=4,recompute=full"]
+    report = spawn(check_pipelines, 8, "llama-tiny@4", specs, timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, specs)
+    _assert_sends_the_pipeline_predicted(report, searched, stages_too=True)
+    assert report[searched[0]]["stages_held"] == 2
+
+
+@pytest.mark.parametrize("family", ["hf:gpt2", "hf:llama"])
+def test_hugging_face_families_train_like_one_device_as_two_stages(family):
+    specs = ["searched:stages=2,schedule=1F1B,mb=2,cluster=h100-dgx"]
+    report = spawn(check_pipelines, 4, family, specs, timeout=TIMEOUT)
+    _assert_trains_like_one_device(report, specs)
+    _assert_sends_the_pipeline_predicted(report, specs, stages_too=False)
