@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from primepar_fx.compiler.module import PrimeParModule, require_compiled
+from primepar_fx.compiler.pipelined import PipelinedModule
 from primepar_fx.runtime.exchange import full_layout
 from primepar_fx.runtime.zero import ShardedOptimizer
 
@@ -296,10 +297,23 @@ def _per_parameter(optimizer: Any) -> Any:
     return optimizer.as_params() if isinstance(optimizer, ShardedOptimizer) else optimizer
 
 
+def _checkpointable(module: Any, what: str, optimizer: Any) -> None:
+    """A compiled module (a pipelined one without an optimizer: its tied copies and per-stage ZeRO optimizers are
+    not written yet); a ``TypeError`` or ``NotImplementedError`` naming ``what`` otherwise."""
+    if isinstance(module, PipelinedModule):
+        if optimizer is not None:
+            raise NotImplementedError(
+                f"{what} of a pipelined module's optimizer is not supported yet: save the module alone, or use "
+                "gather_state_dict()"
+            )
+        return
+    require_compiled(module, what)
+
+
 # ---------------------------------------------------------------------------------------------------- sharded
 def save(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
     """Write ``module``'s parameters (and ``optimizer``'s state) as a sharded DCP checkpoint in directory ``path``."""
-    require_compiled(module, "checkpoint.save")
+    _checkpointable(module, "checkpoint.save", optimizer)
     optimizer = _per_parameter(optimizer)
     if Path(path).exists() and not Path(path).is_dir():
         raise ValueError(f"checkpoint.save writes a directory, and {os.fspath(path)!r} is a file")
@@ -311,8 +325,8 @@ def save(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.
         "model_fingerprint": module.plan.model_fingerprint,
         "saved_by": {"world_size": world, "plan": module.plan.to_dict()},
         "parameters": {
-            fqn: {"shape": list(module.full_shape(fqn)), "dtype": _dtype_name(p.dtype)}
-            for fqn, p in module.local_parameters().items()
+            fqn: {"shape": list(shape), "dtype": _dtype_name(dtype)}
+            for fqn, (shape, dtype) in module.parameter_specs().items()
         },
         "aliases": dict(module._aliases),
         "optimizer": None,
@@ -346,7 +360,7 @@ def load(module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.
     Names and shapes are checked, and every rank reads into fresh tensors, before any parameter or optimizer
     state changes.
     """
-    require_compiled(module, "checkpoint.load")
+    _checkpointable(module, "checkpoint.load", optimizer)
     optimizer = _per_parameter(optimizer)
     rank, world = _rank_world()
     meta = read_meta(path)
@@ -417,7 +431,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _check_parameters(module: PrimeParModule, saved: Mapping[str, Any], where: str) -> None:
-    ours = {fqn: list(module.full_shape(fqn)) for fqn in module.local_parameters()}
+    ours = {fqn: list(shape) for fqn, (shape, _) in module.parameter_specs().items()}
     missing = sorted(set(ours) - set(saved))
     extra = sorted(set(saved) - set(ours))
     if missing or extra:
@@ -435,7 +449,7 @@ def save_consolidated(
     module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
 ) -> Path:
     """Gather whole tensors and write them from rank 0 as one ``torch.save`` file (module docstring)."""
-    require_compiled(module, "checkpoint.save_consolidated")
+    _checkpointable(module, "checkpoint.save_consolidated", optimizer)
     optimizer = _per_parameter(optimizer)
     rank, world = _rank_world()
     payload: dict[str, Any] = {
@@ -478,7 +492,7 @@ def load_consolidated(
     module: PrimeParModule, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Load a :func:`save_consolidated` file (``weights_only=True``) into ``module`` (and ``optimizer``)."""
-    require_compiled(module, "checkpoint.load_consolidated")
+    _checkpointable(module, "checkpoint.load_consolidated", optimizer)
     optimizer = _per_parameter(optimizer)
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(payload, dict) or payload.get("format") != CONSOLIDATED_FORMAT:
@@ -486,13 +500,13 @@ def load_consolidated(
     model = payload["model"]
     other = {used: unused for unused, used in module._aliases.items()}
     full = {
-        fqn: model[fqn] if fqn in model else model.get(other.get(fqn, ""), None) for fqn in module.local_parameters()
+        fqn: model[fqn] if fqn in model else model.get(other.get(fqn, ""), None) for fqn in module.parameter_specs()
     }
     missing = [fqn for fqn, t in full.items() if t is None]
     if missing:
         raise KeyError(f"{os.fspath(path)} lacks {len(missing)} parameters, e.g. {missing[0]!r}")
     _check_parameters(module, {f: {"shape": list(t.shape)} for f, t in full.items()}, os.fspath(path))
-    state = {fqn: module.shard_tensor(fqn, t) for fqn, t in full.items()}
+    state = {fqn: module.shard_tensor(fqn, full[fqn]) for fqn in module.local_parameters()}
     saved_state: dict[str, dict[str, Any]] = {}
     groups = None
     if optimizer is not None:
@@ -520,10 +534,10 @@ def _apply(
 ) -> None:
     """Copy loaded local tensors into the parameters and the optimizer; everything is checked before it changes."""
     opt_state = _optimizer_state_dict(module, optimizer, state, groups) if optimizer is not None else None
-    local = module.local_parameters()
     with torch.no_grad(), module.whole_parameters(write=True):
         for fqn, value in params.items():
-            local[fqn].copy_(value)
+            for copy in module.copies(fqn):
+                copy.copy_(value)
     for sharded in module._sharded:  # a ZeRO optimizer's master copies follow the new parameters
         sharded.reload()
     if optimizer is not None:

@@ -434,6 +434,14 @@ class PrimeParModule(nn.Module):
                 out[alias] = out[fqn]
         return out
 
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every parameter: its whole shape and dtype."""
+        return {fqn: (self.full_shape(fqn), p.dtype) for fqn, p in self.local_parameters().items()}
+
+    def copies(self, fqn: str) -> list[torch.Tensor]:
+        """This rank's block of parameter ``fqn``, as a list (a pipelined module holds one a stage that reads it)."""
+        return [self.local_parameters()[fqn]]
+
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter, by original name (under ZeRO-3 their values only inside
         :meth:`whole_parameters`)."""

@@ -27,6 +27,7 @@ equal under an element-wise optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
@@ -158,9 +159,15 @@ class PipelinedModule(nn.Module):
         self.comm_stats: CommStats = rank_graph.stats
         self._pp_group, self._tied_groups = groups
         self._kinds = _placeholder_kinds(graph)
-        self._layouts = {self._kinds[n][1]: lay for n, lay in rank_graph.param_layouts.items()}
+        self._stage_layouts = {self._kinds[n][1]: lay for n, lay in rank_graph.param_layouts.items()}
         self._params_of = [sorted(self._kinds[n][1] for n in c.inputs if self._kinds[n][0] == "param") for c in cuts]
         self.stage_indices = [k for k in range(len(cuts)) if k % self._p == self.block]
+        self._aliases = unused_tied(graph)  # unused tied name -> the used name sharing its storage
+        #: each parameter this rank holds -> its layout over the world's ranks (its blocks' ranks hold it, as the
+        #: stage's mesh lays it out; the others hold nothing): what checkpoints read and write
+        self._layouts = {fqn: self._world_layout(fqn, world) for k in self.stage_indices for fqn in self._params_of[k]}
+        #: the ZeRO optimizers of :meth:`optimizer` (their master copies follow loaded parameters)
+        self._sharded: list[ShardedOptimizer] = []
         self.stage_modules = nn.ModuleList()
         self.grad_buckets: list[GradientBuckets] = []
         loss_index = _loss_index(graph)
@@ -182,7 +189,7 @@ class PipelinedModule(nn.Module):
             if kind == "param":
                 full = program.state_dict[fqn]
                 shard = Exchange.plan(
-                    full_layout(tuple(full.shape), self.mesh.size), self._layouts[fqn], self.mesh, self.mesh_rank
+                    full_layout(tuple(full.shape), self.mesh.size), self._stage_layouts[fqn], self.mesh, self.mesh_rank
                 )
                 module.shards[_key(fqn)] = nn.Parameter(
                     shard.run(full.detach()).clone(), requires_grad=full.requires_grad
@@ -191,6 +198,13 @@ class PipelinedModule(nn.Module):
                 value = program.state_dict[fqn] if fqn in program.state_dict else program.constants[fqn]
                 module.register_buffer(_key(fqn), value.detach().clone(), persistent=False)
         return module
+
+    def _world_layout(self, fqn: str, world: int) -> tuple:
+        """``fqn``'s layout over the world: the stage layout on the ranks of each block that holds it."""
+        stage = self._stage_layouts[fqn]
+        holders = {k % self._p for k, names in enumerate(self._params_of) if fqn in names}
+        nothing = tuple(() for _ in stage[0])
+        return tuple(stage[g % self._q] if g // self._q in holders else nothing for g in range(world))
 
     def _buckets(self, module: StageModule, rank_graph: RankGraph) -> GradientBuckets:
         reductions = rank_graph.grad_reductions
@@ -267,7 +281,7 @@ class PipelinedModule(nn.Module):
         :class:`~primepar_fx.runtime.zero.ShardedOptimizer` a stage, stepped together (:class:`StagesOptimizer`)."""
         if not self.plan.zero:
             return optimizer_class(self.parameters(), **defaults)
-        return StagesOptimizer(
+        sharded = StagesOptimizer(
             [
                 ShardedOptimizer(
                     buckets, mod.parameters(), self.mesh_rank, self.plan.zero, optimizer_class, self.comm_stats,
@@ -276,6 +290,8 @@ class PipelinedModule(nn.Module):
                 for mod, buckets in zip(self.stage_modules, self.grad_buckets)
             ]
         )  # fmt: skip
+        self._sharded.extend(sharded.optimizers)
+        return sharded
 
     # ------------------------------------------------------------------------------------------------ full tensors
     def _gather(self, local_of: Any) -> dict[str, torch.Tensor]:
@@ -296,7 +312,7 @@ class PipelinedModule(nn.Module):
                     if local is None:
                         local = torch.zeros_like(mod.shards[_key(fqn)])
                     gather = Exchange.plan(
-                        self._layouts[fqn], full_layout(shape, self.mesh.size), self.mesh, self.mesh_rank
+                        self._stage_layouts[fqn], full_layout(shape, self.mesh.size), self.mesh, self.mesh_rank
                     )
                     full = gather.run(local.detach().contiguous()).clone()
                 else:
@@ -318,6 +334,32 @@ class PipelinedModule(nn.Module):
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """Whole gradients by the original parameter names (collective)."""
         return self._with_aliases(self._gather(lambda mod, key: mod.shards[key].grad))
+
+    def full_shape(self, fqn: str) -> tuple[int, ...]:
+        """The whole shape of parameter ``fqn``."""
+        return tuple(self._graph.captured.program.state_dict[fqn].shape)
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every parameter of the model (not only this rank's stages'): its whole shape and dtype."""
+        state = self._graph.captured.program.state_dict
+        return {fqn: (tuple(state[fqn].shape), state[fqn].dtype) for names in self._params_of for fqn in names}
+
+    def copies(self, fqn: str) -> list[nn.Parameter]:
+        """This rank's copies of parameter ``fqn`` (one a stage of this rank that reads it)."""
+        return [mod.shards[_key(fqn)] for mod in self.stage_modules if _key(fqn) in mod.shards]
+
+    def shard_tensor(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a whole tensor laid out like parameter ``fqn`` (local: no communication)."""
+        if tuple(full.shape) != self.full_shape(fqn):
+            raise ValueError(f"{fqn!r} has shape {tuple(full.shape)}, the model's is {self.full_shape(fqn)}")
+        move = Exchange.plan(
+            full_layout(tuple(full.shape), self.mesh.size), self._stage_layouts[fqn], self.mesh, self.mesh_rank
+        )
+        return move.run(full)
+
+    def whole_parameters(self, write: bool = False) -> Any:
+        """A context in which every parameter holds its values: always (no ZeRO-3 under a pipeline)."""
+        return contextlib.nullcontext()
 
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's block of each parameter its stages read (the first stage's copy of a tied one)."""

@@ -79,6 +79,7 @@ def plan_graph(graph: OpGraph, options: PlanOptions | None = None, /, **kwargs: 
     meet raises :class:`~primepar_fx.search.InfeasibleBudget` with the smallest budget any of them needs.
     """
     opts = resolve_options(graph, options, kwargs)
+    stage_choices(graph, opts)  # a bad stage count or a schedule no stage uses fails before any search
     if opts.memory_budget is not None:
         check_state_floor(graph, opts.cost_options(), opts.world_size, opts.memory_budget)  # type: ignore[arg-type]
     with _fixed_baselines_beside(graph, opts) as early:

@@ -77,11 +77,24 @@ def stage_choices(graph: OpGraph, opts: PlanOptions) -> list[int]:
     p, world = opts.stages, opts.world_size
     assert world is not None
     pieces = stage_pieces(graph)
-    if p == 1 or (p is None and (pieces is None or opts.digits is not None)):
-        return []
     dpn = opts.cluster.devices_per_node
+    none = (
+        "stages=1 asks for none" if p == 1
+        else None if p is not None
+        else f"{graph.name} has no stack of layers" if pieces is None
+        else "digits name the mesh" if opts.digits is not None
+        else f"the {world} devices fit one node of {dpn}" if world <= dpn
+        else None
+    )  # fmt: skip
+    if none is not None:
+        if opts.schedule is not None:
+            raise ValueError(
+                f"schedule {opts.schedule!r} names how pipeline stages run, but no stages are searched ({none}): "
+                "ask for a stage count (stages=P, --stages P) or leave the schedule out"
+            )
+        return []
     if p is None:
-        return stage_counts(world, len(pieces), dpn) if world > dpn else []  # type: ignore[arg-type]
+        return stage_counts(world, len(pieces), dpn)  # type: ignore[arg-type]
     if pieces is None:
         raise ValueError(f"{graph.name} has no stack of layers to cut into {p} pipeline stages")
     if p > len(pieces):

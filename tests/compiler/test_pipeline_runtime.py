@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from distributed_checks import ATOL, RTOL
-from pipeline_checks import check_pipelines
+from pipeline_checks import check_checkpoint_across_stages, check_pipelines
 
 from primepar_fx.runtime.testing import spawn
 
@@ -79,3 +79,14 @@ def test_hugging_face_families_train_like_one_device_as_two_stages(family):
     report = spawn(check_pipelines, 4, family, specs, timeout=TIMEOUT)
     _assert_trains_like_one_device(report, specs)
     _assert_sends_the_pipeline_predicted(report, specs, stages_too=False)
+
+
+def test_a_pipelined_checkpoint_loads_into_a_plan_without_stages_and_back(tmp_path):
+    """DCP across stage counts (bit-exact): 2 stages x 2 of gpt2-tiny (its tied embedding held by both stages) saved
+    after a step, loaded into Megatron's split on the same 4 ranks, stepped, saved, loaded into 2 stages again."""
+    report = spawn(
+        check_checkpoint_across_stages, 4, "gpt2-tiny", "data_parallel:stages=2,schedule=1F1B,mb=2", str(tmp_path),
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert report["into_flat"] == [] and report["back"] == [], report
+    assert report["names"] and report["changed"], report

@@ -125,6 +125,19 @@ def test_more_stages_than_layers_names_the_model_and_its_layers():
         plan_graph(graph("gpt2-tiny", 2), world_size=8, cluster="v100-paper", stages=4, **SIZES)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"world_size": 4, "stages": 1}, "stages=1 asks for none"),
+        ({"world_size": 4}, "the 4 devices fit one node of 4"),
+    ],
+)
+def test_a_schedule_without_stages_to_run_it_fails_before_the_search(kwargs, why):
+    """``--schedule`` is only read by the stage search: where none runs it would be silently unused."""
+    with pytest.raises(ValueError, match=f"schedule 'GPipe' names how pipeline stages run.*\\({why}\\)"):
+        plan_graph(graph("gpt2-tiny", 2), cluster="v100-paper", schedule="GPipe", **kwargs, **SIZES)
+
+
 def _pipeline(**changes):
     fields = dict(stages=2, schedule="1F1B", virtual_stages=1, micro_batches=4, layers_per_stage=(2, 2))
     return Pipeline(**{**fields, **changes})
