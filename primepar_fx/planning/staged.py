@@ -36,7 +36,13 @@ from primepar_fx.planning.meshes import search_count
 from primepar_fx.planning.options import PlanOptions
 from primepar_fx.planning.pipelines import MEGATRON_SCHEDULES, schedules, stage_counts
 from primepar_fx.planning.state import Bound, Found, Planning
-from primepar_fx.pricing.pipelined import PipelinePricing, plan_pieces, price_pipeline, stage_pieces
+from primepar_fx.pricing.pipelined import (
+    PipelinePricing,
+    plan_pieces,
+    price_pipeline,
+    shared_parameter_bytes,
+    stage_pieces,
+)
 from primepar_fx.pricing.summary import Summary, per_step, summarize
 from primepar_fx.record.pipeline import Pipeline
 from primepar_fx.record.plan import Predicted
@@ -271,5 +277,8 @@ def _staged(graph: OpGraph, opts: PlanOptions, m: int, found: Found, pp: Pipelin
     """``found`` run as ``pp``, with its summary over a step."""
     choice = found.chosen.solution.choice
     flat = per_step(summarize(graph, found.priced, choice, found.costs, extra_peak=found.chosen.extra_peak), m)
-    comm = round(flat.predicted.comm_bytes / pp.stages) + pp.p2p_bytes  # each node runs on one stage's devices
+    vkey = values_key({B: opts.batch // m, S: opts.seq})  # type: ignore[operator]
+    shared = shared_parameter_bytes(graph, found.priced, choice, pp, vkey, found.costs)
+    # each node runs on one stage's devices; a parameter stages share is summed in each and between them
+    comm = round(flat.predicted.comm_bytes / pp.stages) + pp.p2p_bytes + shared
     return Staged(found, pp, Summary(Predicted(pp.step_s, pp.peak, comm), flat.nodes))

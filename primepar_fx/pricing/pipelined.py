@@ -25,15 +25,18 @@ The step is the replay's seconds (bubble, warm-up and cool-down included).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
 from primepar_fx.cost.blocks import CostOptions, block_bytes
 from primepar_fx.cost.cluster import ClusterSpec
+from primepar_fx.cost.latency import ring_factors
 from primepar_fx.cost.pipeline import INTERLEAVED, StageTimes, Timeline, step_time
 from primepar_fx.graph import OpGraph
 from primepar_fx.graph.layers import layer_units
 from primepar_fx.partition import OpPartition
+from primepar_fx.partition.comm import collectives
 from primepar_fx.partition.enumerate import ValuesKey
 from primepar_fx.pricing.priced import PricedGraph
 from primepar_fx.pricing.summary import node_seconds
@@ -192,6 +195,47 @@ def plan_crossings(
             back = nbytes if graph.nodes[u].requires_grad else 0
             found.setdefault(u, {})[read] = Crossing(made, read, nbytes, back)
     return tuple(tuple(sorted(reads.values(), key=lambda c: c.read)) for reads in found.values())
+
+
+def shared_parameter_bytes(
+    graph: OpGraph,
+    priced: PricedGraph,
+    choice: dict[str, int],
+    pp: PipelinePricing,
+    vkey: ValuesKey,
+    costs: CostOptions,
+) -> int:
+    """The bytes a device sends a step (the mean over the pipeline's devices) for the parameters that stages share
+    (a tied embedding and head), which the plan, priced as one graph, sums once: each stage holding a copy beyond
+    the first sums the copy's gradient over its replicas again (its first reader's sum), and the copies' ranks then
+    sum them between them (an all-reduce over the pipeline ranks holding one). Under ZeRO-1 each copy beyond the
+    first is also gathered again after the optimizer's step."""
+    pieces = stage_pieces(graph)
+    assert pieces is not None
+    ends = [*pp.starts[1:], len(pieces)]
+    chunk_of = {n: k for k, (a, z) in enumerate(zip(pp.starts, ends)) for piece in pieces[a:z] for n in piece}
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for name, node in graph.nodes.items():  # graph order: the first reader first
+        for fqn, index in zip(node.params, sorted(node.dims.weights)):
+            readers.setdefault(fqn, []).append((name, index))
+    mesh, q, total = priced.mesh, priced.mesh.size, 0.0
+    for reads in readers.values():
+        chunks = {chunk_of[n] for n, _ in reads}
+        if len(chunks) < 2:
+            continue
+        first, index = reads[0]
+        node = graph.nodes[first]
+        part = OpPartition(node.dims, priced.strategies[first][choice[first]], mesh)
+        block = block_bytes(part, node.dims.inputs[index], vkey, costs.itemsize)
+        summed = next((c for c in collectives(part) if c.tensor == f"d_in{index}" and c.kind == "all-reduce"), None)
+        group = 1 if summed is None else prod(mesh.digits[d] for d in summed.digits)
+        again = ring_factors("all-reduce", group)[0] * block if group > 1 else 0.0
+        if costs.zero and group > 1:
+            again += ring_factors("all-gather", group)[0] * block
+        holders = len({k % pp.stages for k in chunks})
+        between = ring_factors("all-reduce", holders)[0] * block if holders > 1 else 0.0
+        total += q * ((len(chunks) - 1) * again + holders * between)
+    return round(total / (q * pp.stages))
 
 
 def element_bytes(graph: OpGraph, name: str, itemsize: int) -> int:
