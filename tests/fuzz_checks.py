@@ -11,7 +11,9 @@ in full or selectively (the reference decoder's attention is one fused op, which
 recomputes nothing there: it checks that such a plan compiles and runs), a plan on two or more ranks sometimes
 with ZeRO stage 1, 2 or 3, and about half the plans run the batch as 2, 3 or 4 micro-batches where the count
 divides it (:data:`MICRO_BATCHES`; the plan is priced at the micro-batch, so its splits of the batch divide
-that). One training step of the compiled per-rank module must give the single-device loss and, gathered, every
+that). About a quarter of the cases whose world and layers allow it run as a pipeline (issue 62): 2 or 3 stages,
+1F1B or GPipe, the plan our search makes for those stages on :data:`PIPELINE_CLUSTER`, trained by
+``module.step``. One training step of the compiled per-rank module must give the single-device loss and, gathered, every
 single-device gradient (``RTOL``, ``ATOL``); with ZeRO the step is taken by ``module.optimizer(AdamW)`` and the
 parameters after it must be one device's too (stages 2 and 3 leave no gradients to gather). The bytes every rank
 sends in that step (forward, backward and ZeRO's optimizer step), summed, must be the plan's predicted bytes times
@@ -71,6 +73,8 @@ SIM_CLUSTER = "h100-dgx"  # a preset of nodes of eight devices: meshes of three 
 #: many bytes per node, rank and micro-batch (each node's bytes of a kind are rounded to whole bytes once a
 #: micro-batch, each message's too: 2/3 of a block on 3 ranks)
 BYTES_SLACK_PER_NODE = 2
+#: the preset a pipelined case's stage plans are searched for (one that splits tiny layers: cpu-gloo replicates them)
+PIPELINE_CLUSTER = "h100-dgx"
 
 Choose = Callable[[Sequence[Any]], Any]
 
@@ -92,6 +96,8 @@ class Case:
     zero: int = 0  # ZeRO stage of the plan (issue 18)
     micro_batches: int = 1  # micro-batches a step runs the batch as (gradient accumulation, issue 18)
     simulated: bool = False  # ranks simulated as threads of one process, planned for SIM_CLUSTER (issue 61)
+    stages: int = 1  # pipeline stages the plan runs as (issue 62): the search asked for them, on PIPELINE_CLUSTER
+    schedule: str = "1F1B"  # their schedule
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -124,6 +130,8 @@ class Case:
             parts.append(f"{self.micro_batches} micro-batches")
         if self.simulated:
             parts.append(f"simulated on {SIM_CLUSTER}")
+        if self.stages > 1:
+            parts.append(f"{self.stages} stages {self.schedule} (searched on {PIPELINE_CLUSTER})")
         return ", ".join(parts)
 
 
@@ -155,9 +163,12 @@ def draw_config(choose: Choose) -> dict[str, Any]:
     }
 
 
-def draw_case(choose: Choose, *, world: int | None = None, index: int = 0, simulated: bool = False) -> Case:
+def draw_case(
+    choose: Choose, *, world: int | None = None, index: int = 0, simulated: bool = False, pipelined: bool = False
+) -> Case:
     """A :class:`Case`; ``choose(options)`` returns one of ``options`` (``random.Random.choice``, hypothesis).
-    ``simulated``: a world size of :data:`SIM_WORLDS` (unless given), run on simulated ranks."""
+    ``simulated``: a world size of :data:`SIM_WORLDS` (unless given), run on simulated ranks. ``pipelined``: a
+    case that runs as a pipeline wherever its world and layers allow one (:func:`_maybe_pipelined`)."""
     config = draw_config(choose)
     world = world if world is not None else choose(SIM_WORLDS if simulated else WORLDS)
     prime = simulated or world in (4, 8)  # a mesh with two equal digits (past three digits, in a grouping)
@@ -174,7 +185,7 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0, simul
     recompute = choose(("none", "none", "full", "selective")) if config["layers"] >= 2 else "none"
     zero = choose((0, 0, 1, 2, 3)) if world > 1 else 0
     micro_batches = choose([m for m in MICRO_BATCHES if batch % m == 0])
-    return Case(
+    case = Case(
         config=config,
         world=world,
         plan=plan,
@@ -188,15 +199,36 @@ def draw_case(choose: Choose, *, world: int | None = None, index: int = 0, simul
         micro_batches=micro_batches,
         simulated=simulated,
     )
+    return case if simulated else _maybe_pipelined(case, choose, always=pipelined)
 
 
-def draw_cases(n: int, seed: int, *, simulated: bool = False, worlds: Sequence[int] | None = None) -> list[Case]:
+def _maybe_pipelined(case: Case, choose: Choose, always: bool = False) -> Case:
+    """About a quarter of the cases whose world and layers allow stages run as a pipeline (issue 62): 2 or 3 stages
+    (dividing the world, a layer each at least), the searched plan, 1F1B or GPipe over at least as many
+    micro-batches as stages, ZeRO at most 1 (stage 2 refuses shared parameters, stage 3 pipelines). Drawn last, so
+    the cases drawn before pipelines existed keep their draws."""
+    counts = [p for p in (2, 3) if case.world % p == 0 and p <= case.config["layers"]]
+    if not counts or not (choose((False, False, False, True)) or always):
+        return case
+    stages = choose(counts)
+    micro = choose([m for m in (2, 3, 4, 6) if case.batch % m == 0 and m >= stages])
+    schedule = choose(("1F1B", "GPipe"))
+    return replace(
+        case, stages=stages, schedule=schedule, plan="searched", micro_batches=micro, zero=min(case.zero, 1),
+        digits=None,
+    )  # fmt: skip
+
+
+def draw_cases(
+    n: int, seed: int, *, simulated: bool = False, worlds: Sequence[int] | None = None, pipelined: bool = False
+) -> list[Case]:
     """``n`` cases from a ``random.Random(seed)``.
 
     The first cases take their world sizes from :data:`CI_WORLDS` (every size present, the cheap ones more
     often: 8 ranks on 2 cores take a minute to start); later ones cycle through :data:`WORLDS` evenly.
     ``simulated``: every case on simulated ranks, the world sizes cycling through :data:`SIM_WORLDS`. ``worlds``:
-    cycle through these world sizes instead.
+    cycle through these world sizes instead. ``pipelined``: every case a pipeline (drawn again until its world and
+    layers allow one).
     """
     import random
 
@@ -207,7 +239,13 @@ def draw_cases(n: int, seed: int, *, simulated: bool = False, worlds: Sequence[i
         sizes = [SIM_WORLDS[i % len(SIM_WORLDS)] for i in range(n)]
     else:
         sizes = [CI_WORLDS[i] if i < len(CI_WORLDS) else WORLDS[i % len(WORLDS)] for i in range(n)]
-    return [draw_case(rng.choice, world=w, index=i, simulated=simulated) for i, w in enumerate(sizes)]
+    out = []
+    for i, w in enumerate(sizes):
+        case = draw_case(rng.choice, world=w, index=i, simulated=simulated, pipelined=pipelined)
+        while pipelined and case.stages == 1:
+            case = draw_case(rng.choice, world=w, index=i, pipelined=True)
+        out.append(case)
+    return out
 
 
 def by_world(cases: Sequence[Case], most: int = 20) -> list[tuple[int, list[Case]]]:
@@ -235,6 +273,7 @@ def _plan_for(case: Case, graph, world: int):
     Every real rank makes it (compile runs rank 0's): a plan that cannot be made fails on every rank alike, where
     one rank failing alone would leave the others waiting in a collective. Simulated ranks share one."""
     plain = case.digits is None and case.recompute == "none" and not case.zero and case.micro_batches == 1
+    plain = plain and case.stages == 1
     if plain and not case.simulated:
         return case.plan
     from primepar_fx.planning.forced import forced_plan
@@ -242,10 +281,12 @@ def _plan_for(case: Case, graph, world: int):
 
     cap = graph.captured
     sizes = {"world_size": world, "batch": cap.example_batch, "seq": cap.example_seq, "recompute": case.recompute}
-    cluster = SIM_CLUSTER if case.simulated else "cpu-gloo"
+    cluster = SIM_CLUSTER if case.simulated else PIPELINE_CLUSTER if case.stages > 1 else "cpu-gloo"
     sizes.update(cluster=cluster, memory_budget=None, zero=case.zero, micro_batches=case.micro_batches)
+    if case.stages > 1:
+        return plan_graph(graph, baselines=False, method="dp", stages=case.stages, schedule=case.schedule, **sizes)
     if case.plan == "searched":
-        return plan_graph(graph, baselines=False, stages=1, **sizes)  # compile runs no stages yet
+        return plan_graph(graph, baselines=False, stages=1, **sizes)
     if case.plan.endswith(".json"):  # a pinned plan records its own levers
         return case.plan
     return forced_plan(graph, case.plan, digits=case.digits, **sizes)
@@ -292,9 +333,16 @@ def check_rank(
     if rank == 0 and out_dir is not None:
         Path(out_dir, f"plan-{case.index}.json").write_text(module.plan.to_json())
     opt = module.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3) if module.plan.zero else None
+    piped = module.plan.pipeline is not None
+    if piped:  # the first step runs each stage once more (the shapes that cross are inferred from it): not counted
+        module.step(*args, **kwargs)
+        module.zero_grad()
     module.comm_stats.reset()
-    loss = module(*args, **kwargs)
-    loss.backward()
+    if piped:
+        loss = module.step(*args, **kwargs)
+    else:
+        loss = module(*args, **kwargs)
+        loss.backward()
     sent = module.comm_stats.planned  # the step's bytes: gathering for the checks below is not the plan's traffic
     bad = _mismatch(module.gather_grads(), ref["grads"]) if module.plan.zero < 2 else []
     if opt is not None:  # one AdamW step: the parameters after it

@@ -143,8 +143,10 @@ class PipelinedModule(nn.Module):
         plan: the :class:`Plan` it runs.
         stage_modules: this rank's :class:`StageModule` s, in stage order (``v`` of them under interleaving).
         stage_indices: their stage numbers (``s, s + p, ...``).
-        comm_stats: bytes this rank has sent inside its stages (the transfers between stages are
-            ``torch.distributed.pipelining``'s and are not counted).
+        comm_stats: bytes this rank sends (:class:`~primepar_fx.runtime.CommStats`): inside its stages as any
+            plan's, the sums of shared parameters' copies as ``"collective"``, and what its stages send to the next
+            and back as ``"pipeline"``.
+        fallbacks: nodes that run whole because their partition has no local form.
     """
 
     def __init__(self, graph: OpGraph, plan: Plan, rank: int, world: int, rank_graph: RankGraph, cuts, groups):
@@ -157,6 +159,7 @@ class PipelinedModule(nn.Module):
         self.block, self.mesh_rank = divmod(rank, self._q)
         self.mesh = DeviceMesh(tuple(plan.digits))
         self.comm_stats: CommStats = rank_graph.stats
+        self.fallbacks = tuple(rank_graph.fallbacks)
         self._pp_group, self._tied_groups = groups
         self._kinds = _placeholder_kinds(graph)
         self._stage_layouts = {self._kinds[n][1]: lay for n, lay in rank_graph.param_layouts.items()}

@@ -44,6 +44,14 @@ def test_random_plans_train_like_one_device(tmp_path):
     _assert_no_failures(run_cases(examples, str(tmp_path)), n)
 
 
+def test_random_pipelines_train_like_one_device(tmp_path):
+    """Issue 62: drawn models run as pipelines of drawn stage counts, schedules and micro-batches (the searched plan
+    of each stage, ZeRO-1 and recomputation drawn too), on 2 and 4 ranks."""
+    examples = draw_cases(3, seed=int(os.environ.get("PRIMEPAR_FUZZ_SEED", 0)), worlds=(2, 4, 4), pipelined=True)
+    assert all(c.stages > 1 for c in examples)
+    _assert_no_failures(run_cases(examples, str(tmp_path)), len(examples))
+
+
 def test_a_random_case_on_thirty_two_simulated_ranks_trains_like_one_device(tmp_path):
     """One case of the simulated fuzz (``--simulated`` draws 16 to 64 ranks, issue 61), at 32 ranks: four nodes."""
     drawn = draw_cases(len(SIM_WORLDS), seed=int(os.environ.get("PRIMEPAR_FUZZ_SEED", 0)), simulated=True)
