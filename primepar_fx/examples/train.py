@@ -186,9 +186,12 @@ def train(module: primepar_fx.PrimeParModule, args: tuple, kwargs: dict, opts: a
         module.comm_stats.reset()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        out = module(*args, **kwargs)
-        loss = out if isinstance(out, torch.Tensor) else out.loss
-        loss.backward()
+        if getattr(module.plan, "pipeline", None) is not None:  # a pipelined plan: Forward and Backward in one call
+            loss = module.step(*args, **kwargs)
+        else:
+            out = module(*args, **kwargs)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
+            loss.backward()
         optimizer.step()
         value = float(loss.detach())
         if ranks.device.type == "cuda":
