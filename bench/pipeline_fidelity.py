@@ -247,11 +247,13 @@ READING = """## Reading the results (the run above)
 * **Ours against the same split by hand: 1.00x to 1.14x** (1F1B: 1.00, 1.06, 1.12 at 2, 4, 8 micro-batches; GPipe:
   1.05, 1.14, 1.08). The issue's bound, at most 1.05x, holds at 2 micro-batches only. The gap grows with the
   micro-batches, about 11 ms a micro-batch at 8 (875 against 783 ms under 1F1B), so it is a per-micro-batch cost,
-  not the compiled graph's compute. Not profiled yet; what ours does per micro-batch that the hand-written split does
-  not: the loss's two small all-reduces over the stage's 2 replicas (the count of targets and the loss sum, which
-  make the loss the batch's mean as one device computes it; by hand each replica averages its own half), the ATen
-  graph's own ops for what the hand-written modules fuse, and the gradient buckets' hooks. On this machine 4 ranks
-  share 2 cores, so every such message waits for a core.
+  not the compiled graph's compute. A profile of ours at 8 micro-batches (`torch.profiler`, 3 steps, ranks 0 and 2)
+  shows the matmuls as by hand and about 9 all-reduces a step on each rank where the hand-written split sends one:
+  on the first stage, the learned position table's deferred gradient sum (`DeferredGradients`) runs once a
+  micro-batch (inside micro-batches it is sent alone instead of joining the gradient bucket); on the last, the
+  loss's count of targets and its sum run once a micro-batch (they make the loss the batch's token mean, as one
+  device computes it; by hand each replica averages its own half). With 4 ranks on 2 cores every such message
+  waits for a core. Summing the table's local gradient into the bucket instead, once a step, is the next fix.
 * **The prediction misses, and in the wrong direction as the micro-batches grow.** Measured, the step grows with the
   micro-batch count (by hand 643, 685, 783 ms under 1F1B); predicted, it falls (470, 401, 378 ms) as the bubble
   shrinks (37% to 15%): 0.73x of ours at 2 micro-batches, 0.43x at 8. The step-fitted spec

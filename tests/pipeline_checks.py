@@ -152,7 +152,7 @@ def check_checkpoint_across_stages(rank: int, world: int, model_name: str, spec:
     _steps(partial(piped.step, *args, **kwargs), opt, 1)
     checkpoint.save(piped, f"{folder}/piped")
     before = piped.gather_state_dict()
-    flat = compile_graph(graph, plan=forced_plan(graph, "megatron", world_size=world, batch=BATCH, seq=SEQ))
+    flat = compile_graph(graph, plan=forced_plan(graph, "prime", world_size=world, batch=BATCH, seq=SEQ))
     checkpoint.load(flat, f"{folder}/piped")
     into_flat = flat.gather_state_dict()
     flat_opt = torch.optim.AdamW(flat.parameters(), lr=1e-2)

@@ -67,6 +67,7 @@ from primepar_fx.record.plan import Plan
 from primepar_fx.report.trace import trace_plan
 from primepar_fx.runtime.exchange import Exchange, full_layout
 from primepar_fx.runtime.gradsync import GradientBuckets
+from primepar_fx.runtime.groups import set_stage_offset
 from primepar_fx.runtime.stats import CommStats
 from primepar_fx.runtime.zero import PendingGathers, ShardedOptimizer, await_before_uses
 from primepar_fx.runtime.zero3 import ShardedParameters, gather_around_uses
@@ -305,6 +306,7 @@ class PrimeParModule(nn.Module):
 
     def _run(self, flat: list[Any]) -> list[Any]:
         """One run of the rank graph on the flat user inputs ``flat``; its flat outputs."""
+        set_stage_offset(0)  # (a pipelined module built in this process may have moved it)
         sizes = sizes_of(self._user_specs, flat, self._ranges, self._sizes)
         if self.check_sizes and self.mesh.size > 1:
             self._peer_call(check_same_sizes_everywhere, sizes, self.mesh.size)
@@ -411,6 +413,7 @@ class PrimeParModule(nn.Module):
         ``local`` maps parameter names to tensors shaped like this rank's shard (gradients, optimizer state);
         ``None`` values and names it lacks are skipped (on every rank alike).
         """
+        set_stage_offset(0)
         out = {}
         for fqn, layout in self._layouts.items():
             value = local.get(fqn)
@@ -579,6 +582,7 @@ def compile_graph(
     chosen = agree_plan(graph, plan, options)
     if chosen.pipeline is not None:
         return _pipelined(graph, chosen, rank, world, wait)
+    set_stage_offset(0)  # point-to-point peers are global ranks (a pipelined module built here may have moved it)
     mesh = DeviceMesh(tuple(chosen.digits))
     rank_graph = rank_graph_for(graph, chosen, rank, timeout=wait)
     trace_plan(graph, chosen, rank, rank_graph)

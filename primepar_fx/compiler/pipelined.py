@@ -247,6 +247,7 @@ class PipelinedModule(nn.Module):
         """Forward and Backward of one batch (the model's arguments, as compiled) under the plan's schedule; the
         parameters' ``.grad`` hold the batch's gradients after it. Returns the loss of the batch (the mean of the
         micro-batches' losses) on every rank."""
+        set_stage_offset(self.block * self._q)  # (another module built in this process may have moved it)
         flat = _flat_inputs(self._graph, args, kwargs)
         specs = self._user_specs()
         if len(flat) != len(specs):
@@ -300,6 +301,7 @@ class PipelinedModule(nn.Module):
     def _gather(self, local_of: Any) -> dict[str, torch.Tensor]:
         """Whole tensors of every parameter on every rank (collective): each stage's blocks gathered in its block of
         ranks, then broadcast along the pipeline group. ``local_of(module, key)``: this rank's block, or ``None``."""
+        set_stage_offset(self.block * self._q)
         out: dict[str, torch.Tensor] = {}
         program = self._graph.captured.program
         for k, names in enumerate(self._params_of):

@@ -73,7 +73,8 @@ _stage_offset = 0
 
 def set_stage_offset(offset: int) -> None:
     """Make :func:`global_rank` map mesh rank ``r`` to global rank ``r + offset`` in this process (a pipeline
-    stage's first rank; 0 without stages)."""
+    stage's first rank; 0 without stages). It is process state: a compiled module sets its own where it builds and
+    where it runs (a step, a gather), so modules of different plans in one process take turns."""
     global _stage_offset
     _stage_offset = offset
 

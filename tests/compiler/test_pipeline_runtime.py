@@ -78,7 +78,8 @@ def test_hugging_face_families_train_like_one_device_as_two_stages(family):
 
 def test_a_pipelined_checkpoint_loads_into_a_plan_without_stages_and_back(tmp_path):
     """DCP across stage counts (bit-exact): 2 stages x 2 of gpt2-tiny (its tied embedding held by both stages) saved
-    after a step, loaded into Megatron's split on the same 4 ranks, stepped, saved, loaded into 2 stages again."""
+    after a step, loaded into a P(S x S) plan on the same 4 ranks (its ring shifts point to point), stepped, saved,
+    loaded into 2 stages again."""
     report = spawn(
         check_checkpoint_across_stages, 4, "gpt2-tiny", "data_parallel:stages=2,schedule=1F1B,mb=2", str(tmp_path),
         timeout=TIMEOUT,
