@@ -205,7 +205,7 @@ def draw_case(
 def _maybe_pipelined(case: Case, choose: Choose, always: bool = False) -> Case:
     """About a quarter of the cases whose world and layers allow stages run as a pipeline (issue 62): 2 or 3 stages
     (dividing the world, a layer each at least), the searched plan, 1F1B or GPipe over at least as many
-    micro-batches as stages, ZeRO at most 1 (stage 2 refuses shared parameters, stage 3 pipelines). Drawn last, so
+    micro-batches as stages, ZeRO at most 1 (the pipelined runtime runs no ZeRO-2 or 3 yet). Drawn last, so
     the cases drawn before pipelines existed keep their draws."""
     counts = [p for p in (2, 3) if case.world % p == 0 and p <= case.config["layers"]]
     if not counts or not (choose((False, False, False, True)) or always):

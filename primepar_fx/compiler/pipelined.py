@@ -19,15 +19,16 @@ interleaving) on a mesh of the plan's ``digits``. Every rank
    of the whole batch and returns its loss (the mean of the micro-batches' losses, on every rank).
 
 Gradients: each stage's gradient buckets (:class:`~primepar_fx.runtime.gradsync.GradientBuckets`) keep the
-micro-batches' gradients local until the stage's last Backward, which sums them over the stage's replicas once; the
-schedule then divides them by the micro-batch count. A parameter read by two stages (a tied embedding and head)
-has a copy in each; their gradients are summed between the stages' ranks after the schedule, so the copies stay
-equal under an element-wise optimizer.
+micro-batches' gradients local until the stage's last Backward, which sums them over the stage's replicas once;
+each micro-batch's loss is divided by the micro-batch count before its Backward. A parameter read by two stages (a
+tied embedding and head) has a copy in each; their gradients are summed between the stages' ranks after the
+schedule, so the copies stay equal under an element-wise optimizer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
@@ -231,7 +232,12 @@ class PipelinedModule(nn.Module):
         specs = {f"user:{s.name}": _chunk_spec(s) for s in self._user_specs()}
         cls = SCHEDULES[pipeline.schedule]
         m = pipeline.micro_batches
-        return cls(stages if pipeline.virtual_stages > 1 else stages[0], m, _the_loss, kwargs_chunk_spec=specs)
+        # each micro-batch's loss over m, rather than the gradients divided by m after the schedule (which divides
+        # .grad only: ZeRO-2's gradients are reduce-scattered chunks by then)
+        loss = functools.partial(_micro_batch_loss, m=m)
+        return cls(
+            stages if pipeline.virtual_stages > 1 else stages[0], m, loss, kwargs_chunk_spec=specs, scale_grads=False
+        )
 
     def _user_specs(self) -> list[InputSpec]:
         return [what for kind, what in self._kinds.values() if kind == "user"]  # type: ignore[misc]
@@ -257,8 +263,8 @@ class PipelinedModule(nn.Module):
         losses: list[torch.Tensor] = []
         self._schedule.step(target=torch.zeros(m), losses=losses, return_outputs=False, **inputs)
         self._sum_tied_gradients()
-        with torch.no_grad():
-            loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+        with torch.no_grad():  # (each micro-batch's loss is over m already)
+            loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros(())
         dist.broadcast(loss, group=self._pp_group, group_src=self._p - 1)
         return loss
 
@@ -281,7 +287,7 @@ class PipelinedModule(nn.Module):
 
     def optimizer(self, optimizer_class: Any = torch.optim.AdamW, /, **defaults: Any) -> Any:
         """The optimizer the plan prices: ``optimizer_class(self.parameters(), **defaults)`` (every stage's shards,
-        tied copies each), or with ZeRO (``plan.zero`` 1 or 2) one
+        tied copies each), or with ZeRO-1 one
         :class:`~primepar_fx.runtime.zero.ShardedOptimizer` a stage, stepped together (:class:`StagesOptimizer`)."""
         if not self.plan.zero:
             return optimizer_class(self.parameters(), **defaults)
@@ -401,9 +407,9 @@ class StagesOptimizer:
             opt.step()
 
 
-def _the_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
-    """The pipeline's loss function: the last stage returns the model's loss already."""
-    return output
+def _micro_batch_loss(output: torch.Tensor, target: Any, *, m: int) -> torch.Tensor:
+    """The pipeline's loss function: the last stage returns the model's loss already; over ``m`` micro-batches."""
+    return output / m
 
 
 def _chunk_spec(spec: InputSpec) -> Any:
@@ -486,10 +492,10 @@ def compile_pipelined(graph: OpGraph, plan: Plan, rank: int, world: int, timeout
 
     pipeline = plan.pipeline
     assert pipeline is not None
-    if plan.zero == 3:
+    if plan.zero >= 2:
         raise NotImplementedError(
-            "the plan runs as a pipeline with ZeRO-3, which the pipelined runtime does not run yet (ZeRO-1 and 2 it "
-            "does)"
+            f"the plan runs as a pipeline with ZeRO-{plan.zero}, which the pipelined runtime does not run yet (ZeRO-1 "
+            "it does): make the plan with zero=1 (--zero 1) or without stages"
         )
     p, v = pipeline.stages, pipeline.virtual_stages
     q = world // p
@@ -510,12 +516,6 @@ def compile_pipelined(graph: OpGraph, plan: Plan, rank: int, world: int, timeout
             if kinds[name][0] == "param":
                 readers.setdefault(kinds[name][1], set()).add(k)
     shared = {fqn: tuple(sorted({k % p for k in ks})) for fqn, ks in readers.items() if len(ks) > 1}
-    if shared and plan.zero >= 2:
-        raise NotImplementedError(
-            f"the plan runs as a pipeline with ZeRO-{plan.zero}, whose gradients leave Backward reduce-scattered, and "
-            f"its stages share parameter {min(shared)!r} (a tied embedding and head): the pipelined runtime sums "
-            "shared gradients whole, so it runs such a plan with ZeRO-1 or without ZeRO"
-        )
     return PipelinedModule(
         graph, plan, rank, world, rank_graph, cuts, pipeline_groups(plan, rank, world, shared, timeout)
     )

@@ -68,9 +68,14 @@ def test_eight_ranks_interleaved_and_four_stages_train_like_one_device():
     assert report[searched[0]]["stages_held"] == 2
 
 
-@pytest.mark.parametrize("family", ["hf:gpt2", "hf:llama"])
-def test_hugging_face_families_train_like_one_device_as_two_stages(family):
-    specs = ["searched:stages=2,schedule=1F1B,mb=2,cluster=h100-dgx"]
+@pytest.mark.parametrize(
+    ("family", "specs"),
+    [
+        ("hf:gpt2", ["searched:stages=2,schedule=1F1B,mb=2,cluster=h100-dgx"]),
+        ("hf:llama", ["searched:stages=2,schedule=1F1B,mb=2,cluster=h100-dgx,zero=1"]),
+    ],
+)
+def test_hugging_face_families_train_like_one_device_as_two_stages(family, specs):
     report = spawn(check_pipelines, 4, family, specs, timeout=TIMEOUT)
     _assert_trains_like_one_device(report, specs)
     _assert_sends_the_pipeline_predicted(report, specs, stages_too=True)
